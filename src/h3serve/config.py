@@ -1,0 +1,138 @@
+"""Model configurations: frozen dataclasses keyed like the released `config.json` files, validated on construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+# The DiT keeps one AdaLN parameter set per (timestep, modality) pair: 0 = video, 1 = text, 2 = audio.
+NUM_MODALITIES = 3
+# Six modulation vectors per block: shift/scale/gate before attention and before the MLP.
+NUM_BLOCK_MODULATIONS = 6
+
+# diffusers' `transformer/config.json` names -> the original `FL2VA/transformer/config.json` names.
+_DIFFUSERS_DIT_KEYS = {
+    "num_refiner_layers": "token_refiner_num_layers",
+    "ffn_dim": "ffn_hidden_size",
+    "in_channels": "latents_dim",
+    "audio_in_channels": "audio_latents_dim",
+    "freq_dim": "timestep_input_dim",
+    "time_embed_hidden_dim": "time_embed_hidden_size",
+    "rope_freq_dim": "rope_inv_freq_len",
+}
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """The H3 DiT, with the field names of the released `FL2VA/transformer/config.json`.
+
+    `rope_theta` is not in the original file (the original ships the `rope.inv_freq` buffer instead); it is in the
+    diffusers file, and 10000 reproduces the shipped buffer.
+    """
+
+    hidden_size: int = 5376
+    num_layers: int = 50
+    token_refiner_num_layers: int = 2
+    num_attention_heads: int = 56
+    attention_head_dim: int = 128
+    ffn_hidden_size: int = 14336
+    latents_dim: int = 24
+    audio_latents_dim: int = 32
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 5120
+    timestep_input_dim: int = 256
+    time_embed_hidden_size: int = 5376
+    time_embed_dim: int = 2688
+    adaln_out_features: int = 96768
+    final_adaln_out_features: int = 10752
+    rope_inv_freq_len: int = 16
+    norm_eps: float = 1e-5
+    qk_norm_eps: float = 1e-5
+    final_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "patch_size":
+                if len(value) != 3 or any(p < 1 for p in value):
+                    raise ValueError(f"patch_size must be three positive ints (t, h, w), got {value}")
+            elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{f.name} must be a positive number, got {value!r}")
+        for name in ("hidden_size", "num_attention_heads", "attention_head_dim", "ffn_hidden_size", "text_dim"):
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.adaln_out_features != NUM_BLOCK_MODULATIONS * NUM_MODALITIES * self.hidden_size:
+            raise ValueError(
+                f"adaln_out_features must be 6 x 3 modalities x hidden_size = "
+                f"{NUM_BLOCK_MODULATIONS * NUM_MODALITIES * self.hidden_size}, got {self.adaln_out_features}"
+            )
+        if self.final_adaln_out_features != 2 * self.hidden_size:
+            raise ValueError(
+                f"final_adaln_out_features must be 2 x hidden_size = {2 * self.hidden_size}, "
+                f"got {self.final_adaln_out_features}"
+            )
+        if self.attention_head_dim % 2:
+            raise ValueError(f"attention_head_dim must be even for rotate-half RoPE, got {self.attention_head_dim}")
+        if self.rotary_dim > self.attention_head_dim:
+            raise ValueError(
+                f"the rotary dims (2 x 3 axes x rope_inv_freq_len = {self.rotary_dim}) must not exceed "
+                f"attention_head_dim ({self.attention_head_dim})"
+            )
+        if self.timestep_input_dim % 2:
+            raise ValueError(f"timestep_input_dim must be even (cos and sin halves), got {self.timestep_input_dim}")
+
+    @property
+    def inner_dim(self) -> int:
+        """Attention width; larger than hidden_size in the released model (56 x 128 = 7168 > 5376)."""
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates: three axes of rope_inv_freq_len angles, duplicated."""
+        return 2 * 3 * self.rope_inv_freq_len
+
+    @property
+    def video_patch_dim(self) -> int:
+        return self.latents_dim * self.patch_size[0] * self.patch_size[1] * self.patch_size[2]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DiTConfig:
+        """Read either the original or the diffusers `config.json` (keys starting with `_` are metadata)."""
+        values: dict[str, Any] = {}
+        known = {f.name for f in fields(cls)}
+        for key, value in data.items():
+            if key.startswith("_"):
+                continue
+            name = _DIFFUSERS_DIT_KEYS.get(key, key)
+            if name not in known:
+                raise ValueError(f"unknown DiT config key {key!r}; allowed: {sorted(known | set(_DIFFUSERS_DIT_KEYS))}")
+            if name in values:
+                raise ValueError(f"DiT config key {name!r} given twice (as {key!r} and under its other name)")
+            values[name] = tuple(value) if name == "patch_size" else value
+        # The diffusers file derives the AdaLN widths instead of storing them.
+        hidden = values.get("hidden_size", cls.hidden_size)
+        values.setdefault("adaln_out_features", NUM_BLOCK_MODULATIONS * NUM_MODALITIES * hidden)
+        values.setdefault("final_adaln_out_features", 2 * hidden)
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> DiTConfig:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read DiT config {path}: {err}") from err
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    def to_dict(self) -> dict[str, Any]:
+        """The original-layout `config.json` keys (plus rope_theta)."""
+        out = asdict(self)
+        out["patch_size"] = list(self.patch_size)
+        return out

@@ -1,0 +1,284 @@
+"""The MiniMax-H3 DiT: one stack of single-stream blocks over one packed sequence of text, audio and video rows.
+
+Architecture only. Parameter names follow the original checkpoint (`FL2VA/transformer`), with one internal layout
+choice: `qkv_proj` rows are contiguous `[q_all; k_all; v_all]` (the original interleaves them per head; the loader
+reorders once). Kernels, compilation and attention backends are applied from outside (see `REPEATED_BLOCKS` and
+`FP32_MODULES`); attention here is plain `scaled_dot_product_attention`, which an outside `sdpa_kernel` context steers.
+
+Shapes are unbatched: one request is one packed sequence of S rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+# Modality tags of the packed rows; they select the AdaLN column block `[video | text | audio]`.
+VIDEO, TEXT, AUDIO = 0, 1, 2
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """(M,) timesteps in [0, 1], used unscaled -> (M, dim) `[cos | sin]` features in float32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    angles = t.float()[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the leading `cos.shape[-1]` channels of each head; the rest pass through.
+
+    x: (S, H, D); cos/sin: (S, R) with R <= D. The table is cast to x's dtype first, as the reference does.
+    """
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rot, rest), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """3-axis RoPE: one `inv_freq` shared by t, h and w; angles `[t | h | w]` duplicated for rotate-half."""
+
+    def __init__(self, num_freqs: int, theta: float):
+        super().__init__()
+        # Persistent because the original checkpoint ships it (`rope.inv_freq`, float32); the loader computes it
+        # with `inv_freq()` for layouts that drop it.
+        self.register_buffer("inv_freq", inv_freq(num_freqs, theta))
+
+    def forward(self, position_ids: torch.Tensor) -> Rope:
+        # position_ids (S, 3) -> cos, sin (S, 6 * num_freqs), float32
+        angles = position_ids.float()[:, :, None] * self.inv_freq.float()[None, None, :]  # (S, 3, F)
+        angles = angles.flatten(1)  # (S, 3F) as [t | h | w]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def inv_freq(num_freqs: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, 2 * num_freqs, 2, dtype=torch.float32) / (2 * num_freqs)))
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoid(t) -> proj_in -> SiLU -> proj_out; an fp32 island in the released checkpoint."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.dim = cfg.timestep_input_dim
+        self.proj_in = nn.Linear(cfg.timestep_input_dim, cfg.time_embed_hidden_size)
+        self.proj_out = nn.Linear(cfg.time_embed_hidden_size, cfg.time_embed_dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        # t (M,) -> temb (M, time_embed_dim)
+        emb = timestep_sinusoid(t, self.dim).to(self.proj_in.weight.dtype)
+        return self.proj_out(F.silu(self.proj_in(emb)))
+
+
+class Attention(nn.Module):
+    """Full bidirectional self-attention with fused QKV and per-head qk-RMSNorm; no biases, no mask."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.heads = cfg.num_attention_heads
+        self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.inner_dim, bias=False)
+        self.q_norm = nn.RMSNorm(cfg.attention_head_dim, eps=cfg.qk_norm_eps)
+        self.k_norm = nn.RMSNorm(cfg.attention_head_dim, eps=cfg.qk_norm_eps)
+        self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
+        # x (S, hidden) -> q, k, v (S, H, D)
+        q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in self.qkv_proj(x).chunk(3, dim=-1))
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        # (1, H, S, D): one document, no mask, scale 1/sqrt(D). A 4-D call picks the same kernels as the
+        # reference's batched call (on CPU the 3-D and 4-D bf16 paths round differently).
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)  # (S, H, D)
+        return self.out_proj(out.flatten(1).to(x.dtype))  # (S, hidden)
+
+
+class SwiGLU(nn.Module):
+    """`fc1` rows are `[gate; value]` as in the original checkpoint (diffusers stores `[value; gate]`)."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size, bias=False)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(value * F.silu(gate))
+
+
+class AdaLNProjection(nn.Module):
+    """temb (M, time_embed_dim) -> `chunks` modulation tables of (M * rows_per_t, hidden) each.
+
+    Blocks use rows_per_t = 3 (one row per modality, addressed by `t_index * 3 + tag`) and 6 chunks; the final layer
+    uses one row per timestep and 2 chunks (shift, scale).
+    """
+
+    def __init__(self, cfg: DiTConfig, chunks: int, rows_per_t: int):
+        super().__init__()
+        self.hidden = cfg.hidden_size
+        self.chunks = chunks
+        self.linear = nn.Linear(cfg.time_embed_dim, chunks * rows_per_t * cfg.hidden_size)
+
+    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # SiLU runs at temb's precision (fp32) and only its result is cast: a rounding before the activation would
+        # shift every block's modulation the same way at every step and accumulate over the trajectory.
+        mods = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        return mods.view(-1, self.chunks * self.hidden).chunk(self.chunks, dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1.0 + scale) + shift
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block for the text rows: no AdaLN, no RoPE."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), None)
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenRefiner(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.token_refiner_num_layers))
+        self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+
+class Block(nn.Module):
+    """Single-stream block; its AdaLN parameters are picked per row from the (timestep, modality) table."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+        self.adaln_proj = AdaLNProjection(cfg, NUM_BLOCK_MODULATIONS, NUM_MODALITIES)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # x (S, hidden); temb (M, time_embed_dim); adaln_indices (S,) = t_index * 3 + tag
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            m.index_select(0, adaln_indices) for m in self.adaln_proj(temb)
+        )
+        x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    """Shift/scale-modulated norm (one table row per timestep), then the two fp32 heads on their own rows only."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+        self.adaln_proj = AdaLNProjection(cfg, 2, 1)
+        self.video_out = nn.Linear(cfg.hidden_size, cfg.video_patch_dim)
+        self.audio_out = nn.Linear(cfg.hidden_size, cfg.audio_latents_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        temb: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        video_indices: torch.Tensor,
+        audio_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        shift, scale = (m.index_select(0, timestep_indices) for m in self.adaln_proj(temb))
+        # Modulate at the block stack's precision, then cast to the heads' (fp32) precision.
+        h = modulate(self.norm(x), shift, scale).to(self.video_out.weight.dtype)
+        return self.video_out(h.index_select(0, video_indices)), self.audio_out(h.index_select(0, audio_indices))
+
+
+class H3DiT(nn.Module):
+    """embed -> scatter into one packed sequence -> blocks -> final layer -> per-modality heads.
+
+    Output is a data-ward velocity (x0_hat = x_t + (1 - t) v, t = 1 clean) for the rows named by `video_indices` and
+    `audio_indices`, in their order, conditioning rows included.
+    """
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.config = cfg
+        self.video_patch_proj = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
+        self.audio_patch_proj = nn.Linear(cfg.audio_latents_dim, cfg.hidden_size)
+        self.condition_proj = nn.Linear(cfg.text_dim, cfg.hidden_size)
+        self.time_embedder = TimestepEmbedder(cfg)
+        self.rope = RotaryEmbedding(cfg.rope_inv_freq_len, cfg.rope_theta)
+        self.token_refiner = TokenRefiner(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.final_layer = FinalLayer(cfg)
+
+    def refine_text(self, text_states: torch.Tensor) -> torch.Tensor:
+        """(L, text_dim) text-encoder states -> (L, hidden) text rows. Independent of t: run once per request."""
+        return self.token_refiner(self.condition_proj(text_states.to(self.condition_proj.weight.dtype)))
+
+    def forward(
+        self,
+        video: torch.Tensor,
+        audio: torch.Tensor,
+        text: torch.Tensor,
+        timesteps: torch.Tensor,
+        timestep_indices: torch.Tensor,
+        token_tags: torch.Tensor,
+        rope: Rope,
+        video_indices: torch.Tensor,
+        audio_indices: torch.Tensor,
+        text_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """video (Nv, C*pt*ph*pw), audio (Na, C_a), text (L, hidden) from `refine_text`, timesteps (M,) distinct,
+        timestep_indices / token_tags (S,), rope from `self.rope(position_ids)`, index tensors into the S rows.
+        Returns velocities (Nv, C*pt*ph*pw) and (Na, C_a) at the heads' dtype."""
+        v = self.video_patch_proj(video.to(self.video_patch_proj.weight.dtype))
+        a = self.audio_patch_proj(audio.to(self.audio_patch_proj.weight.dtype))
+        x = text.new_zeros(timestep_indices.shape[0], text.shape[-1])  # (S, hidden) at the stack's dtype
+        x = x.index_copy(0, text_indices, text)
+        x = x.index_copy(0, video_indices, v.to(x.dtype))
+        x = x.index_copy(0, audio_indices, a.to(x.dtype))
+        temb = self.time_embedder(timesteps)  # (M, time_embed_dim), fp32
+        adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
+        for block in self.blocks:
+            x = block(x, temb, adaln_indices, rope)
+        return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)
+
+
+# What outside layers may act on. Regional compile and block caches wrap these classes; the listed submodules
+# (and the `rope.inv_freq` buffer) stay float32 whatever dtype the rest of the model runs in.
+REPEATED_BLOCKS = (Block, RefinerBlock)
+FP32_MODULES = (
+    "video_patch_proj",
+    "audio_patch_proj",
+    "time_embedder",
+    "rope",
+    "final_layer.video_out",
+    "final_layer.audio_out",
+)
+
+
+def is_fp32_name(name: str) -> bool:
+    """Whether a parameter/buffer name of H3DiT belongs to an fp32 island."""
+    return any(name == m or name.startswith(m + ".") for m in FP32_MODULES)

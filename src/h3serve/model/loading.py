@@ -1,0 +1,371 @@
+"""Checkpoint loading: safetensors read with mmap into a model built on the meta device, strictly.
+
+The generic part (`open_checkpoint`, `Source`, `assign_from_checkpoint`) serves every component; the DiT part
+detects which of the three published DiT layouts a checkpoint uses and fixes its quirks once, here:
+
+* ``original``: `FL2VA/transformer` (13 shards, `model.safetensors.index.json`): our parameter names, but the QKV
+  rows interleaved per head `[h0: q k v, h1: q k v, ...]`.
+* ``contiguous``: a single safetensors file with original names and QKV already `[q_all; k_all; v_all]`
+  (the community single files).
+* ``diffusers``: `transformer/` (14 shards): renamed keys, split `to_q/to_k/to_v`, and `fc1` halves swapped to
+  `[value; gate]`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from h3serve.config import DiTConfig
+from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message names the file and the key."""
+
+
+class Checkpoint:
+    """Tensor names of one or more safetensors files, read lazily (mmap) on request."""
+
+    def __init__(self, root: Path, files: Mapping[str, Path]):
+        self.root = root  # the index file, or the single safetensors file
+        self._files = dict(files)
+        self._handles: dict[Path, object] = {}
+
+    def keys(self) -> frozenset[str]:
+        return frozenset(self._files)
+
+    def file_of(self, key: str) -> Path:
+        return self._files[key]
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self._files[key]
+        try:
+            return self._handle(file).get_tensor(key)
+        except Exception as err:  # safetensors raises its own error types for corrupt data
+            raise CheckpointError(f"{file}: cannot read key {key!r}: {err}") from err
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The stored dtype, read from the header without touching the data."""
+        name = self._handle(self._files[key]).get_slice(key).get_dtype()
+        return _SAFETENSORS_DTYPES.get(name, name)
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = _open(file)
+        return self._handles[file]
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as err:
+        raise CheckpointError(f"{file}: not a readable safetensors file (truncated or corrupt?): {err}") from err
+
+
+def _file_keys(file: Path) -> list[str]:
+    if not file.is_file():
+        raise CheckpointError(f"{file}: file is missing")
+    return list(_open(file).keys())
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a `.safetensors` file, or a folder holding one `*.safetensors.index.json` or exactly one `*.safetensors`.
+
+    With an index, every listed shard must exist and hold exactly the keys the index assigns to it.
+    """
+    path = Path(path)
+    if path.is_file():
+        return Checkpoint(path, {k: path for k in _file_keys(path)})
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{path}: more than one safetensors index: {[i.name for i in indexes]}")
+    if not indexes:
+        singles = sorted(path.glob("*.safetensors"))
+        if len(singles) != 1:
+            raise CheckpointError(
+                f"{path}: expected one *.safetensors.index.json or exactly one *.safetensors file, "
+                f"found {[s.name for s in singles]}"
+            )
+        return open_checkpoint(singles[0])
+    index = indexes[0]
+    try:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{index}: not a safetensors index with a weight_map: {err}") from err
+    files = {key: path / name for key, name in weight_map.items()}
+    by_file: dict[Path, set[str]] = {}
+    for key, file in files.items():
+        by_file.setdefault(file, set()).add(key)
+    for file, listed in sorted(by_file.items()):
+        if not file.is_file():
+            raise CheckpointError(f"{file}: shard listed in {index.name} (e.g. for key {min(listed)!r}) is missing")
+        present = set(_file_keys(file))
+        if listed - present:
+            raise CheckpointError(f"{file}: missing key {min(listed - present)!r} that {index.name} assigns to it")
+        if present - listed:
+            raise CheckpointError(f"{file}: unexpected key {min(present - listed)!r} not listed in {index.name}")
+    return Checkpoint(index, files)
+
+
+def _identity(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0]
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one module tensor is made from checkpoint keys (none for a tensor the checkpoint does not store)."""
+
+    keys: tuple[str, ...]
+    build: Callable[[list[torch.Tensor]], torch.Tensor] = _identity
+
+
+def assign_from_checkpoint(
+    module: nn.Module,
+    ckpt: Checkpoint,
+    plan: Mapping[str, Source],
+    *,
+    device: torch.device | str,
+    dtype_of: Callable[[str], torch.dtype],
+    ckpt_dtype_of: Callable[[str], torch.dtype],
+) -> None:
+    """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source).
+
+    The checkpoint's key set must equal the plan's, each stored tensor must have the expected dtype, and each built
+    tensor the module's shape. Tensors are read with mmap and placed once at their target device and dtype.
+    """
+    expected = dict(module.state_dict(keep_vars=True))
+    if set(plan) != set(expected):
+        missing, extra = sorted(set(expected) - set(plan)), sorted(set(plan) - set(expected))
+        raise RuntimeError(f"load plan does not cover the module: unplanned {missing[:5]}, unknown {extra[:5]}")
+    wanted = {key for src in plan.values() for key in src.keys}
+    present = ckpt.keys()
+    if wanted - present:
+        key = min(wanted - present)
+        raise CheckpointError(f"{ckpt.root}: missing key {key!r}")
+    if present - wanted:
+        key = min(present - wanted)
+        raise CheckpointError(f"{ckpt.file_of(key)}: unexpected key {key!r}")
+
+    state: dict[str, torch.Tensor] = {}
+    for name, src in plan.items():
+        tensors = []
+        for key in src.keys:
+            got, want = ckpt.dtype(key), ckpt_dtype_of(key)
+            if got != want:
+                raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+            tensors.append(ckpt.get(key))
+        target = expected[name]
+        where = ", ".join(
+            f"{ckpt.file_of(k)}: key {k!r} {list(t.shape)}" for k, t in zip(src.keys, tensors, strict=True)
+        )
+        try:
+            tensor = src.build(tensors)
+        except RuntimeError as err:  # a view/reshape that the stored shape cannot satisfy
+            raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
+        if tensor.shape != target.shape:
+            raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
+        state[name] = tensor.to(device=device, dtype=dtype_of(name))
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+# ----------------------------------------------------------------------------------------------- the DiT
+
+
+DIT_LAYOUTS = ("original", "contiguous", "diffusers")
+
+
+def detect_dit_layout(ckpt: Checkpoint, *, sharded: bool) -> str:
+    """Layout from the key names; original names in one unsharded file mean contiguous QKV (community files)."""
+    keys = ckpt.keys()
+    if "transformer_blocks.0.attn.to_q.weight" in keys:
+        return "diffusers"
+    if "blocks.0.attn.qkv_proj.weight" in keys:
+        return "original" if sharded else "contiguous"
+    raise CheckpointError(
+        f"{ckpt.root}: not an H3 DiT checkpoint: neither 'blocks.0.attn.qkv_proj.weight' (original) nor "
+        f"'transformer_blocks.0.attn.to_q.weight' (diffusers) is present"
+    )
+
+
+def _deinterleave_qkv(heads: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def build(ts: list[torch.Tensor]) -> torch.Tensor:
+        w = ts[0]  # (H * 3 * D, hidden) as [h0: q k v, h1: q k v, ...] -> (3 * H * D, hidden) as [q; k; v]
+        return w.view(heads, 3, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
+
+    return build
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts, dim=0)
+
+
+def _swap_halves(ts: list[torch.Tensor]) -> torch.Tensor:
+    value, gate = ts[0].chunk(2, dim=0)  # diffusers [value; gate] -> ours [gate; value]
+    return torch.cat((gate, value), dim=0)
+
+
+# Our (original) name prefix -> diffusers name prefix, for the parts that are a pure rename.
+_DIFFUSERS_RENAMES = (
+    ("video_patch_proj.", "proj_in."),
+    ("audio_patch_proj.", "audio_proj_in."),
+    ("condition_proj.", "context_embedder."),
+    ("time_embedder.proj_in.", "time_embedder.linear_1."),
+    ("time_embedder.proj_out.", "time_embedder.linear_2."),
+    ("token_refiner.blocks.", "token_refiner.refiner_blocks."),
+    ("blocks.", "transformer_blocks."),
+    ("final_layer.norm.", "norm_out.norm."),
+    ("final_layer.adaln_proj.linear.", "norm_out.linear."),
+    ("final_layer.video_out.", "proj_out."),
+    ("final_layer.audio_out.", "audio_proj_out."),
+)
+_DIFFUSERS_SUFFIXES = (
+    ("attn.q_norm.", "attn.norm_q."),
+    ("attn.k_norm.", "attn.norm_k."),
+    ("attn.out_proj.", "attn.to_out.0."),
+    ("mlp.fc1.", "ff.net.0.proj."),
+    ("mlp.fc2.", "ff.net.2."),
+)
+
+
+def _diffusers_name(name: str) -> str:
+    for ours, theirs in _DIFFUSERS_RENAMES:
+        if name.startswith(ours):
+            name = theirs + name[len(ours) :]
+            break
+    for ours, theirs in _DIFFUSERS_SUFFIXES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+def dit_plan(model: H3DiT, layout: str, ckpt_keys: frozenset[str]) -> dict[str, Source]:
+    """Module name -> Source for one DiT layout."""
+    if layout not in DIT_LAYOUTS:
+        raise ValueError(f"unknown DiT layout {layout!r}; allowed: {list(DIT_LAYOUTS)}")
+    cfg = model.config
+    plan: dict[str, Source] = {}
+    for name in model.state_dict():
+        if name == "rope.inv_freq":
+            # Recomputable (bit-identical); the original shards store it, diffusers and some single files do not.
+            stored = layout != "diffusers" and name in ckpt_keys
+            plan[name] = (
+                Source((name,)) if stored else Source((), lambda _: inv_freq(cfg.rope_inv_freq_len, cfg.rope_theta))
+            )
+        elif layout == "diffusers":
+            theirs = _diffusers_name(name)
+            if name.endswith("attn.qkv_proj.weight"):
+                stem = theirs[: -len("qkv_proj.weight")]
+                plan[name] = Source(tuple(f"{stem}to_{p}.weight" for p in "qkv"), _cat)
+            elif name.endswith("mlp.fc1.weight"):
+                plan[name] = Source((theirs,), _swap_halves)
+            else:
+                plan[name] = Source((theirs,))
+        elif layout == "original" and name.endswith("attn.qkv_proj.weight"):
+            plan[name] = Source((name,), _deinterleave_qkv(cfg.num_attention_heads))
+        else:
+            plan[name] = Source((name,))
+    return plan
+
+
+def _find_dit_config(path: Path) -> Path | None:
+    folder = path if path.is_dir() else path.parent
+    candidate = folder / "config.json"
+    return candidate if candidate.is_file() else None
+
+
+def load_dit(
+    path: str | Path,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    config: DiTConfig | None = None,
+    layout: str | None = None,
+) -> H3DiT:
+    """Load the H3 DiT from any of the three layouts.
+
+    `dtype` is the compute dtype of the block stack; the fp32 islands stay float32. The checkpoint must store the
+    released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
+    `config.json` beside the weights, else (single community files ship none) the released H3 configuration.
+    """
+    path = Path(path)
+    if config is None:
+        found = _find_dit_config(path)
+        if found is not None:
+            config = DiTConfig.from_json(found)
+        else:
+            log.warning("%s: no config.json beside the weights; using the released H3 DiT configuration", path)
+            config = DiTConfig()
+    ckpt = open_checkpoint(path)
+    sharded = path.is_dir() and any(path.glob("*.safetensors.index.json"))
+    layout = layout or detect_dit_layout(ckpt, sharded=sharded)
+    with torch.device("meta"):
+        model = H3DiT(config)
+    plan = dit_plan(model, layout, ckpt.keys())
+    island_keys = {key for name, src in plan.items() if is_fp32_name(name) for key in src.keys}
+    assign_from_checkpoint(
+        model,
+        ckpt,
+        plan,
+        device=device,
+        dtype_of=lambda name: torch.float32 if is_fp32_name(name) else dtype,
+        ckpt_dtype_of=lambda key: torch.float32 if key in island_keys else torch.bfloat16,
+    )
+    log.info("loaded H3 DiT from %s (layout %s, %s, %s)", path, layout, dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def dit_state_dict_for_layout(model: H3DiT, layout: str) -> dict[str, torch.Tensor]:
+    """The model's weights under another layout's key names and tensor layouts (the inverse of `dit_plan`).
+
+    Used to export a checkpoint, and by tests to write the same weights in each layout.
+    """
+    heads = model.config.num_attention_heads
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        if name == "rope.inv_freq" and layout == "diffusers":
+            continue
+        if layout == "diffusers":
+            theirs = _diffusers_name(name)
+            if name.endswith("attn.qkv_proj.weight"):
+                stem = theirs[: -len("qkv_proj.weight")]
+                for part, w in zip("qkv", tensor.chunk(3, dim=0), strict=True):
+                    out[f"{stem}to_{part}.weight"] = w.contiguous()
+            elif name.endswith("mlp.fc1.weight"):
+                gate, value = tensor.chunk(2, dim=0)
+                out[theirs] = torch.cat((value, gate), dim=0)
+            else:
+                out[theirs] = tensor.contiguous()
+        elif layout == "original" and name.endswith("attn.qkv_proj.weight"):
+            # [q; k; v] -> per-head [q k v] interleave
+            out[name] = tensor.view(3, heads, -1, tensor.shape[-1]).transpose(0, 1).reshape(tensor.shape).contiguous()
+        else:
+            out[name] = tensor.contiguous()
+    return out

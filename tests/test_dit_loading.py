@@ -1,0 +1,225 @@
+"""The DiT loader: three layouts give the same model; every corruption stops the load naming the file and key."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dit_fixtures import packed_inputs, tiny_dit_pair
+from h3serve.model.loading import (
+    CheckpointError,
+    detect_dit_layout,
+    dit_state_dict_for_layout,
+    load_dit,
+    open_checkpoint,
+)
+
+REFERENCE = Path(__file__).parent / "data" / "reference"
+INDEX = {
+    "original": ("model.safetensors.index.json", "model-{:05d}-of-{:05d}.safetensors"),
+    "diffusers": (
+        "diffusion_pytorch_model.safetensors.index.json",
+        "diffusion_pytorch_model-{:05d}-of-{:05d}.safetensors",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, ours = tiny_dit_pair(torch.float32)
+    return ours
+
+
+def write_sharded(folder: Path, state: dict[str, torch.Tensor], layout: str, shards: int = 3) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    index_name, shard_name = INDEX[layout]
+    keys = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        name = shard_name.format(i + 1, shards)
+        part = {k: state[k] for k in keys[i::shards]}
+        save_file(part, folder / name)
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return folder
+
+
+def released_state(model, layout: str) -> dict[str, torch.Tensor]:
+    """Our weights as the released checkpoint stores them: bf16, fp32 islands (the tiny fixture's values are
+    bf16-representable, so this is lossless)."""
+    from h3serve.model.dit import is_fp32_name
+
+    ours_fp32 = {k for k in model.state_dict() if is_fp32_name(k)}
+    exported = dit_state_dict_for_layout(model, layout)
+    # exported names differ per layout; the fp32 set is found through the island prefixes of each naming
+    fp32_prefixes = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.", "rope.")
+    out = {}
+    for k, v in exported.items():
+        keep = k in ours_fp32 or (layout == "diffusers" and k.startswith(fp32_prefixes))
+        out[k] = v.float() if keep else v.to(torch.bfloat16)
+    return out
+
+
+def write_layout(root: Path, model, layout: str) -> Path:
+    if layout == "contiguous":
+        path = root / "minimax_h3_fl2va_bf16.safetensors"
+        root.mkdir(parents=True, exist_ok=True)
+        save_file(released_state(model, "contiguous"), path)
+        return path
+    folder = write_sharded(root / layout, released_state(model, layout), layout)
+    (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
+    return folder
+
+
+def reference_keys(index: Path, num_layers: int) -> set[str]:
+    keys = json.loads(index.read_text())["weight_map"]
+    return {k for k in keys if (m := re.search(r"blocks\.(\d+)\.", k)) is None or int(m.group(1)) < num_layers}
+
+
+def run(model):
+    with torch.no_grad():
+        return packed_inputs().run_ours(model)
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_written_keys_match_released_index(tiny, layout, tmp_path):
+    folder = write_layout(tmp_path, tiny, layout)
+    index_name = INDEX[layout][0]
+    sub = "FL2VA/transformer" if layout == "original" else "transformer"
+    written = set(json.loads((folder / index_name).read_text())["weight_map"])
+    # the tiny token refiner has 2 blocks like the real one; main blocks are cut to the tiny depth
+    assert written == reference_keys(REFERENCE / sub / index_name, tiny.config.num_layers)
+
+
+def test_three_layouts_load_to_identical_outputs(tiny, tmp_path):
+    outputs = {}
+    for layout in ("original", "diffusers", "contiguous"):
+        path = write_layout(tmp_path, tiny, layout)
+        sharded = path.is_dir()
+        assert detect_dit_layout(open_checkpoint(path), sharded=sharded) == layout
+        model = load_dit(path, dtype=torch.float32, config=tiny.config)
+        outputs[layout] = run(model)
+    expected = run(tiny)
+    for layout, (video, audio) in outputs.items():
+        assert torch.equal(video, expected[0]) and torch.equal(audio, expected[1]), layout
+
+
+def test_original_qkv_is_really_interleaved(tiny, tmp_path):
+    """Loading the original shards as if contiguous must give a different model: the reorder is real."""
+    folder = write_layout(tmp_path, tiny, "original")
+    wrong = load_dit(folder, dtype=torch.float32, layout="contiguous")
+    assert not torch.equal(run(wrong)[0], run(tiny)[0])
+
+
+def test_bf16_load_places_tensors_once_in_target_dtypes(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    model = load_dit(folder, dtype=torch.bfloat16)
+    assert model.blocks[0].attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert model.video_patch_proj.weight.dtype == torch.float32
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
+# ----------------------------------------------------------------------------------------------- corruption
+
+
+def shard_of(folder: Path, key: str) -> Path:
+    index = next(folder.glob("*.index.json"))
+    return folder / json.loads(index.read_text())["weight_map"][key]
+
+
+def rewrite_shard(file: Path, edit) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(file)
+    edit(state)
+    save_file(state, file)
+
+
+def expect_error(path, *needles: str, config=None) -> None:
+    with pytest.raises(CheckpointError) as err:
+        load_dit(path, dtype=torch.float32, config=config)
+    for needle in needles:
+        assert needle in str(err.value), (needle, str(err.value))
+
+
+KEY = "blocks.1.mlp.fc2.weight"
+
+
+def test_missing_shard(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    shard = shard_of(folder, KEY)
+    shard.unlink()
+    expect_error(folder, str(shard), "missing")
+
+
+def test_missing_key(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    shard = shard_of(folder, KEY)
+    del data["weight_map"][KEY]
+    index.write_text(json.dumps(data))
+    rewrite_shard(shard, lambda s: s.pop(KEY))
+    expect_error(folder, str(index), KEY, "missing key")
+
+
+def test_key_listed_in_index_but_absent_from_shard(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    shard = shard_of(folder, KEY)
+    rewrite_shard(shard, lambda s: s.pop(KEY))
+    expect_error(folder, str(shard), KEY)
+
+
+def test_unexpected_key(tiny, tmp_path):
+    path = write_layout(tmp_path, tiny, "contiguous")
+    rewrite_shard(path, lambda s: s.update({"blocks.7.extra.weight": torch.zeros(2, dtype=torch.bfloat16)}))
+    expect_error(path, str(path), "blocks.7.extra.weight", "unexpected", config=tiny.config)
+
+
+def test_wrong_shape(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "diffusers")
+    key = "transformer_blocks.0.attn.to_k.weight"
+    shard = shard_of(folder, key)
+    rewrite_shard(shard, lambda s: s.update({key: s[key][:-1].clone()}))
+    expect_error(folder, str(shard), key, "shape")
+
+
+def test_wrong_shape_that_breaks_the_reorder(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    key = "blocks.0.attn.qkv_proj.weight"
+    shard = shard_of(folder, key)
+    rewrite_shard(shard, lambda s: s.update({key: s[key][:-1].clone()}))
+    expect_error(folder, str(shard), key, "shape")
+
+
+def test_wrong_dtype(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    for key, want in (("blocks.0.norm1.weight", "bfloat16"), ("video_patch_proj.weight", "float32")):
+        shard = shard_of(folder, key)
+        original = shard.read_bytes()
+        rewrite_shard(shard, lambda s, key=key: s.update({key: s[key].to(torch.float16)}))
+        expect_error(folder, str(shard), key, "float16", want)
+        shard.write_bytes(original)
+
+
+def test_truncated_file(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    shard = shard_of(folder, KEY)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    expect_error(folder, str(shard))
+
+
+def test_not_a_dit_checkpoint(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file({"foo": torch.zeros(1)}, path)
+    expect_error(path, "not an H3 DiT checkpoint")
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    expect_error(tmp_path, str(tmp_path), "*.safetensors")
