@@ -1,0 +1,387 @@
+"""MP4 output: encode frames and stereo PCM to H.264 + AAC-LC, and decode them back for verification.
+
+The writer is the last stage of the data flow. What it produces is fixed by the output contract:
+H.264 High (libx264, yuv420p, BT.709 limited range, 24 fps), AAC-LC stereo at the model's 32 kHz, MP4 with
+`moov` before `mdat` (faststart) so a browser can play the file while it downloads.
+
+Determinism: libx264 is repeatable for a fixed thread count (its `non-deterministic` flag is off by
+default), so the encoder's threads are pinned and never left to "auto" (which follows the host's core
+count). Two encodes of the same input are then byte-identical on the same av/FFmpeg build; across av
+versions only the decoded frames are promised identical (see ECOSYSTEM.md).
+
+The decode helpers exist for verification (tests and the acceptance command) and assume files written
+here: they convert with the same BT.709 limited-range matrix the writer uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import math
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import BinaryIO
+
+import av
+import numpy as np
+import torch
+
+DEFAULT_FPS = 24
+DEFAULT_SAMPLE_RATE = 32000
+# crf 18 is near visually lossless for x264 and keeps a 5 s 768x448 clip around a few MB.
+DEFAULT_CRF = 18
+# Pinned, never 0 ("auto"): x264's output depends on its thread count. 4 is a measured sweet spot on small
+# frames (1 -> 2 threads is ~1.6x faster, beyond 4 nothing more) and is the same on every host.
+DEFAULT_THREADS = 4
+# The x264 preset is part of the byte-identity promise, so it is a constant, not a knob.
+X264_PRESET = "medium"
+AUDIO_BIT_RATE = 128_000
+# The native AAC encoder consumes fixed 1024-sample frames (only the last may be shorter).
+AAC_FRAME_SAMPLES = 1024
+# Sample rates the AAC-LC standard defines (ISO/IEC 14496-3 sampling frequency index).
+AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+MAX_THREADS = 64
+
+# One colour convention for both directions: BT.709 matrix, limited (MPEG) range, tagged in the stream so
+# players do not guess (untagged HD is usually read as BT.709, SD as BT.601, which would shift colours).
+_COLORSPACE = "ITU709"
+_YUV_RANGE = "MPEG"
+_AVCOL_BT709 = 1  # AVCOL_PRI_BT709 == AVCOL_TRC_BT709 == AVCOL_SPC_BT709 == 1 in FFmpeg
+_AVCOL_RANGE_MPEG = 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Encode
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_mp4(
+    path: str | os.PathLike[str],
+    frames: np.ndarray | torch.Tensor,
+    audio: np.ndarray | torch.Tensor,
+    *,
+    fps: int = DEFAULT_FPS,
+    sample_rate: int = DEFAULT_SAMPLE_RATE,
+    crf: int = DEFAULT_CRF,
+    threads: int = DEFAULT_THREADS,
+) -> Path:
+    """Encode `frames` (F, H, W, 3) uint8 RGB and `audio` (2, N) float32 in [-1, 1] to an MP4 at `path`.
+
+    The file is written under a temporary name in the destination folder and renamed over `path` only when
+    complete, so a reader never sees a partial file; on any error the temporary file is removed and an
+    existing file at `path` is left as it was. Returns the destination path.
+    """
+    dest = Path(path)
+    _check_settings(fps, sample_rate, crf, threads)
+    video = _check_frames(frames)  # (F, H, W, 3) uint8
+    pcm = _check_audio(audio)  # (2, N) float32
+    _check_destination(dest)
+
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        # Exclusive create through Python rather than av.open(path): FFmpeg parses a "name:" prefix in a path
+        # as a protocol. '+' (read access) in case the faststart rewrite reads back through the handle.
+        with open(tmp, "xb+") as fh:
+            _encode(fh, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    except PermissionError as err:
+        tmp.unlink(missing_ok=True)
+        raise PermissionError(f"cannot write an MP4 into folder {dest.parent}: {err.strerror}") from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dest
+
+
+def _encode(
+    fh: BinaryIO, video: np.ndarray, pcm: np.ndarray, *, fps: int, sample_rate: int, crf: int, threads: int
+) -> None:
+    container = av.open(fh, mode="w", format="mp4", options={"movflags": "+faststart"})
+    try:
+        vstream = _add_video_stream(container, video.shape[2], video.shape[1], fps, crf, threads)
+        astream = _add_audio_stream(container, sample_rate)
+        # Feed both encoders in presentation order. Feeding all video first would make the muxer give up
+        # waiting for audio after its 10 s interleave window and write long unmixed runs, which a player
+        # streaming the file must then download ahead of time.
+        timed = heapq.merge(
+            ((Fraction(f.pts, fps), vstream, f) for f in _video_frames(video, fps)),
+            ((Fraction(f.pts, sample_rate), astream, f) for f in _audio_frames(pcm, sample_rate)),
+            key=lambda item: item[0],
+        )
+        for _, stream, frame in timed:
+            container.mux(stream.encode(frame))
+        container.mux(vstream.encode(None))
+        container.mux(astream.encode(None))
+    except BaseException:
+        # Release FFmpeg's handles; the caller removes the file. A second error here would only hide the first.
+        with contextlib.suppress(Exception):
+            container.close()
+        raise
+    container.close()  # writes the trailer and moves `moov` to the front
+
+
+def _add_video_stream(
+    container: av.container.OutputContainer, width: int, height: int, fps: int, crf: int, threads: int
+) -> av.video.stream.VideoStream:
+    stream = container.add_stream("libx264", rate=Fraction(fps, 1))
+    stream.width = width
+    stream.height = height
+    stream.pix_fmt = "yuv420p"
+    stream.options = {"crf": str(crf), "preset": X264_PRESET}
+    ctx = stream.codec_context
+    ctx.thread_count = threads
+    # Frame threading, set explicitly: a different default in a later PyAV would change the bytes.
+    ctx.thread_type = "FRAME"
+    ctx.color_primaries = _AVCOL_BT709
+    ctx.color_trc = _AVCOL_BT709
+    ctx.colorspace = _AVCOL_BT709
+    ctx.color_range = _AVCOL_RANGE_MPEG
+    return stream
+
+
+def _add_audio_stream(container: av.container.OutputContainer, sample_rate: int) -> av.audio.stream.AudioStream:
+    stream = container.add_stream("aac", rate=sample_rate)
+    stream.layout = "stereo"
+    stream.format = "fltp"  # the native encoder's only input format: no resampler in between
+    stream.bit_rate = AUDIO_BIT_RATE
+    return stream
+
+
+def _video_frames(video: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
+    for i, rgb in enumerate(video):  # (H, W, 3)
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        frame = frame.reformat(
+            format="yuv420p", src_colorspace=_COLORSPACE, dst_colorspace=_COLORSPACE, dst_color_range=_YUV_RANGE
+        )
+        frame.pts = i
+        frame.time_base = Fraction(1, fps)
+        yield frame
+
+
+def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
+    # Cut into the encoder's frame size ourselves: PyAV would otherwise insert its own FIFO and resampler,
+    # whose behaviour is one more thing that can change between versions.
+    for start in range(0, pcm.shape[1], AAC_FRAME_SAMPLES):
+        chunk = np.ascontiguousarray(pcm[:, start : start + AAC_FRAME_SAMPLES])  # (2, <=1024)
+        frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+        frame.sample_rate = sample_rate
+        frame.pts = start
+        frame.time_base = Fraction(1, sample_rate)
+        yield frame
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input validation: every message names what is wrong and what is allowed.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_settings(fps: int, sample_rate: int, crf: int, threads: int) -> None:
+    if not _is_int(fps) or not 1 <= fps <= 240:
+        raise ValueError(f"fps must be an integer in 1..240, got {fps!r}")
+    if not _is_int(sample_rate) or sample_rate not in AAC_SAMPLE_RATES:
+        raise ValueError(f"sample_rate must be one of the AAC rates {AAC_SAMPLE_RATES}, got {sample_rate!r}")
+    # crf 0 makes x264 lossless, which needs the High 4:4:4 Predictive profile most players reject.
+    if not _is_int(crf) or not 1 <= crf <= 51:
+        raise ValueError(f"crf must be an integer in 1..51 (0, lossless, is not allowed), got {crf!r}")
+    if not _is_int(threads) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(
+            f"threads must be an integer in 1..{MAX_THREADS} (pinned for repeatable output; 0/auto is not "
+            f"allowed), got {threads!r}"
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_numpy(x: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    if isinstance(x, np.ndarray):
+        return x
+    raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _check_frames(frames: np.ndarray | torch.Tensor) -> np.ndarray:
+    video = _as_numpy(frames, "frames")
+    if video.dtype != np.uint8:
+        raise ValueError(f"frames must have dtype uint8 (RGB 0..255), got {video.dtype}")
+    if video.ndim != 4 or video.shape[3] != 3:
+        raise ValueError(f"frames must have shape (F, H, W, 3) (RGB, channels last), got {tuple(video.shape)}")
+    f, h, w, _ = video.shape
+    if f == 0:
+        raise ValueError("frames is empty: need at least 1 frame, got shape (0, ...)")
+    if h < 2 or w < 2 or h % 2 or w % 2:
+        raise ValueError(f"frames height and width must be even and >= 2 for yuv420p, got H={h} W={w}")
+    return video
+
+
+def _check_audio(audio: np.ndarray | torch.Tensor) -> np.ndarray:
+    pcm = _as_numpy(audio, "audio")
+    if pcm.dtype != np.float32:
+        raise ValueError(f"audio must have dtype float32, got {pcm.dtype}")
+    if pcm.ndim != 2 or pcm.shape[0] != 2:
+        raise ValueError(f"audio must have shape (2, N) (stereo: 2 channels, channels first), got {tuple(pcm.shape)}")
+    if pcm.shape[1] == 0:
+        raise ValueError("audio is empty: need at least 1 sample per channel, got shape (2, 0)")
+    if not np.isfinite(pcm).all():
+        raise ValueError("audio contains NaN or infinite samples; allowed: finite values in [-1, 1]")
+    peak = float(np.abs(pcm).max())
+    # Fail closed rather than clip silently: an overshoot is the caller's decision (clamp it upstream).
+    if peak > 1.0:
+        raise ValueError(f"audio samples must lie in [-1, 1], got a peak of {peak:.4f}; clamp before writing")
+    return pcm
+
+
+def _check_destination(dest: Path) -> None:
+    folder = dest.parent
+    if not folder.exists():
+        raise FileNotFoundError(f"folder {folder} for the MP4 does not exist; create it first")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is not a folder; the MP4 path must be inside an existing folder")
+    if dest.is_dir():
+        raise IsADirectoryError(f"{dest} is a folder; give a file path such as {dest / 'out.mp4'}")
+    # os.access is only advisory (root passes it); creating the temporary file is the real test.
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write an MP4 into folder {folder}: no write permission")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode and verification helpers
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """Facts about an MP4's first video and first audio stream, as the container and codecs report them."""
+
+    video_codec: str  # "h264"
+    video_profile: str | None  # "High"
+    pixel_format: str | None  # "yuv420p"
+    width: int
+    height: int
+    frame_count: int
+    fps: float
+    audio_codec: str  # "aac"
+    audio_profile: str | None  # "LC"
+    channels: int
+    sample_rate: int
+    video_duration_s: float
+    audio_duration_s: float
+
+
+def probe_mp4(path: str | os.PathLike[str]) -> StreamInfo:
+    """Read the stream facts of `path` without decoding (frame count comes from the MP4 index)."""
+    with av.open(os.fspath(path)) as container:
+        video, audio = _streams(container, path)
+        vctx, actx = video.codec_context, audio.codec_context
+        return StreamInfo(
+            video_codec=vctx.name,
+            video_profile=vctx.profile,
+            pixel_format=vctx.pix_fmt,
+            width=vctx.width,
+            height=vctx.height,
+            frame_count=video.frames or _count_packets(path, video.index),
+            fps=float(video.average_rate),  # av 19 returns an AVRational here: float() works for both
+            audio_codec=actx.name,
+            audio_profile=actx.profile,
+            channels=actx.layout.nb_channels,
+            sample_rate=actx.sample_rate,
+            video_duration_s=_duration_s(video, path),
+            audio_duration_s=_duration_s(audio, path),
+        )
+
+
+def decode_frames(path: str | os.PathLike[str]) -> np.ndarray:
+    """Decode every video frame of `path` to RGB. Returns (F, H, W, 3) uint8."""
+    with av.open(os.fspath(path)) as container:
+        _streams(container, path)
+        frames = [
+            frame.to_ndarray(
+                format="rgb24", src_colorspace=_COLORSPACE, dst_colorspace=_COLORSPACE, src_color_range=_YUV_RANGE
+            )
+            for frame in container.decode(video=0)
+        ]
+    if not frames:
+        raise ValueError(f"{path} has a video stream but no decodable frames")
+    return np.stack(frames)  # (F, H, W, 3)
+
+
+def decode_audio(path: str | os.PathLike[str]) -> np.ndarray:
+    """Decode the first audio stream of `path`. Returns (channels, N) float32.
+
+    N is what the decoder yields: the encoder's priming is skipped via the MP4 edit list, but the padding of
+    the last AAC frame is not, so N can exceed the written length by up to 1024 samples, and it differs by up
+    to 1024 between av versions. Compare with `audio_psnr`, which aligns to the shorter length.
+    """
+    with av.open(os.fspath(path)) as container:
+        _streams(container, path)
+        chunks = [_frame_to_fltp(frame) for frame in container.decode(audio=0)]
+    if not chunks:
+        raise ValueError(f"{path} has an audio stream but no decodable samples")
+    return np.concatenate(chunks, axis=1)  # (C, N)
+
+
+def _frame_to_fltp(frame: av.AudioFrame) -> np.ndarray:
+    # The native AAC decoder emits planar float already; anything else is converted, not reinterpreted.
+    if frame.format.name != "fltp":
+        frame = av.AudioResampler(format="fltp", layout=frame.layout, rate=frame.sample_rate).resample(frame)[0]
+    return frame.to_ndarray().astype(np.float32, copy=False)  # (C, n)
+
+
+def frame_hashes(frames: np.ndarray) -> list[str]:
+    """sha256 hex digest of each frame's bytes; `frames` is (F, H, W, 3) uint8 as `decode_frames` returns."""
+    if not isinstance(frames, np.ndarray) or frames.ndim != 4 or frames.dtype != np.uint8:
+        got = f"{type(frames).__name__} {getattr(frames, 'dtype', '')} {getattr(frames, 'shape', '')}"
+        raise ValueError(f"frames must be a uint8 numpy array of shape (F, H, W, 3), got {got}")
+    return [hashlib.sha256(np.ascontiguousarray(frame).tobytes()).hexdigest() for frame in frames]
+
+
+def audio_psnr(a: np.ndarray, b: np.ndarray, *, peak: float = 1.0) -> float:
+    """PSNR in dB between two PCM arrays (channels, N), over the first min(N_a, N_b) samples.
+
+    The peak is 1.0, full scale for float PCM in [-1, 1]. Returns inf when the aligned samples are identical.
+    Lengths may differ because decoders pad the last AAC frame differently (see `decode_audio`).
+    """
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"audio_psnr needs two (channels, N) arrays, got shapes {a.shape} and {b.shape}")
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"audio_psnr needs equal channel counts, got {a.shape[0]} and {b.shape[0]}")
+    n = min(a.shape[1], b.shape[1])
+    if n == 0:
+        raise ValueError(f"audio_psnr needs at least 1 sample in each array, got shapes {a.shape} and {b.shape}")
+    # float64: the difference of two nearly equal float32 signals must not round to zero.
+    diff = a[:, :n].astype(np.float64) - b[:, :n].astype(np.float64)
+    mse = float(np.mean(diff * diff))
+    if mse == 0.0:
+        return math.inf
+    return 10.0 * math.log10(peak * peak / mse)
+
+
+def _streams(
+    container: av.container.InputContainer, path: str | os.PathLike[str]
+) -> tuple[av.video.stream.VideoStream, av.audio.stream.AudioStream]:
+    if not container.streams.video:
+        raise ValueError(f"{path} has no video stream")
+    if not container.streams.audio:
+        raise ValueError(f"{path} has no audio stream")
+    return container.streams.video[0], container.streams.audio[0]
+
+
+def _duration_s(stream: av.stream.Stream, path: str | os.PathLike[str]) -> float:
+    if stream.duration is None or stream.time_base is None:
+        raise ValueError(f"{path}: the {stream.type} stream does not declare a duration")
+    return float(stream.duration * stream.time_base)
+
+
+def _count_packets(path: str | os.PathLike[str], index: int) -> int:
+    # Fallback for containers that do not index their frames; an MP4 always does.
+    with av.open(os.fspath(path)) as container:
+        return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
