@@ -1,0 +1,725 @@
+"""MiniMax-H3 video VAE ("H3-VisualVAE", f16t4c24): causal 3D CNN encoder and ViT3D decoder.
+
+Parameter names follow the original checkpoint (`FL2VA/video_vae/source/model.safetensors`), so that layout loads
+without renaming; the diffusers layout (`vae/`) is converted once, at load, in `vae_loading.py`.
+
+Temporal geometry (released config: clip 17 frames, token_drop 3, temporal ratio 4): frames are encoded in
+17-frame clips of 5 latents each and the last 3 latents of the whole video are dropped, so 17n+5 frames map to
+5n+2 latents. Decoding re-chunks the latents into windows of 5+2 and cross-fades the 5 frames where neighbouring
+windows overlap. Spatially, both directions run on 256 px tiles with >= 64 px overlap, blended linearly, exactly as
+the released recipe does; the blended-tile frames are what the model was released with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PAD_MODES = ("reflect", "replicate", "constant", "circular")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoVAEConfig:
+    """Architecture and recipe of the video VAE.
+
+    Field names are the keys of the diffusers `vae/config.json`: it is the one released config that names every
+    knob in a single flat file. The original layout splits the same facts over `video_vae/config.json` (clip
+    geometry, tiling, latent statistics) and `video_vae/source/config.json` (architecture) and hard-codes a few
+    (register tokens, group count, epsilons); `from_original` maps it. `tile_size`, `tile_overlap_min` and the two
+    tiling switches come from the original wrapper config (`vae_tile_size`, ...); diffusers hard-codes 256/64/on.
+    """
+
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 24
+    block_out_channels: tuple[int, ...] = (128, 256, 256, 512, 512, 1024)
+    layers_per_block: int = 2
+    spatial_downsample_factors: tuple[int, ...] = (2, 2, 2, 2, 1, 1)
+    temporal_downsample_factors: tuple[int, ...] = (1, 2, 2, 1, 1, 1)
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-6
+    spatial_padding_mode: str = "reflect"
+    decoder_num_layers: int = 36
+    decoder_num_attention_heads: int = 32
+    decoder_attention_head_dim: int = 64
+    decoder_num_register_tokens: int = 4
+    decoder_ffn_mult: int = 4
+    decoder_rope_theta: float = 100.0
+    decoder_rope_dim_ratio: float = 0.75
+    decoder_norm_eps: float = 1e-5
+    clip_length: int = 17
+    token_drop: int = 3
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+    tile_size: int = 256
+    tile_overlap_min: int = 64
+    encoder_tiling: bool = True
+    decoder_tiling: bool = True
+
+    def __post_init__(self) -> None:
+        # JSON gives lists; the config is hashable and immutable, so store tuples.
+        for name in ("block_out_channels", "spatial_downsample_factors", "temporal_downsample_factors"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        for name in ("latents_mean", "latents_std"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+
+        positive = (
+            "in_channels",
+            "out_channels",
+            "latent_channels",
+            "layers_per_block",
+            "norm_num_groups",
+            "decoder_num_layers",
+            "decoder_num_attention_heads",
+            "decoder_attention_head_dim",
+            "decoder_ffn_mult",
+            "clip_length",
+            "tile_size",
+            "tile_overlap_min",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"VideoVAEConfig.{name} must be a positive int, got {value!r}")
+        levels = len(self.block_out_channels)
+        if levels == 0 or any(c <= 0 for c in self.block_out_channels):
+            raise ValueError(f"block_out_channels must be non-empty and positive, got {self.block_out_channels}")
+        for name in ("spatial_downsample_factors", "temporal_downsample_factors"):
+            factors = getattr(self, name)
+            if len(factors) != levels:
+                raise ValueError(f"{name} has {len(factors)} entries, block_out_channels has {levels}")
+            if any(f not in (1, 2) for f in factors):
+                raise ValueError(f"{name} entries must be 1 or 2, got {factors}")
+        for s, t in zip(self.spatial_downsample_factors, self.temporal_downsample_factors, strict=True):
+            # The reference's downsample conv has no spatial padding of its own; only the stride-2 path pads, so a
+            # temporal-only downsample would silently shrink the frame by 2 px. No released config does that.
+            if t == 2 and s != 2:
+                raise ValueError("a temporal downsample level must also downsample spatially (reference quirk)")
+        for c in (*self.block_out_channels,):
+            if c % self.norm_num_groups:
+                raise ValueError(f"channel count {c} is not divisible by norm_num_groups {self.norm_num_groups}")
+        if self.spatial_padding_mode not in _PAD_MODES:
+            raise ValueError(f"spatial_padding_mode must be one of {_PAD_MODES}, got {self.spatial_padding_mode!r}")
+        if self.decoder_num_register_tokens < 0:
+            raise ValueError("decoder_num_register_tokens must be >= 0")
+        for name in ("norm_eps", "decoder_norm_eps", "decoder_rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"VideoVAEConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 < self.decoder_rope_dim_ratio <= 1:
+            raise ValueError(f"decoder_rope_dim_ratio must be in (0, 1], got {self.decoder_rope_dim_ratio}")
+        if self.rope_dim % 6:
+            # Three axes, each rotating pairs of channels: the rotated width must split into 3 x 2 x n.
+            raise ValueError(f"rotary width {self.rope_dim} (head_dim x rope_dim_ratio) must be a multiple of 6")
+        if not 0 <= self.token_drop < self.tokens_chunk_size:
+            raise ValueError(f"token_drop must be in [0, {self.tokens_chunk_size}), got {self.token_drop}")
+        for name in ("latents_mean", "latents_std"):
+            if len(getattr(self, name)) != self.latent_channels:
+                raise ValueError(f"{name} has {len(getattr(self, name))} values, expected {self.latent_channels}")
+        if any(not s > 0 for s in self.latents_std):
+            raise ValueError("latents_std must be strictly positive")
+        r = self.spatial_ratio
+        if self.tile_size % r or self.tile_overlap_min % r:
+            raise ValueError(f"tile_size and tile_overlap_min must be multiples of the spatial ratio {r}")
+        if self.tile_overlap_min >= self.tile_size:
+            raise ValueError("tile_overlap_min must be smaller than tile_size")
+
+    # Derived geometry ------------------------------------------------------------------------------------------
+    @property
+    def spatial_ratio(self) -> int:
+        return math.prod(self.spatial_downsample_factors)
+
+    @property
+    def temporal_ratio(self) -> int:
+        return math.prod(self.temporal_downsample_factors)
+
+    @property
+    def decoder_dim(self) -> int:
+        return self.decoder_num_attention_heads * self.decoder_attention_head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.decoder_attention_head_dim * self.decoder_rope_dim_ratio)
+
+    @property
+    def tokens_chunk_size(self) -> int:
+        """Latents per encoded clip (5 for 17 frames at ratio 4)."""
+        return math.ceil(self.clip_length / self.temporal_ratio)
+
+    @property
+    def frame_pre_padding(self) -> int:
+        """Pixel frames the decoder emits ahead of a clip's first real frame (3: 17 is 4*5 - 3)."""
+        return (-self.clip_length) % self.temporal_ratio
+
+    @property
+    def token_overlap(self) -> int:
+        """Extra latents each decode window reads past its chunk (2)."""
+        return (-self.token_drop) % self.tokens_chunk_size
+
+    @property
+    def frame_overlap(self) -> int:
+        """Pixel frames cross-faded between neighbouring decode windows (5)."""
+        return max(self.token_overlap * self.temporal_ratio - self.frame_pre_padding, 0)
+
+    def decode_plan(self, num_latents: int) -> tuple[int, int, int]:
+        """(pad_latents, num_windows, num_frames) of decoding `num_latents` latents.
+
+        Encoding dropped `token_drop` latents from the end, so decoding pretends they are there, pads with the
+        last latent up to whole chunks, and cuts the extra frames off again.
+        """
+        cfg = self
+        chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
+        tokens = num_latents + cfg.token_drop
+        pad = (-tokens) % chunk
+        windows = (tokens + pad) // chunk - int(cfg.token_drop > 0)
+        if windows < 1:
+            raise ValueError(f"{num_latents} latent frames are too few to decode (the reference cannot either)")
+        padded = num_latents + pad
+        frames, tail = 0, 0
+        for i in range(windows):
+            clip_frames = max(0, min(padded, i * chunk + chunk + cfg.token_overlap) - i * chunk) * ratio
+            for j in range(int(cfg.token_drop > 0) + 1):
+                part = max(0, min(chunk * ratio, clip_frames - j * chunk * ratio) - cfg.frame_pre_padding)
+                if j == 0:
+                    frames += part
+                else:
+                    tail = part
+        frames += tail
+        # A chunk's last latent covers only clip_length % ratio frames (1), the others `ratio` frames.
+        intra = cfg.clip_length % ratio
+        cut = sum(intra if intra and (num_latents + k) % chunk == 0 else ratio for k in range(pad))
+        return pad, windows, frames - cut
+
+    # Readers ---------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_diffusers(cls, config: Mapping[str, Any]) -> VideoVAEConfig:
+        """Build from a diffusers `vae/config.json` dict; unknown keys are an error, not ignored."""
+        known = {f.name for f in fields(cls)} - {"tile_size", "tile_overlap_min", "encoder_tiling", "decoder_tiling"}
+        values = {k: v for k, v in config.items() if not k.startswith("_")}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown keys in diffusers video VAE config: {unknown}")
+        if "latents_mean" not in values or "latents_std" not in values:
+            raise ValueError("diffusers video VAE config lacks latents_mean / latents_std")
+        return cls(**values)
+
+    @classmethod
+    def from_original(cls, wrapper: Mapping[str, Any], source: Mapping[str, Any]) -> VideoVAEConfig:
+        """Build from the original `video_vae/config.json` (wrapper) and `video_vae/source/config.json`.
+
+        The source config carries switches that only ever take one value in the release; anything else would need
+        code this module does not have, so it is refused rather than silently computed the released way.
+        """
+        fixed = {
+            "causal_encoder": True,
+            "causal_decoder": False,
+            "use_3d_conv": True,
+            "use_vit_decoder": True,
+            "use_t_isolated_gn": True,
+            "pixel_norm_type": "imagenet",
+            "scaling_factor": 1.0,
+            "shift_factor": 0.0,
+            "zq_ch_encoder": None,
+            "zq_ch_decoder": None,
+        }
+        for key, expected in fixed.items():
+            if source.get(key, expected) != expected:
+                raise ValueError(f"video_vae/source/config.json: {key}={source[key]!r} is not supported")
+        if source.get("num_res_blocks_decoder") is not None or source.get("padding_mode_t") is not None:
+            raise ValueError("video_vae/source/config.json: num_res_blocks_decoder / padding_mode_t must be null")
+        vit = dict(source.get("vit_decoder_kwargs", {}))
+        vit_fixed = {
+            "ffn_activation_fn": "silu",
+            "ffn_use_gated": True,
+            "norm_type": "rms_norm",
+            "norm_affine": True,
+            "qk_norm_type": "rms_norm",
+            "qk_norm_affine": False,
+        }
+        for key, expected in vit_fixed.items():
+            if vit.get(key, expected) != expected:
+                raise ValueError(f"vit_decoder_kwargs.{key}={vit[key]!r} is not supported")
+        if source["z_channels"] != source["embed_dim"]:
+            raise ValueError("z_channels and embed_dim differ; the released VAE has them equal")
+        ratio_s = math.prod(source["space_down"])
+        ratio_t = math.prod(source["time_down"])
+        if source.get("vae_ratio", ratio_s) != ratio_s or source.get("vae_ratio_t", ratio_t) != ratio_t:
+            raise ValueError("vae_ratio / vae_ratio_t disagree with space_down / time_down")
+        if wrapper.get("latent_channels", source["embed_dim"]) != source["embed_dim"]:
+            raise ValueError("video_vae/config.json latent_channels disagrees with source embed_dim")
+        tile_size = int(wrapper.get("vae_tile_size", 256))
+        return cls(
+            in_channels=source["in_channels"],
+            out_channels=source["out_ch"],
+            latent_channels=source["embed_dim"],
+            block_out_channels=tuple(source["ch"] * m for m in source["ch_mult"]),
+            layers_per_block=source["num_res_blocks"],
+            spatial_downsample_factors=source["space_down"],
+            temporal_downsample_factors=source["time_down"],
+            spatial_padding_mode=source["padding_mode"],
+            decoder_num_layers=vit["num_layers"],
+            decoder_num_attention_heads=vit["heads"],
+            decoder_attention_head_dim=vit["dim_head"],
+            decoder_rope_theta=float(vit["rope_theta"]),
+            decoder_rope_dim_ratio=float(vit["rope_dim_ratio"]),
+            clip_length=wrapper["vae_clip_length"],
+            token_drop=wrapper["vae_token_drop"],
+            latents_mean=wrapper["latents_mean"],
+            latents_std=wrapper["latents_std"],
+            tile_size=tile_size,
+            tile_overlap_min=int(wrapper.get("vae_tile_overlap_min", 64)),
+            encoder_tiling=bool(wrapper.get("vae_encoder_tiling", 1)),
+            decoder_tiling=bool(wrapper.get("vae_decoder_tiling", 1)),
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Encoder: causal 3D CNN
+# ----------------------------------------------------------------------------------------------------------------
+class CausalConv3d(nn.Conv3d):
+    """Conv3d with symmetric spatial padding (reflect in the release) and causal temporal padding: k_t - 1 zero
+    frames in front, none behind, so latent t only sees frames <= its own."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: tuple[int, int, int] = (1, 1, 1), *, pad_mode: str):
+        super().__init__(cin, cout, kernel, stride=stride, padding=0)
+        self.pad_mode = pad_mode
+
+    def forward(self, x: torch.Tensor, spatial_pad: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        k = self.kernel_size[0]
+        if spatial_pad is None:
+            spatial_pad = (k // 2,) * 4
+        if any(spatial_pad):
+            x = F.pad(x, (*spatial_pad, 0, 0), mode=self.pad_mode)
+        if k > 1:
+            x = F.pad(x, (0, 0, 0, 0, k - 1, 0))
+        return F.conv3d(x, self.weight, self.bias, self.stride)
+
+
+def _frame_group_norm(norm: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+    # Statistics per frame ("t-isolated"): fold time into batch so a frame never sees its neighbours, which is what
+    # lets a single image encode the same way as the first frame of a clip.
+    b, c, t, h, w = x.shape
+    y = F.group_norm(x.transpose(1, 2).reshape(b * t, c, h, w), norm.num_groups, norm.weight, norm.bias, norm.eps)
+    return y.reshape(b, t, c, h, w).transpose(1, 2)
+
+
+class ResnetBlock3d(nn.Module):
+    def __init__(self, cin: int, cout: int, cfg: VideoVAEConfig):
+        super().__init__()
+        g, eps, mode = cfg.norm_num_groups, cfg.norm_eps, cfg.spatial_padding_mode
+        self.norm1 = nn.GroupNorm(g, cin, eps=eps)
+        self.conv1 = CausalConv3d(cin, cout, 3, pad_mode=mode)
+        self.norm2 = nn.GroupNorm(g, cout, eps=eps)
+        self.conv2 = CausalConv3d(cout, cout, 3, pad_mode=mode)
+        self.nin_shortcut = CausalConv3d(cin, cout, 1, pad_mode=mode) if cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(_frame_group_norm(self.norm1, x)))
+        h = self.conv2(F.silu(_frame_group_norm(self.norm2, h)))
+        if self.nin_shortcut is not None:
+            x = self.nin_shortcut(x)
+        return x + h
+
+
+class Downsample3d(nn.Module):
+    def __init__(self, channels: int, stride_t: int, cfg: VideoVAEConfig):
+        super().__init__()
+        self.conv = CausalConv3d(channels, channels, 3, (stride_t, 2, 2), pad_mode=cfg.spatial_padding_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Pad one pixel bottom/right only, so an even size halves exactly and tiles stay latent-aligned.
+        return self.conv(x, spatial_pad=(0, 1, 0, 1))
+
+
+class DownLevel(nn.Module):
+    def __init__(self, cin: int, cout: int, level: int, cfg: VideoVAEConfig):
+        super().__init__()
+        self.block = nn.ModuleList(
+            [ResnetBlock3d(cin if j == 0 else cout, cout, cfg) for j in range(cfg.layers_per_block)]
+        )
+        s, t = cfg.spatial_downsample_factors[level], cfg.temporal_downsample_factors[level]
+        self.downsample = Downsample3d(cout, t, cfg) if s * t > 1 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.block:
+            x = block(x)
+        return x if self.downsample is None else self.downsample(x)
+
+
+class Encoder3d(nn.Module):
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        chans = cfg.block_out_channels
+        mode = cfg.spatial_padding_mode
+        self.conv_in = CausalConv3d(cfg.in_channels, chans[0], 3, pad_mode=mode)
+        ins = (chans[0], *chans[:-1])
+        self.down = nn.ModuleList([DownLevel(ins[i], chans[i], i, cfg) for i in range(len(chans))])
+        self.norm_out = nn.GroupNorm(cfg.norm_num_groups, chans[-1], eps=cfg.norm_eps)
+        self.conv_out = CausalConv3d(chans[-1], 2 * cfg.latent_channels, 3, pad_mode=mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, 3, T, H, W) -> (B, 2C, ceil(T/4), H/16, W/16)
+        x = self.conv_in(x)
+        for level in self.down:
+            x = level(x)
+        return self.conv_out(F.silu(_frame_group_norm(self.norm_out, x)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Decoder: ViT over latent voxels
+# ----------------------------------------------------------------------------------------------------------------
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        dim = cfg.decoder_dim
+        self.heads = cfg.decoder_num_attention_heads
+        self.head_dim = cfg.decoder_attention_head_dim
+        self.eps = cfg.decoder_norm_eps
+        # Rows are per-head interleaved, [h0: q k v, h1: q k v, ...], as the original checkpoint stores them.
+        self.to_qkv = nn.Linear(dim, 3 * dim)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.to_qkv(x).view(b, s, self.heads, 3 * self.head_dim).chunk(3, dim=-1)  # (B, S, nh, hd)
+        # qk-norm (no affine) in fp32 whatever the compute dtype, as the reference does.
+        q = _rms_norm(q.float(), None, self.eps).to(q.dtype)
+        k = _rms_norm(k.float(), None, self.eps).to(k.dtype)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B,nh,S,hd)
+        return self.to_out(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate-half on the first rope_dim channels of each head (channel i pairs with i + rope_dim/2); the rest pass.
+    rd = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    rot, rest = x[..., :rd], x[..., rd:]
+    first, second = rot.chunk(2, dim=-1)
+    return torch.cat([rot * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        dim, hidden = cfg.decoder_dim, cfg.decoder_dim * cfg.decoder_ffn_mult
+        self.w1 = nn.Linear(dim, 2 * hidden)  # rows [gate; up]
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w1(x).chunk(2, dim=-1)
+        return self.w2(up * F.silu(gate))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        dim = cfg.decoder_dim
+        self.eps = cfg.decoder_norm_eps
+        self.norm1 = nn.RMSNorm(dim, eps=self.eps)
+        self.attn = Attention(cfg)
+        self.scale1 = nn.Parameter(torch.zeros(dim))
+        self.norm2 = nn.RMSNorm(dim, eps=self.eps)
+        self.ff = FeedForward(cfg)
+        self.scale2 = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The residual stream stays fp32 (scale1/2 are fp32) and norms run in fp32; under autocast only the
+        # projections and attention drop to fp16.
+        x = x + self.attn(_rms_norm(x.float(), self.norm1.weight, self.eps), cos, sin) * self.scale1
+        return x + self.ff(_rms_norm(x.float(), self.norm2.weight, self.eps)) * self.scale2
+
+
+class ViTDecoder3d(nn.Module):
+    """One token per latent voxel plus registers and a zero token, full self-attention, then each token expands
+    to a (t4, h16, w16) pixel patch."""
+
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        dim = cfg.decoder_dim
+        self.cfg = cfg
+        self.x_embedder = nn.Linear(cfg.latent_channels, dim)
+        self.register_tokens = nn.Parameter(torch.zeros(1, cfg.decoder_num_register_tokens, dim))
+        # Masked-autoencoding training leftover: never read, but the original checkpoint stores it.
+        self.register_buffer("mask_token", torch.zeros(1, 1, dim))
+        self.transformer_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.decoder_num_layers)])
+        self.norm_out = nn.LayerNorm(dim, eps=cfg.decoder_norm_eps)
+        patch = cfg.out_channels * cfg.temporal_ratio * cfg.spatial_ratio**2
+        self.proj_out = nn.Linear(dim, patch)
+
+    def _rotary(self, t: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Voxel centres normalised to (-1, 1) per axis; registers and the zero token sit at the origin.
+        grids = [2.0 * (torch.arange(0.5, n, dtype=torch.float32, device=device) / n) - 1.0 for n in (t, h, w)]
+        pos = torch.stack(torch.meshgrid(*grids, indexing="ij"), dim=-1).flatten(0, 2)  # (T*H*W, 3)
+        pos = torch.cat([pos, pos.new_zeros(self.cfg.decoder_num_register_tokens + 1, 3)])  # (S, 3)
+        inv_freq = 1.0 / self.cfg.decoder_rope_theta ** torch.arange(
+            0, 1, 6 / self.cfg.rope_dim, dtype=torch.float32, device=device
+        )
+        angles = (2.0 * math.pi * pos[:, :, None] * inv_freq).flatten(1).tile(2)  # (S, rope_dim), [t h w | t h w]
+        return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # (1, S, 1, rope_dim)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = z.shape  # (B, C, T, h, w) latents
+        x = self.x_embedder(z.permute(0, 2, 3, 4, 1).reshape(b, t * h * w, c))  # (B, N, dim)
+        regs = self.register_tokens.expand(b, -1, -1).to(x.dtype)
+        x = torch.cat([x, regs, torch.zeros_like(x[:, :1])], dim=1)  # (B, N + R + 1, dim)
+        cos, sin = self._rotary(t, h, w, z.device)
+        for block in self.transformer_blocks:
+            x = block(x, cos, sin)
+        x = self.proj_out(self.norm_out(x)[:, : t * h * w])  # (B, N, 3*pt*p*p)
+        pt, p, co = self.cfg.temporal_ratio, self.cfg.spatial_ratio, self.cfg.out_channels
+        x = x.view(b, t, h, w, co, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return x.reshape(b, co, t * pt, h * p, w * p)  # (B, 3, 4T, 16h, 16w)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tiling and temporal chunking
+# ----------------------------------------------------------------------------------------------------------------
+def split_tiles(length: int, tile: int, min_overlap: int, ratio: int) -> tuple[list[int], list[int]]:
+    """Tile starts and the overlaps between consecutive tiles, in pixels.
+
+    The fewest tiles that cover `length` with every overlap >= `min_overlap`; the slack is handed out round-robin
+    in whole latents (`ratio` px), so every boundary stays latent-aligned. One tile when it already fits.
+    """
+    if tile >= length:
+        return [0], []
+    n = math.ceil(length / tile)
+    while tile * n - min_overlap * (n - 1) < length:
+        n += 1
+    overlaps = [min_overlap] * (n - 1)
+    for i in range((tile * n - sum(overlaps) - length) // ratio):
+        overlaps[i % (n - 1)] += ratio
+    starts = [0]
+    for ov in overlaps:
+        starts.append(starts[-1] + tile - ov)
+    return starts, overlaps
+
+
+def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
+    """Linear cross-fade of the last `extent` entries of `a` into the first of `b` along `dim`; returns `b`'s span.
+    The ramp starts at weight 1 for `a` (not 1 - 1/extent), as the reference's does."""
+    extent = min(a.shape[dim], b.shape[dim], extent)
+    shape = [1] * b.ndim
+    shape[dim] = extent
+    pos = torch.arange(extent, device=b.device, dtype=b.dtype)
+    wa, wb = (1 - pos / extent).view(shape), (pos / extent).view(shape)
+    blended = a.narrow(dim, a.shape[dim] - extent, extent) * wa + b.narrow(dim, 0, extent) * wb
+    return torch.cat([blended, b.narrow(dim, extent, b.shape[dim] - extent)], dim=dim)
+
+
+def stitch_tiles(
+    run_tile: Callable[[int, int], torch.Tensor],
+    starts_y: list[int],
+    overlaps_y: list[int],
+    starts_x: list[int],
+    overlaps_x: list[int],
+    out_h: int,
+    out_w: int,
+) -> torch.Tensor:
+    """Run tiles row by row and blend them into one canvas, holding only the overlap strips of neighbours.
+
+    Same arithmetic as the reference, which keeps every raw tile and blends each tile with its *raw* upper and
+    left neighbours (the left one not yet blended with its own upper neighbour). Keeping only those raw strips
+    gives identical values while memory stays at one tile plus one row of strips, independent of the frame size.
+    """
+    canvas: torch.Tensor | None = None
+    upper: list[torch.Tensor] = []  # raw bottom strips of the previous tile row
+    for i, y0 in enumerate(starts_y):
+        lower: list[torch.Tensor] = []
+        left: torch.Tensor | None = None  # raw right strip of the previous tile in this row
+        for j, x0 in enumerate(starts_x):
+            raw = run_tile(i, j).float()  # (..., th, tw)
+            if canvas is None:
+                canvas = raw.new_empty(*raw.shape[:-2], out_h, out_w)
+            tile = raw
+            if i > 0:
+                tile = _blend(upper[j], tile, overlaps_y[i - 1], dim=-2)
+            if j > 0:
+                tile = _blend(left, tile, overlaps_x[j - 1], dim=-1)
+            if i < len(starts_y) - 1:
+                lower.append(raw[..., -overlaps_y[i] :, :].clone())
+                tile = tile[..., : -overlaps_y[i], :]
+            if j < len(starts_x) - 1:
+                left = raw[..., :, -overlaps_x[j] :].clone()
+                tile = tile[..., :, : -overlaps_x[j]]
+            canvas[..., y0 : y0 + tile.shape[-2], x0 : x0 + tile.shape[-1]] = tile
+            del raw, tile
+        upper = lower
+    assert canvas is not None
+    return canvas
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class VideoVAE(nn.Module):
+    """Encoder for keyframes and reference videos, decoder for the generated latents."""
+
+    def __init__(self, cfg: VideoVAEConfig):
+        super().__init__()
+        self.cfg = cfg
+        c = cfg.latent_channels
+        self.encoder = Encoder3d(cfg)
+        self.quant_conv = nn.Conv3d(2 * c, 2 * c, 1)
+        self.post_quant_conv = nn.Conv3d(c, c, 1)
+        self.decoder = ViTDecoder3d(cfg)
+
+    # Latent statistics --------------------------------------------------------------------------------------
+    def _stats(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (1, -1, 1, 1, 1)
+        mean = torch.tensor(self.cfg.latents_mean, dtype=torch.float32, device=z.device).view(shape)
+        std = torch.tensor(self.cfg.latents_std, dtype=torch.float32, device=z.device).view(shape)
+        return mean, std
+
+    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
+        """VAE latent -> the space the transformer works in."""
+        mean, std = self._stats(z)
+        return (z - mean) / std
+
+    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(z)
+        return z * std + mean
+
+    # Encode ---------------------------------------------------------------------------------------------------
+    def _encode_clip(self, x: torch.Tensor, tiled: bool) -> torch.Tensor:
+        if not tiled:
+            return self.quant_conv(self.encoder(x))
+        cfg, r = self.cfg, self.cfg.spatial_ratio
+        h, w = x.shape[-2:]
+        ys, oys = split_tiles(h, cfg.tile_size, cfg.tile_overlap_min, r)
+        xs, oxs = split_tiles(w, cfg.tile_size, cfg.tile_overlap_min, r)
+        th, tw = min(cfg.tile_size, h), min(cfg.tile_size, w)
+
+        def run(i: int, j: int) -> torch.Tensor:
+            tile = x[..., ys[i] : ys[i] + th, xs[j] : xs[j] + tw]
+            return self.quant_conv(self.encoder(tile))
+
+        return stitch_tiles(
+            run,
+            [y // r for y in ys],
+            [o // r for o in oys],
+            [s // r for s in xs],
+            [o // r for o in oxs],
+            h // r,
+            w // r,
+        )
+
+    @torch.no_grad()
+    def encode(self, x: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
+        """Pixels (B, 3, F, H, W), ImageNet-normalised, fp32 -> posterior moments (B, 2C, T, H/16, W/16).
+
+        F = 1 (an image) encodes alone to one latent: padding it to a clip would give 2 latents of 17 copies, not
+        the conditioning H3 was trained with. Otherwise the frames are padded with the last frame to whole clips,
+        each clip encodes to 5 latents, and the final `token_drop` latents are dropped.
+        """
+        cfg = self.cfg
+        if x.ndim != 5 or x.shape[1] != cfg.in_channels:
+            raise ValueError(f"expected pixels (B, {cfg.in_channels}, F, H, W), got {tuple(x.shape)}")
+        r = cfg.spatial_ratio
+        if x.shape[-2] % r or x.shape[-1] % r:
+            raise ValueError(f"frame size {tuple(x.shape[-2:])} is not a multiple of the spatial ratio {r}")
+        tiled = cfg.encoder_tiling if tiled is None else tiled
+        x = x.float()
+        n = x.shape[2]
+        if n == 1:
+            return self._encode_clip(x, tiled)
+        if n % cfg.clip_length:
+            x = torch.cat([x, x[:, :, -1:].expand(-1, -1, (-n) % cfg.clip_length, -1, -1)], dim=2)
+        clips = [
+            self._encode_clip(x[:, :, s : s + cfg.clip_length], tiled) for s in range(0, x.shape[2], cfg.clip_length)
+        ]
+        moments = torch.cat(clips, dim=2)
+        return moments[:, :, : moments.shape[2] - cfg.token_drop]
+
+    # Decode ---------------------------------------------------------------------------------------------------
+    def _decode_clip(self, z: torch.Tensor, tiled: bool, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        def run_untiled(zt: torch.Tensor) -> torch.Tensor:
+            with _autocast(zt.device, autocast_dtype):
+                return self.decoder(self.post_quant_conv(zt))
+
+        if not tiled:
+            return run_untiled(z).float()
+        cfg, r = self.cfg, self.cfg.spatial_ratio
+        h, w = z.shape[-2] * r, z.shape[-1] * r
+        # Tiles are laid out in pixels and mapped back onto the latent grid.
+        ys, oys = split_tiles(h, cfg.tile_size, cfg.tile_overlap_min, r)
+        xs, oxs = split_tiles(w, cfg.tile_size, cfg.tile_overlap_min, r)
+        th, tw = min(cfg.tile_size, h) // r, min(cfg.tile_size, w) // r
+
+        def run(i: int, j: int) -> torch.Tensor:
+            return run_untiled(z[..., ys[i] // r : ys[i] // r + th, xs[j] // r : xs[j] // r + tw])
+
+        return stitch_tiles(run, ys, oys, xs, oxs, h, w)
+
+    @torch.no_grad()
+    def decode(
+        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = torch.float16
+    ) -> torch.Tensor:
+        """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
+
+        The release decodes under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`); pass None for a
+        pure fp32 decode. Windows of `chunk + token_overlap` latents decode one at a time and their overlapping
+        frames are linearly cross-faded; frames are written straight into the output.
+        """
+        cfg = self.cfg
+        if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
+            raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
+        tiled = cfg.decoder_tiling if tiled is None else tiled
+        z = z.float()
+        pad, windows, num_frames = cfg.decode_plan(z.shape[2])
+        if pad:
+            z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
+        chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
+        span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
+        r = cfg.spatial_ratio
+        out = z.new_empty(z.shape[0], cfg.out_channels, num_frames, z.shape[3] * r, z.shape[4] * r)
+        pos = 0
+
+        def emit(part: torch.Tensor) -> None:
+            nonlocal pos
+            n = min(part.shape[2], num_frames - pos)
+            out[:, :, pos : pos + n] = part[:, :, :n]
+            pos += n
+
+        carry: torch.Tensor | None = None  # the previous window's frames that overlap this window's first frames
+        for i in range(windows):
+            start = i * chunk
+            clip = self._decode_clip(z[:, :, start : start + chunk + cfg.token_overlap], tiled, autocast_dtype)
+            head = clip[:, :, :span][:, :, cfg.frame_pre_padding :]
+            if carry is not None:
+                head = _blend(carry, head, cfg.frame_overlap, dim=2)
+            emit(head)
+            if cfg.token_drop > 0:
+                carry = clip[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone()
+            del clip, head
+        if carry is not None:
+            emit(carry)
+        assert pos == num_frames, (pos, num_frames)
+        return out
+
+
+def posterior_mode(moments: torch.Tensor) -> torch.Tensor:
+    return moments.chunk(2, dim=1)[0]
+
+
+def posterior_sample(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """mean + std * eps with eps drawn from `generator` (H3 uses a CPU generator seeded 42 for keyframes)."""
+    mean, logvar = moments.chunk(2, dim=1)
+    std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
+    # Draw on the generator's device so a CPU generator gives the same noise whatever device decodes.
+    noise_device = generator.device if generator is not None else mean.device
+    eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=noise_device).to(mean.device)
+    return mean + std * eps
