@@ -1,0 +1,343 @@
+"""H3's text encoder: the first 50 decoder layers of Qwen3-VL-32B, read before the final norm.
+
+The conditioning is `hidden_states[50]` of the released `Qwen3VLForConditionalGeneration`: the output of
+decoder layers 0..49. Layers 50..63, the final norm and the LM head never run, so they are never loaded; the
+vision tower is loaded only when keyframes are to be encoded.
+
+Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each
+keyframe, in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n
+<|vision_end|>`; the rows of that vision block are tagged video (0) for the DiT's AdaLN, all others text (1).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+TEXT_ENCODER_LAYER = 50
+TEXT_TAG = 1
+VISION_TAG = 0  # vision-block rows are tagged as video
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+
+
+@dataclass(frozen=True)
+class Presentation:
+    """One request's text-stream, tokenized: ids and tags per row, and the keyframes' vision inputs."""
+
+    token_ids: tuple[int, ...]
+    token_tags: tuple[int, ...]
+    pixel_values: torch.Tensor | None = None  # (patches, 3 * temporal_patch * patch * patch)
+    image_grid_thw: torch.Tensor | None = None  # (num_keyframes, 3)
+
+
+@dataclass(frozen=True)
+class TextConditioning:
+    states: torch.Tensor  # (L, hidden) hidden_states[layer], the encoder's dtype
+    token_tags: torch.Tensor  # (L,) int64
+
+
+def load_tokenizer(path: str | Path):
+    """The H3 tokenizer folder (Qwen2 BPE plus H3's extra special tokens such as `<d>`). Local files only."""
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_image_processor(path: str | Path) -> Qwen2VLImageProcessorPil:
+    """The released `processor/` folder, on the PIL backend.
+
+    The PIL backend is chosen on purpose, not as a fallback: it needs no torchvision. Keyframes reach it already
+    on the canvas (multiples of 32, which the processor keeps), so no resampling happens; the torchvision backend
+    (what the config names) could differ only in the float rounding of the 0.5/0.5 normalisation.
+    """
+    return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
+
+
+def present(tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image_processor=None) -> Presentation:
+    """Tokenize the H3 presentation of a prompt and its keyframes (in packed order: first, then last)."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    ids: list[int] = []
+    tags: list[int] = []
+    pixel_values = grid = None
+    if keyframes:
+        if image_processor is None:
+            raise ValueError("keyframes need an image processor (load the released processor/ folder)")
+        vision = image_processor(images=list(keyframes), return_tensors="pt")
+        pixel_values, grid = vision["pixel_values"], vision["image_grid_thw"]
+        merge = image_processor.merge_size**2
+        start, pad, end = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+        for i in range(len(keyframes)):
+            label = tokenizer(f"<Picture {i + 1}>: ", add_special_tokens=False)["input_ids"]
+            block = [start] + [pad] * (int(grid[i].prod()) // merge) + [end]
+            ids += label + block
+            tags += [TEXT_TAG] * len(label) + [VISION_TAG] * len(block)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids += prompt_ids
+    tags += [TEXT_TAG] * len(prompt_ids)
+    return Presentation(tuple(ids), tuple(tags), pixel_values, grid)
+
+
+def truncated_qwen3vl(config: Qwen3VLConfig, layer: int, vision: bool) -> Qwen3VLModel:
+    """A Qwen3VLModel on the meta device with only decoder layers 0..layer-1 and no final norm.
+
+    With the norm an identity, the model's last hidden state is `hidden_states[layer]` of the full model.
+    """
+    num_layers = config.text_config.num_hidden_layers
+    if not 0 < layer < num_layers:
+        # hidden_states[num_layers] of the full model is post-norm, which is not what H3 was trained on.
+        raise ValueError(f"layer must be in 1..{num_layers - 1} for a {num_layers}-layer Qwen3-VL, got {layer}")
+    num_deepstack = len(config.vision_config.deepstack_visual_indexes)
+    if layer <= num_deepstack:
+        # transformers records hidden_states[i] before the deepstack addition after layer i-1; ours would be after.
+        raise ValueError(f"layer must exceed the {num_deepstack} deepstack layers, got {layer}")
+    config = Qwen3VLConfig.from_dict(config.to_dict())
+    config.text_config.num_hidden_layers = layer
+    with torch.device("meta"):
+        model = Qwen3VLModel(config)
+    model.language_model.norm = nn.Identity()
+    if not vision:
+        model.visual = None
+    return model.eval().requires_grad_(False)
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Rebuild, on the CPU, every module that owns non-persistent buffers.
+
+    Those are the rotary tables: no checkpoint holds them, so after a meta-device build they are either still on
+    meta or (after `to_empty`) garbage. Both rotary classes rebuild from their own config; any other such module is
+    an error, not something to guess at.
+    """
+    for name, module in list(model.named_modules()):
+        if not module._non_persistent_buffers_set:
+            continue
+        if not hasattr(module, "config"):
+            raise RuntimeError(f"cannot rebuild the buffers of {name} ({type(module).__name__})")
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, type(module)(module.config))
+
+
+def _checkpoint_files(folder: Path) -> dict[str, Path]:
+    """key -> safetensors file, from the sharded index or a single `model.safetensors`."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: folder / file for key, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"no model.safetensors(.index.json) in {folder}")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def checkpoint_key_map(key: str, layer: int, vision: bool) -> str | None:
+    """Map a `Qwen3VLForConditionalGeneration` key to our `Qwen3VLModel` key, or None to skip it."""
+    if not key.startswith("model."):
+        return None  # lm_head
+    key = key.removeprefix("model.")
+    if key.startswith("visual."):
+        return key if vision else None
+    if key.startswith("language_model.layers."):
+        return key if int(key.split(".")[2]) < layer else None
+    if key == "language_model.norm.weight":
+        return None
+    return key
+
+
+def load_qwen3vl_prefix(
+    folder: str | Path,
+    *,
+    layer: int = TEXT_ENCODER_LAYER,
+    vision: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Qwen3VLModel:
+    """Load decoder layers 0..layer-1 (and the vision tower if `vision`) of a released Qwen3-VL folder.
+
+    Weights go straight from the safetensors files to `device` and are assigned in place of the meta tensors;
+    nothing else of the checkpoint is read.
+    """
+    folder = Path(folder)
+    config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
+    model = truncated_qwen3vl(config, layer, vision)
+    files = _checkpoint_files(folder)
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for key, file in files.items():
+        ours = checkpoint_key_map(key, layer, vision)
+        if ours is not None:
+            by_file.setdefault(file, []).append((key, ours))
+    state = {}
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for key, ours in keys:
+                state[ours] = f.get_tensor(key).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{folder} does not match Qwen3-VL: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    _materialize_buffers(model)
+    return model.to(device)
+
+
+class TextEncoder(nn.Module):
+    """Prompt (+ keyframes) -> (L, hidden) conditioning rows and their modality tags."""
+
+    def __init__(self, model: Qwen3VLModel, tokenizer, image_processor=None):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        cfg = model.config
+        self.image_token_id, self.video_token_id = cfg.image_token_id, cfg.video_token_id
+
+    @property
+    def has_vision(self) -> bool:
+        return self.model.visual is not None and self.image_processor is not None
+
+    def present(self, prompt: str, keyframes: Sequence[Image.Image] = ()) -> Presentation:
+        if keyframes and not self.has_vision:
+            raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
+        return present(self.tokenizer, prompt, keyframes, self.image_processor)
+
+    @torch.no_grad()
+    def forward(self, presentation: Presentation) -> torch.Tensor:
+        """(L, hidden): the output of the last loaded decoder layer, before any norm."""
+        device = self.model.language_model.embed_tokens.weight.device
+        ids = torch.tensor([presentation.token_ids], dtype=torch.long, device=device)  # (1, L)
+        # Qwen's own modality ids (0 text, 1 image, 2 video) drive its MRoPE; they are not H3's row tags.
+        mm_types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
+        vision = {}
+        if presentation.pixel_values is not None:
+            vision = {
+                "pixel_values": presentation.pixel_values.to(device, self.model.visual.dtype),
+                "image_grid_thw": presentation.image_grid_thw.to(device),
+            }
+        out = self.model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=mm_types,
+            use_cache=False,
+            **vision,
+        )
+        return out.last_hidden_state[0]
+
+    def encode(self, prompt: str, keyframes: Sequence[Image.Image] = ()) -> TextConditioning:
+        presentation = self.present(prompt, keyframes)
+        return TextConditioning(self(presentation), torch.tensor(presentation.token_tags, dtype=torch.long))
+
+
+def load_text_encoder(
+    text_encoder_dir: str | Path,
+    tokenizer_dir: str | Path,
+    processor_dir: str | Path | None = None,
+    *,
+    layer: int = TEXT_ENCODER_LAYER,
+    vision: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> TextEncoder:
+    """The released `text_encoder/`, `tokenizer/` and `processor/` folders (processor needed only with vision)."""
+    if vision and processor_dir is None:
+        raise ValueError("vision=True needs processor_dir (the released processor/ folder)")
+    model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype)
+    processor = load_image_processor(processor_dir) if vision else None
+    return TextEncoder(model, load_tokenizer(tokenizer_dir), processor)
+
+
+def load_released_text_encoder(root: str | Path, **kwargs) -> TextEncoder:
+    """From a release root holding `text_encoder/`, `tokenizer/` and `processor/` (`FL2VA/` or the diffusers
+    layout's top level). kwargs as for `load_text_encoder`."""
+    root = Path(root)
+    return load_text_encoder(root / "text_encoder", root / "tokenizer", root / "processor", **kwargs)
+
+
+# --- tiny model -------------------------------------------------------------------------------------------------
+
+TINY_TEXT_LAYER = 2
+
+
+def tiny_text_encoder_config(num_hidden_layers: int = TINY_TEXT_LAYER + 1) -> Qwen3VLConfig:
+    """A Qwen3-VL of a few kilobytes per layer that keeps the released token ids, vocabulary and vision geometry
+    (patch 16, merge 2, temporal patch 2), so the real tokenizer and processor drive it. The full vocabulary makes
+    the token embedding (151936 x 32, 19 MB in float32) nearly all of its size.
+
+    Widths differ on purpose (hidden 32, heads 4x8 with 2 KV heads, MLP 48; vision 16 wide, 2 heads) and MRoPE
+    sections [2, 1, 1] interleave like the released [24, 20, 20].
+    """
+    return Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=4096,
+            rope_scaling=dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True),
+            rope_theta=5_000_000.0,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=24,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+    )
+
+
+@torch.no_grad()
+def randomize_(model: nn.Module, seed: int) -> nn.Module:
+    """Deterministic random weights, independent of transformers' init code: parameters in name order, each from one
+    seeded generator. Matrices are scaled by 1/sqrt(fan_in) so activations stay O(1); norm weights sit near 1."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        owner, _, kind = name.rpartition(".")
+        if "norm" in owner.rpartition(".")[2] and kind == "weight":
+            value = 1.0 + 0.1 * noise
+        elif p.ndim == 1:
+            value = 0.1 * noise
+        elif name.endswith("embed_tokens.weight"):
+            value = noise
+        else:
+            value = noise / p[0].numel() ** 0.5
+        p.copy_(value.to(p.dtype))
+    return model
+
+
+def tiny_qwen3vl(
+    *, seed: int = 0, layer: int = TINY_TEXT_LAYER, vision: bool = True, dtype: torch.dtype = torch.float32
+) -> Qwen3VLModel:
+    """The truncated tiny Qwen3-VL (layers 0..layer-1, no final norm) with deterministic random weights, on the CPU."""
+    model = truncated_qwen3vl(tiny_text_encoder_config(layer + 1), layer, vision).to_empty(device="cpu")
+    _materialize_buffers(model)
+    randomize_(model.float(), seed)
+    for p in model.parameters():  # the rotary tables stay float32
+        p.data = p.data.to(dtype)
+    return model
+
+
+def tiny_text_encoder(
+    tokenizer, image_processor=None, *, seed: int = 0, layer: int = TINY_TEXT_LAYER, dtype: torch.dtype = torch.float32
+) -> TextEncoder:
+    """Text encoder of the built-in tiny model: the real tokenizer (and processor) over `tiny_qwen3vl`."""
+    model = tiny_qwen3vl(seed=seed, layer=layer, vision=image_processor is not None, dtype=dtype)
+    return TextEncoder(model, tokenizer, image_processor)

@@ -1,0 +1,281 @@
+"""Validation of one render request, before anything runs.
+
+Every violation is a ValueError that names the field and the allowed values. Adjustments that the model
+requires but the caller may not expect (frames snapped up to 17n+5, a duration outside the trained range, a
+canvas chosen for the caller) are returned as notices and logged.
+
+Canvas and frame limits are data (`RequestRules`) whose defaults are the released model's, so a tiny model
+can allow small canvases.
+
+Frame rule: the video VAE decodes 17n+5 frames (n >= 1), so counts snap up to that grid. The released model
+was trained on 5-15 s (124-362 frames at 24 fps); the hard limits are 22 (the shortest 17n+5 with n >= 1) to
+362 frames, and 22-123 frames are accepted with a notice. That keeps the startup warmup (768x448, 56 frames)
+valid, since the network runs short clips correctly, while anything longer than trained is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from PIL import Image
+
+from h3serve.pipeline.layout import TASK_ANCHORS
+
+log = logging.getLogger(__name__)
+
+TASKS = tuple(TASK_ANCHORS)
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class CanvasRule:
+    """Which (width, height) a model accepts, and which it picks when the caller gives none."""
+
+    multiple: int = 32  # VAE /16 times the DiT's 2x2 patch
+    max_pixels: int = 768 * 1344  # area cap, before rounding each side to `multiple`
+    default_short_edge: int = 768  # the only short edge the released model was verified at
+    min_aspect: float = 1 / 4
+    max_aspect: float = 4.0
+
+    def check(self, width: int, height: int) -> None:
+        """Raise ValueError unless (width, height) is a canvas of this rule.
+
+        Sides are positive multiples of `multiple`, the aspect ratio is within bounds, and the area rounds from
+        within `max_pixels`: half a multiple per side is removed before comparing, the most that rounding adds,
+        because `resolve_canvas` itself lands slightly above the cap for some aspect ratios.
+        """
+        m = self.multiple
+        for name, value in (("width", width), ("height", height)):
+            if value < m or value % m:
+                raise ValueError(f"{name} must be a positive multiple of {m}, got {value}")
+        if not self.min_aspect <= width / height <= self.max_aspect:
+            raise ValueError(
+                f"width/height: the aspect ratio of {width}x{height} ({width / height:.3g}) must be within "
+                f"[{self.min_aspect:g}, {self.max_aspect:g}]"
+            )
+        if (width - m / 2) * (height - m / 2) > self.max_pixels:
+            largest = "x".join(map(str, resolve_canvas(16, 9, self)))
+            raise ValueError(
+                f"width/height: {width}x{height} is above the canvas area cap of {self.max_pixels} pixels "
+                f"(the 16:9 canvas is {largest})"
+            )
+
+    def fits(self, width: int, height: int) -> bool:
+        try:
+            self.check(width, height)
+        except ValueError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class FrameRule:
+    """Frame counts on the VAE's grid (`frames_per_chunk * n + latents_per_chunk`) at a fixed frame rate."""
+
+    frames_per_chunk: int = 17
+    latents_per_chunk: int = 5
+    fps: int = 24
+    min_frames: int = 22
+    max_frames: int = 362
+    trained_min_frames: int = 124  # 5 s; below it a notice, not an error
+
+    def snap(self, num_frames: int) -> int:
+        """The smallest frame count on the grid that is >= num_frames."""
+        c, r = self.frames_per_chunk, self.latents_per_chunk
+        return num_frames + (r - num_frames) % c
+
+
+@dataclass(frozen=True)
+class RequestRules:
+    canvas: CanvasRule = field(default_factory=CanvasRule)
+    frames: FrameRule = field(default_factory=FrameRule)
+    min_steps: int = 2  # grid points, terminal included: 2 gives one forward
+    max_steps: int = 1000
+
+
+RELEASED_RULES = RequestRules()
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    """A validated request. Keyframes are decoded RGB images at their own size, in packed order."""
+
+    task: str
+    prompt: str
+    width: int
+    height: int
+    num_frames: int
+    steps: int
+    seed: int
+    video_shift: float
+    audio_shift: float
+    keyframes: tuple[Image.Image, ...] = ()
+    notices: tuple[str, ...] = ()
+
+    @property
+    def anchors(self) -> tuple[str, ...]:
+        return TASK_ANCHORS[self.task]
+
+
+def resolve_canvas(aspect_width: float, aspect_height: float, rule: CanvasRule = CanvasRule()) -> tuple[int, int]:
+    """(width, height) for an aspect ratio: short edge `default_short_edge`, area capped, sides rounded to the
+    multiple. This is the released model's own rounding (Python's round-half-even), not a generic resize rule."""
+    if not (aspect_width > 0 and aspect_height > 0):
+        raise ValueError(f"aspect ratio must be positive, got {aspect_width}:{aspect_height}")
+    ratio = aspect_width / aspect_height
+    if not rule.min_aspect <= ratio <= rule.max_aspect:
+        raise ValueError(
+            f"aspect ratio {aspect_width}:{aspect_height} is outside [{rule.min_aspect:g}, {rule.max_aspect:g}]"
+        )
+    short = float(rule.default_short_edge)
+    width, height = (short * ratio, short) if ratio >= 1.0 else (short, short / ratio)
+    if width * height > rule.max_pixels:
+        scale = (rule.max_pixels / (width * height)) ** 0.5
+        width, height = width * scale, height * scale
+    m = rule.multiple
+    return max(m, round(width / m) * m), max(m, round(height / m) * m)
+
+
+def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryview) -> Image.Image:
+    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...)."""
+    name = f"keyframes[{index}]"
+    if isinstance(image, Image.Image):
+        decoded = image
+    elif isinstance(image, bytes | bytearray | memoryview):
+        try:
+            decoded = Image.open(io.BytesIO(bytes(image)))
+            decoded.load()
+        except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, DecompressionBombError)
+            raise ValueError(f"{name} could not be decoded as an image ({type(e).__name__}: {e})") from e
+    else:
+        raise ValueError(f"{name} must be image bytes or a PIL image, got {type(image).__name__}")
+    if decoded.width < 1 or decoded.height < 1:
+        raise ValueError(f"{name} has no pixels ({decoded.width}x{decoded.height})")
+    return decoded.convert("RGB")
+
+
+def _number(name: str, value, kind: type) -> int | float:
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok:
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return value
+
+
+def validate_request(
+    prompt: str,
+    *,
+    task: str = "t2va",
+    width: int | None = None,
+    height: int | None = None,
+    num_frames: int,
+    steps: int,
+    seed: int = 0,
+    video_shift: float = 12.0,
+    audio_shift: float = 3.0,
+    keyframes: Sequence[Image.Image | bytes] = (),
+    rules: RequestRules = RELEASED_RULES,
+) -> RenderRequest:
+    """Check a request against the model's rules; return it normalised, with notices for any adjustment."""
+    notices: list[str] = []
+
+    if task not in TASK_ANCHORS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("prompt must be a non-empty string")
+
+    expected = len(TASK_ANCHORS[task])
+    keyframes = tuple(keyframes or ())
+    if len(keyframes) != expected:
+        raise ValueError(
+            f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS[task]) or 'none'}), "
+            f"got {len(keyframes)}"
+        )
+    images = tuple(decode_keyframe(i, k) for i, k in enumerate(keyframes))
+
+    canvas = rules.canvas
+    if (width is None) != (height is None):
+        raise ValueError("width and height must be given together, or both left out")
+    if width is None:
+        aspect = images[0].size if images else (16, 9)
+        try:
+            width, height = resolve_canvas(*aspect, canvas)
+        except ValueError as e:
+            raise ValueError(f"keyframes[0]: {e}; give width and height explicitly") from e
+        source = "the first keyframe's aspect ratio" if images else "the default 16:9"
+        notices.append(f"canvas {width}x{height} chosen from {source}")
+    width, height = _number("width", width, int), _number("height", height, int)
+    canvas.check(width, height)
+
+    fr = rules.frames
+    requested = _number("num_frames", num_frames, int)
+    if requested < 1:
+        raise ValueError(f"num_frames must be >= {fr.min_frames}, got {requested}")
+    num_frames = fr.snap(requested)
+    if not fr.min_frames <= num_frames <= fr.max_frames:
+        raise ValueError(
+            f"num_frames must be {fr.min_frames}..{fr.max_frames} after snapping up to "
+            f"{fr.frames_per_chunk}n+{fr.latents_per_chunk} ({fr.min_frames / fr.fps:.2f}-{fr.max_frames / fr.fps:g} s "
+            f"at {fr.fps} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else "")
+        )
+    if num_frames != requested:
+        notices.append(
+            f"num_frames {requested} snapped up to {num_frames} ({fr.frames_per_chunk}n+{fr.latents_per_chunk})"
+        )
+    if num_frames < fr.trained_min_frames:
+        notices.append(
+            f"{num_frames} frames ({num_frames / fr.fps:.2f} s) is shorter than the trained "
+            f"{fr.trained_min_frames / fr.fps:g}-{fr.max_frames / fr.fps:g} s range"
+        )
+
+    steps = _number("steps", steps, int)
+    if not rules.min_steps <= steps <= rules.max_steps:
+        raise ValueError(
+            f"steps must be {rules.min_steps}..{rules.max_steps} (grid points, including the final one), got {steps}"
+        )
+    seed = _number("seed", seed, int)
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be 0..{MAX_SEED}, got {seed}")
+    for name, value in (("video_shift", video_shift), ("audio_shift", audio_shift)):
+        value = _number(name, value, float)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    for notice in notices:
+        log.info("request: %s", notice)
+    return RenderRequest(
+        task=task,
+        prompt=prompt,
+        width=width,
+        height=height,
+        num_frames=num_frames,
+        steps=steps,
+        seed=seed,
+        video_shift=float(video_shift),
+        audio_shift=float(audio_shift),
+        keyframes=images,
+        notices=tuple(notices),
+    )
+
+
+def fit_keyframes(keyframes: Sequence[Image.Image], width: int, height: int) -> list[Image.Image]:
+    """Put keyframes (packed order) on the canvas: the first is stretched, a second one cover-cropped, both LANCZOS.
+
+    The cover crop is the released model's arithmetic (round the scaled size, centre with `(src - dst) // 2`), which
+    differs by a pixel from generic crop helpers on some aspect ratios.
+    """
+    fitted = []
+    for i, image in enumerate(keyframes):
+        if image.size == (width, height):
+            fitted.append(image)
+        elif i == 0:
+            fitted.append(image.resize((width, height), Image.Resampling.LANCZOS))
+        else:
+            scale = max(width / image.width, height / image.height)
+            size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+            left, top = max(0, (size[0] - width) // 2), max(0, (size[1] - height) // 2)
+            fitted.append(image.resize(size, Image.Resampling.LANCZOS).crop((left, top, left + width, top + height)))
+    return fitted

@@ -1,0 +1,174 @@
+"""Initial noise and the denoise loop.
+
+The request's one CPU generator draws, in this order: one tensor per keyframe (its conditioning noise), the
+video noise as a latent `(1, C, F, H, W)`, then the audio noise directly as channel-major rows. Keyframe VAE
+posteriors are sampled with their own generator seeded 42. Changing any of this changes every render of a seed.
+
+The loop is a stateless function over a model callable: the text rows, RoPE table, tags and scatter indices of
+a request are bound once (`bind_model`) and the loop only passes rows and timesteps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
+from h3serve.pipeline.schedule import DualSchedule, euler_step
+
+KEYFRAME_POSTERIOR_SEED = 42
+
+# (video rows, audio rows, timesteps (M,), timestep indices (S,)) -> (video velocity, audio velocity), row for row.
+ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class InitialNoise:
+    """float32 CPU noise of one request, in draw order."""
+
+    condition: tuple[torch.Tensor, ...]  # one per keyframe, each shaped like its latent (1, C, 1, H, W)
+    video: torch.Tensor  # (1, C, F, H, W)
+    audio: torch.Tensor  # (channels * Na, C_audio), channel-major rows
+
+
+def draw_noise(
+    generator: torch.Generator,
+    condition_shapes: Sequence[Sequence[int]],
+    video_shape: Sequence[int],
+    audio_rows_shape: Sequence[int],
+) -> InitialNoise:
+    """Draw a request's noise from its generator in the released order (conditions, video, audio).
+
+    The generator must be a CPU generator: the noise of a seed is then the same on every device.
+    """
+    if generator.device.type != "cpu":
+        raise ValueError(f"the request generator must be a CPU generator, got device {generator.device}")
+
+    def randn(shape: Sequence[int]) -> torch.Tensor:
+        return torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
+
+    condition = tuple(randn(shape) for shape in condition_shapes)
+    return InitialNoise(condition=condition, video=randn(video_shape), audio=randn(audio_rows_shape))
+
+
+def draw_layout_noise(
+    generator: torch.Generator, layout: PackedLayout, video_channels: int, audio_channels: int
+) -> InitialNoise:
+    """`draw_noise` with the shapes a layout implies: one latent frame per keyframe, the target video latent, and
+    the channel-major audio rows. video_channels / audio_channels: the DiT's latents_dim / audio_latents_dim."""
+    g = layout.geometry
+    frame = (1, video_channels, 1, g.latent_height, g.latent_width)
+    video = (1, video_channels, g.latent_frames, g.latent_height, g.latent_width)
+    return draw_noise(generator, [frame] * len(layout.anchors), video, (layout.num_audio_rows, audio_channels))
+
+
+def request_generator(seed: int) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def sample_keyframe_latents(
+    mean: torch.Tensor,
+    logvar: torch.Tensor,
+    latents_mean: Sequence[float] | torch.Tensor,
+    latents_std: Sequence[float] | torch.Tensor,
+    seed: int = KEYFRAME_POSTERIOR_SEED,
+) -> torch.Tensor:
+    """Normalised keyframe latent from the video VAE posterior: sampled with its own generator, rounded to fp16.
+
+    mean, logvar: (1, C, 1, h, w) on any device. Returns float32 on the CPU. The fixed seed makes a keyframe
+    always encode to the same anchor; the fp16 rounding is part of the released recipe (about 11 bits kept).
+    """
+    # Drawn on the CPU (a CPU generator) at the posterior's dtype, then moved, like the reference.
+    eps = torch.randn(mean.shape, generator=request_generator(seed), dtype=mean.dtype).to(mean.device)
+    std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
+    z = (mean + std * eps).to(torch.float16).float().cpu()
+    shape = (1, -1) + (1,) * (z.ndim - 2)
+    m = torch.as_tensor(latents_mean, dtype=torch.float32).view(shape)
+    s = torch.as_tensor(latents_std, dtype=torch.float32).view(shape)
+    return (z - m) / s
+
+
+def noise_condition(latents: torch.Tensor, noise: torch.Tensor, level: float = CONDITION_TIMESTEP) -> torch.Tensor:
+    """x_t = t*x0 + (1 - t)*noise at t = `level`, in float32: keyframes are held just short of clean."""
+    t = torch.tensor(level, dtype=torch.float32)
+    return t * latents.float() + (1.0 - t) * noise
+
+
+def initial_rows(
+    layout: PackedLayout, noise: InitialNoise, condition_latents: Sequence[torch.Tensor] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed video rows (keyframe rows first) and audio rows the loop starts from, float32."""
+    if len(condition_latents) != len(layout.anchors) or len(noise.condition) != len(layout.anchors):
+        raise ValueError(
+            f"the layout packs {len(layout.anchors)} keyframe(s) but got {len(condition_latents)} latent(s) "
+            f"and {len(noise.condition)} noise tensor(s)"
+        )
+    rows = [
+        patchify_video(noise_condition(z, n), layout.patch_size)
+        for z, n in zip(condition_latents, noise.condition, strict=True)
+    ]
+    rows.append(patchify_video(noise.video, layout.patch_size))
+    video = torch.cat(rows)
+    if video.shape[0] != layout.num_condition_video_rows + layout.num_video_rows:
+        raise ValueError(f"{video.shape[0]} video rows do not fit the layout's {layout.video_indices.numel()}")
+    if noise.audio.shape[0] != layout.num_audio_rows:
+        raise ValueError(f"{noise.audio.shape[0]} audio rows do not fit the layout's {layout.num_audio_rows}")
+    return video, noise.audio
+
+
+def bind_model(dit: torch.nn.Module, layout: PackedLayout, text_states: torch.Tensor) -> ModelFn:
+    """Fix a request's text rows, RoPE table, tags and indices on an H3DiT; return the per-step callable.
+
+    text_states: (L, text_dim) text-encoder output. The token refiner runs here, once per request.
+    """
+    if text_states.shape[0] != layout.num_text:
+        raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
+    device = next(dit.parameters()).device
+    with torch.no_grad():
+        text = dit.refine_text(text_states.to(device))  # (L, hidden)
+        rope = dit.rope(layout.rope_positions().to(device))
+    tags = layout.token_tags.to(device)
+    video_indices = layout.video_indices.to(device)
+    audio_indices = layout.audio_indices.to(device)
+    text_indices = layout.text_indices.to(device)
+
+    def model(video, audio, timesteps, timestep_indices):
+        return dit(
+            video, audio, text, timesteps, timestep_indices, tags, rope, video_indices, audio_indices, text_indices
+        )
+
+    return model
+
+
+@torch.no_grad()
+def denoise(
+    model: ModelFn,
+    video_rows: torch.Tensor,
+    audio_rows: torch.Tensor,
+    layout: PackedLayout,
+    schedule: DualSchedule,
+    on_step: StepCallback | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the schedule's forwards; return the final (video rows, audio rows), keyframe rows included and unchanged.
+
+    Only generated rows are stepped. Video and audio advance by the same index i; each forward sees every row at
+    its own timestep (`layout.timestep_plan`). Inputs are not modified.
+    """
+    device = video_rows.device
+    n_cond = layout.num_condition_video_rows
+    cond = video_rows[:n_cond]
+    video = video_rows[n_cond:].float()
+    audio = audio_rows.float()
+    sv, sa = schedule.video, schedule.audio
+    num_steps = schedule.num_steps
+    for i in range(num_steps):
+        timesteps, timestep_indices = layout.timestep_plan(sv.timesteps[i], sa.timesteps[i])
+        v_video, v_audio = model(torch.cat([cond, video]), audio, timesteps.to(device), timestep_indices.to(device))
+        video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
+        audio = euler_step(audio, v_audio, sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
+        if on_step is not None:
+            on_step(i + 1, num_steps)
+    return torch.cat([cond, video]), audio
