@@ -223,3 +223,9 @@ def test_not_a_dit_checkpoint(tmp_path):
 def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({}))
     expect_error(tmp_path, str(tmp_path), "*.safetensors")
+
+
+def test_folder_without_config(tiny, tmp_path):
+    folder = write_layout(tmp_path, tiny, "original")
+    (folder / "config.json").unlink()
+    expect_error(folder, str(folder), "config.json is missing")

@@ -312,13 +312,17 @@ def load_dit(
 
     `dtype` is the compute dtype of the block stack; the fp32 islands stay float32. The checkpoint must store the
     released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
-    `config.json` beside the weights, else (single community files ship none) the released H3 configuration.
+    `config.json` in the folder (required for a folder), else, for a single community file (they ship none), the
+    released H3 configuration, with a warning.
     """
     path = Path(path)
     if config is None:
         found = _find_dit_config(path)
         if found is not None:
             config = DiTConfig.from_json(found)
+        elif path.is_dir():
+            # Both released folder layouts ship a config.json; a folder without one is incomplete.
+            raise CheckpointError(f"{path}: config.json is missing (the released transformer folders ship one)")
         else:
             log.warning("%s: no config.json beside the weights; using the released H3 DiT configuration", path)
             config = DiTConfig()

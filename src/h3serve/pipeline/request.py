@@ -218,8 +218,9 @@ def validate_request(
     if not fr.min_frames <= num_frames <= fr.max_frames:
         raise ValueError(
             f"num_frames must be {fr.min_frames}..{fr.max_frames} after snapping up to "
-            f"{fr.frames_per_chunk}n+{fr.latents_per_chunk} ({fr.min_frames / fr.fps:.2f}-{fr.max_frames / fr.fps:g} s "
-            f"at {fr.fps} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else "")
+            f"{fr.frames_per_chunk}n+{fr.latents_per_chunk} ({fr.min_frames / fr.fps:.2f}-"
+            f"{fr.max_frames / fr.fps:.2f} s at {fr.fps} fps), got {requested}"
+            + (f" (snapped to {num_frames})" if num_frames != requested else "")
         )
     if num_frames != requested:
         notices.append(
@@ -228,7 +229,7 @@ def validate_request(
     if num_frames < fr.trained_min_frames:
         notices.append(
             f"{num_frames} frames ({num_frames / fr.fps:.2f} s) is shorter than the trained "
-            f"{fr.trained_min_frames / fr.fps:g}-{fr.max_frames / fr.fps:g} s range"
+            f"{fr.trained_min_frames / fr.fps:.2f}-{fr.max_frames / fr.fps:.2f} s range"
         )
 
     steps = _number("steps", steps, int)

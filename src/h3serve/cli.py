@@ -1,0 +1,226 @@
+"""`h3serve` command line. `render`: a prompt (and optional keyframes) to an MP4 with sound.
+
+Everything the user gives is checked before any weight loads: the prompt, the keyframe files, the output path, the
+profile and the request against the model's rules. Any failure prints one line and exits non-zero, and no partial
+output file is left behind (the MP4 is written under a temporary name and renamed when complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from h3serve import __version__
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status EXIT_ERROR."""
+
+
+def _render_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "render",
+        help="render a prompt (and optional first/last keyframes) to an MP4 with stereo sound",
+        description="Render one video with sound. Without --model, the built-in tiny model runs (its output is "
+        "noise; it exists to try the pipeline without downloading weights).",
+    )
+    p.add_argument("prompt", nargs="?", help="the shooting-script prompt (or use --prompt-file)")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file, verbatim")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the MP4 to write")
+    p.add_argument("--model", type=Path, help="released checkpoint folder (FL2VA/ or diffusers layout); default: tiny")
+    p.add_argument("--first", type=Path, help="first keyframe image (I2VA, or FL2VA with --last)")
+    p.add_argument("--last", type=Path, help="last keyframe image (L2VA, or FL2VA with --first)")
+    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
+    p.add_argument("--height", type=int, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
+    length.add_argument("--seconds", type=float, help="duration at 24 fps, snapped up to 17n+5 frames")
+    p.add_argument("--steps", type=int, default=50, help="schedule grid points; N points run N-1 forwards (50)")
+    p.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (12)")
+    p.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (3)")
+    p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="DiT/text-encoder precision (cuda: bf16)")
+    p.add_argument("--vae-autocast", choices=("float16", "none"), help="video decode autocast (cuda: float16)")
+    p.add_argument("--threads", type=int, default=4, help="H.264 encoder threads, pinned for reproducible bytes (4)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_render)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h3serve", description="MiniMax-H3 inference engine")
+    parser.add_argument("--version", action="version", version=f"h3serve {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _render_parser(sub)
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise CliError("give the prompt either as an argument or with --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({err})") from err
+    if args.prompt is None:
+        raise CliError("a prompt is required (as an argument or with --prompt-file)")
+    return args.prompt
+
+
+def _read_keyframes(args: argparse.Namespace) -> tuple[str, list]:
+    """The task follows from which keyframes are given; each must read and decode as an image."""
+    from h3serve.pipeline.request import decode_keyframe
+
+    task = {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[
+        (args.first is not None, args.last is not None)
+    ]
+    images = []
+    for flag, path in (("--first", args.first), ("--last", args.last)):
+        if path is None:
+            continue
+        try:
+            images.append(decode_keyframe(len(images), path.read_bytes()))
+        except OSError as err:
+            raise CliError(f"{flag} {path}: cannot read the keyframe image ({err.strerror or err})") from err
+        except ValueError as err:
+            raise CliError(f"{flag} {path}: not a readable image ({err})") from err
+    return task, images
+
+
+def _check_output(path: Path) -> None:
+    if path.suffix.lower() != ".mp4":
+        raise CliError(f"--output {path}: the file name must end in .mp4")
+    if path.is_dir():
+        raise CliError(f"--output {path}: is a folder; give a file path")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise CliError(f"--output {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CliError(f"--output {path}: folder {folder} is not writable")
+
+
+def _num_frames(args: argparse.Namespace, tiny: bool) -> int:
+    if args.seconds is not None:
+        if not args.seconds > 0:
+            raise CliError(f"--seconds must be > 0, got {args.seconds}")
+        return max(1, round(args.seconds * 24))
+    if args.frames is not None:
+        return args.frames
+    return 22 if tiny else 124
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    import torch
+
+    from h3serve.media.mp4 import write_mp4
+    from h3serve.pipeline.engine import RELEASED_RULES, TINY_RULES, Engine, Profile, resolve_model_folder
+    from h3serve.pipeline.request import validate_request
+
+    # 1. Everything the user gave, checked before any weight loads.
+    prompt = _read_prompt(args)
+    task, keyframes = _read_keyframes(args)
+    _check_output(args.output)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tiny = args.model is None
+    try:
+        profile = Profile.for_device(device, args.dtype, args.vae_autocast)
+        if not tiny:
+            resolve_model_folder(args.model)
+        request = validate_request(
+            prompt,
+            task=task,
+            width=args.width,
+            height=args.height,
+            num_frames=_num_frames(args, tiny),
+            steps=args.steps,
+            seed=args.seed,
+            video_shift=args.video_shift,
+            audio_shift=args.audio_shift,
+            keyframes=keyframes,
+            rules=TINY_RULES if tiny else RELEASED_RULES,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        raise CliError(str(err)) from err
+    for notice in request.notices:
+        print(f"note: {notice}", file=sys.stderr)
+    model_name = "built-in tiny model (random weights: the output is noise)" if tiny else str(args.model)
+    print(
+        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps - 1} "
+        f"steps, seed {request.seed} | {model_name} | {profile.device} {profile.dtype} vae-autocast "
+        f"{profile.vae_autocast}",
+        file=sys.stderr,
+    )
+
+    # 2. Load and render.
+    start = time.perf_counter()
+    try:
+        engine = Engine.load(args.model, profile)
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
+        raise CliError(f"--model {args.model}: {err}") from err
+    load_s = time.perf_counter() - start
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=request.steps - 1, desc="denoise", unit="step", file=sys.stderr, leave=False)
+
+    def on_step(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        result = engine.render(request, on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    # 3. Encode (atomically: a temporary name renamed when complete).
+    encode_start = time.perf_counter()
+    try:
+        write_mp4(
+            args.output,
+            result.frames,
+            result.audio,
+            fps=result.fps,
+            sample_rate=result.sample_rate,
+            threads=args.threads,
+        )
+    except (ValueError, OSError) as err:
+        raise CliError(f"--output {args.output}: {err}") from err
+    encode_s = time.perf_counter() - encode_start
+    stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in ("text", "layout", "denoise", "video", "audio"))
+    frames = result.frames
+    print(
+        f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "
+        f"{result.audio.shape[1] / result.sample_rate:.2f} s stereo {result.sample_rate} Hz | load {load_s:.2f}s "
+        f"{stages} encode {encode_s:.2f}s total {load_s + result.timings['total'] + encode_s:.2f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except CliError as err:
+        print(f"h3serve: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("h3serve: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

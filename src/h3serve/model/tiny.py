@@ -1,0 +1,139 @@
+"""The built-in tiny H3: every component of the released model at toy widths, with deterministic random weights.
+
+It exists so the whole pipeline (tokenizer, text encoder with vision tower, DiT, both VAEs, MP4) runs on a CPU in
+seconds with no download. Its output is noise. The geometry that the pipeline depends on is the released one:
+video latents are 1/16 of the canvas and 4x fewer frames (17n+5 frames -> 5n+2 latents), audio is 40 latents/s
+decoded to 32 kHz, the DiT patch is (1, 2, 2), and the tokenizer and image processor are the released files.
+Widths differ from each other on purpose, as in the reference's own tiny tests, so that a transposed weight fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from h3serve.config import DiTConfig
+from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.model.dit import H3DiT, is_fp32_name
+from h3serve.model.text_encoder import TextEncoder, load_image_processor, load_tokenizer, tiny_text_encoder
+from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+
+TINY_SEED = 20261130
+
+TINY_VIDEO_LATENT_CHANNELS = 8
+TINY_AUDIO_LATENT_CHANNELS = 8
+
+TINY_DIT = DiTConfig(
+    hidden_size=48,
+    num_layers=2,
+    token_refiner_num_layers=2,
+    num_attention_heads=2,
+    attention_head_dim=32,  # attention width 64 != hidden 48
+    ffn_hidden_size=80,
+    latents_dim=TINY_VIDEO_LATENT_CHANNELS,
+    audio_latents_dim=TINY_AUDIO_LATENT_CHANNELS,
+    patch_size=(1, 2, 2),
+    text_dim=32,  # the tiny Qwen3-VL's hidden size
+    timestep_input_dim=32,
+    time_embed_hidden_size=56,
+    time_embed_dim=24,
+    adaln_out_features=6 * 3 * 48,
+    final_adaln_out_features=2 * 48,
+    rope_inv_freq_len=4,  # 24 of 32 head dims rotate
+)
+
+TINY_VIDEO_VAE = VideoVAEConfig(
+    latent_channels=TINY_VIDEO_LATENT_CHANNELS,
+    block_out_channels=(8, 8, 16, 16),
+    layers_per_block=1,
+    spatial_downsample_factors=(2, 2, 2, 2),  # /16, as released
+    temporal_downsample_factors=(1, 2, 2, 1),  # /4, as released
+    norm_num_groups=4,
+    decoder_num_layers=2,
+    decoder_num_attention_heads=2,
+    decoder_attention_head_dim=8,  # 6 of 8 dims rotate (3 axes x 2)
+    decoder_num_register_tokens=2,
+    decoder_ffn_mult=2,
+    latents_mean=tuple(0.1 * (i - 4) for i in range(TINY_VIDEO_LATENT_CHANNELS)),
+    latents_std=tuple(1.0 + 0.05 * i for i in range(TINY_VIDEO_LATENT_CHANNELS)),
+)
+
+TINY_AUDIO_VAE = AudioVAEConfig(
+    encoder_dim=2,
+    encoder_rates=(2, 4, 4, 5, 5),  # hop 800: 40 latents/s at 32 kHz, as released
+    latent_dim=64,
+    latent_channels=TINY_AUDIO_LATENT_CHANNELS,
+    num_attention_heads=2,
+    decoder_dim=128,
+    decoder_rates=(5, 5, 2, 2, 2, 2, 2),
+    decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4),
+    resblock_kernel_sizes=(3, 7),
+    resblock_dilation_sizes=((1, 3), (1, 3)),
+    sampling_rate=32000,
+    latents_mean=tuple(-0.05 * i for i in range(TINY_AUDIO_LATENT_CHANNELS)),
+    latents_std=tuple(0.5 + 0.1 * i for i in range(TINY_AUDIO_LATENT_CHANNELS)),
+)
+
+
+def asset_dir(name: str) -> Path:
+    """A folder of the package's assets (the released tokenizer and processor configs)."""
+    return Path(str(resources.files("h3serve") / "assets" / name))
+
+
+@torch.no_grad()
+def randomize(module: nn.Module, seed: int, *, keep: tuple[str, ...] = ()) -> nn.Module:
+    """Deterministic weights independent of torch's init code: tensors in name order from one generator, matrices
+    scaled by 1/sqrt(fan_in), norm-like vectors near 1, other vectors near 0. Names containing any of `keep` (the
+    Kaiser filters, the rope frequencies) are left as constructed."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in sorted(module.state_dict(keep_vars=True).items()):
+        if any(k in name for k in keep) or not t.is_floating_point():
+            continue
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        leaf = name.rsplit(".", 1)[-1]
+        if t.ndim <= 1 and ("norm" in name or leaf in ("weight_g", "scale1", "scale2")):
+            value = 1.0 + 0.1 * noise
+        elif t.ndim <= 1:
+            value = 0.1 * noise
+        else:
+            value = noise / max(1, t[0].numel()) ** 0.5
+        t.copy_(value.to(t.dtype))
+    return module
+
+
+@dataclass
+class Components:
+    """Everything a render needs; `Engine` runs them."""
+
+    dit: H3DiT
+    text_encoder: TextEncoder
+    video_vae: VideoVAE
+    audio_vae: AudioVAE
+    name: str
+
+
+def tiny_components(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Components:
+    """Build the tiny model. The DiT's weights are rounded to bfloat16 values (fp32 islands kept), like the released
+    checkpoint, so float32 and bfloat16 runs start from the same numbers."""
+    dit = randomize(H3DiT(TINY_DIT), TINY_SEED, keep=("rope.inv_freq",))
+    with torch.no_grad():
+        for name, t in dit.state_dict(keep_vars=True).items():
+            t.data = t.data.to(torch.float32 if is_fp32_name(name) else dtype)
+            if not is_fp32_name(name):
+                t.data = t.data.to(torch.bfloat16).to(dtype)
+    video_vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
+    audio_vae = randomize(AudioVAE(TINY_AUDIO_VAE), TINY_SEED + 2, keep=("filter",))
+    text_encoder = tiny_text_encoder(
+        load_tokenizer(asset_dir("tokenizer")),
+        load_image_processor(asset_dir("processor")),
+        seed=TINY_SEED + 3,
+        dtype=dtype,
+    )
+    parts = [dit, video_vae, audio_vae, text_encoder]
+    for part in parts:
+        part.to(device).eval().requires_grad_(False)
+    return Components(dit=dit, text_encoder=text_encoder, video_vae=video_vae, audio_vae=audio_vae, name="h3-tiny")

@@ -1,0 +1,222 @@
+"""`h3serve render` end to end with the built-in tiny model: four modes, the MP4 checked by decoding it,
+determinism, and every user error (one line, non-zero exit, no partial file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from h3serve.cli import main
+from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, probe_mp4
+from h3serve.model.tiny import TINY_DIT
+from h3serve.pipeline.engine import Engine, Profile
+
+STEPS = ["--steps", "3", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def keyframes(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("keyframes")
+    rng = np.random.default_rng(0)
+    first, last = folder / "first.png", folder / "last.jpg"
+    Image.fromarray(rng.integers(0, 255, (90, 160, 3), dtype=np.uint8)).save(first)
+    Image.fromarray(rng.integers(0, 255, (120, 120, 3), dtype=np.uint8)).save(last)
+    return first, last
+
+
+def render(tmp_path: Path, *extra: str, name: str = "out.mp4") -> tuple[int, Path]:
+    out = tmp_path / name
+    code = main(["render", "a red fox runs through fresh snow", "-o", str(out), *STEPS, *extra])
+    return code, out
+
+
+def leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("mode", "flags", "size", "frames"),
+    [
+        ("t2va", [], (224, 128), 22),  # the tiny model's default 16:9 canvas and length
+        ("i2va", ["--width", "128", "--height", "96", "--frames", "30"], (128, 96), 39),  # 30 snaps up to 39
+        ("l2va", ["--width", "160", "--height", "64", "--seconds", "1"], (160, 64), 39),  # 24 frames -> 39
+        ("fl2va", ["--width", "96", "--height", "96"], (96, 96), 22),
+    ],
+)
+def test_render_each_mode_writes_a_valid_mp4(tmp_path, keyframes, mode, flags, size, frames, capsys):
+    keyframe_flags = {
+        "t2va": [],
+        "i2va": ["--first", str(keyframes[0])],
+        "l2va": ["--last", str(keyframes[1])],
+        "fl2va": ["--first", str(keyframes[0]), "--last", str(keyframes[1])],
+    }[mode]
+    code, out = render(tmp_path, *flags, *keyframe_flags)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"h3serve: {mode} {size[0]}x{size[1]} {frames} frames" in err
+    assert f"wrote {out}" in err and "denoise" in err
+    info = probe_mp4(out)
+    assert (info.video_codec, info.pixel_format, info.width, info.height) == ("h264", "yuv420p", *size)
+    assert info.fps == 24.0 and info.frame_count == frames and (frames - 5) % 17 == 0
+    assert (info.audio_codec, info.audio_profile, info.channels, info.sample_rate) == ("aac", "LC", 2, 32000)
+    # The audio covers the frames to within one AAC frame (1024 samples).
+    assert abs(info.audio_duration_s - frames / 24) <= 1024 / 32000
+    assert leftovers(tmp_path) == ["out.mp4"]
+
+
+def test_same_seed_same_render_other_seed_differs(tmp_path, keyframes):
+    flags = ["--first", str(keyframes[0]), "--seed", "7"]
+    assert render(tmp_path, *flags, name="a.mp4")[0] == 0
+    assert render(tmp_path, *flags, name="b.mp4")[0] == 0
+    assert render(tmp_path, "--first", str(keyframes[0]), "--seed", "8", name="c.mp4")[0] == 0
+    a, b, c = (tmp_path / n for n in ("a.mp4", "b.mp4", "c.mp4"))
+    assert frame_hashes(decode_frames(a)) == frame_hashes(decode_frames(b))
+    assert np.array_equal(decode_audio(a), decode_audio(b))
+    assert audio_psnr(decode_audio(a), decode_audio(b)) == float("inf")
+    assert a.read_bytes() == b.read_bytes()  # same versions, pinned encoder threads
+    assert frame_hashes(decode_frames(a)) != frame_hashes(decode_frames(c))
+
+
+def test_engine_render_is_deterministic_before_encoding():
+    engine = Engine.load(None, Profile.for_device("cpu"))
+    request = engine.validate("waves on a pebble beach", num_frames=22, steps=4, seed=11)
+    one, two = engine.render(request), engine.render(request)
+    assert np.array_equal(one.frames, two.frames) and np.array_equal(one.audio, two.audio)
+    assert one.frames.shape == (22, 128, 224, 3) and one.frames.dtype == np.uint8
+    assert one.audio.shape == (2, round(22 / 24 * 40) * 800) and np.abs(one.audio).max() <= 1.0
+    assert set(one.timings) == {"text", "layout", "denoise", "video", "audio", "total"}
+    other = engine.render(engine.validate("waves on a pebble beach", num_frames=22, steps=4, seed=12))
+    assert not np.array_equal(one.frames, other.frames) and not np.array_equal(one.audio, other.audio)
+
+
+def test_static_request_work_runs_once_not_per_step():
+    """The token refiner and the RoPE table are computed once per request, however many steps run."""
+    engine = Engine.load(None, Profile.for_device("cpu"))
+    dit = engine.components.dit
+    calls = {"refine_text": 0, "rope": 0, "forward": 0}
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    dit.refine_text = count("refine_text", dit.refine_text)
+    dit.rope.register_forward_hook(lambda *_: calls.__setitem__("rope", calls["rope"] + 1))
+    dit.register_forward_hook(lambda *_: calls.__setitem__("forward", calls["forward"] + 1))
+    engine.render(engine.validate("rain on a tin roof", num_frames=22, steps=6))
+    assert calls == {"refine_text": 1, "rope": 1, "forward": 5}
+
+
+def test_console_script_renders_in_a_fresh_process(tmp_path):
+    exe = shutil.which("h3serve", path=os.path.dirname(sys.executable))
+    assert exe is not None, "the h3serve console script is not installed beside this Python"
+    out = tmp_path / "fox.mp4"
+    proc = subprocess.run([exe, "render", "a fox", "-o", str(out), *STEPS], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert probe_mp4(out).frame_count == 22
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def expect_error(tmp_path, capsys, *flags: str, message: str, prompt: str | None = "a fox") -> None:
+    out = tmp_path / "out.mp4"
+    args = ["render", *([prompt] if prompt is not None else []), *STEPS, *flags]
+    if "-o" not in flags:
+        args += ["-o", str(out)]
+    before = leftovers(tmp_path)
+    code = main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert err[-1].startswith("h3serve: error: ") and message in err[-1], err
+    assert leftovers(tmp_path) == before  # no output, no temporary file
+
+
+def test_error_missing_model_files(tmp_path, capsys):
+    model = tmp_path / "model"
+    model.mkdir()
+    expect_error(tmp_path, capsys, "--model", str(model), message="has no transformer/")
+    expect_error(tmp_path, capsys, "--model", str(tmp_path / "absent"), message="does not exist")
+
+
+def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
+    model = tmp_path / "model"
+    for part in ("transformer", "text_encoder", "tokenizer", "processor", "video_vae", "audio_vae"):
+        (model / part).mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text(json.dumps(TINY_DIT.to_dict()))
+    (model / "transformer" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    expect_error(tmp_path, capsys, "--model", str(model), "--device", "cpu", message="model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--width", "100", "--height", "64"], "width must be a positive multiple of 32, got 100"),
+        (["--width", "128"], "width and height must be given together"),
+        (["--width", "2048", "--height", "2048"], "above the canvas area cap"),
+        (["--frames", "5000"], "num_frames must be 22..362"),
+        (["--frames", "0"], "num_frames must be >= 22"),
+        (["--seconds", "-1"], "--seconds must be > 0"),
+        (["--steps", "1"], "steps must be 2..1000"),
+        (["--video-shift", "0"], "video_shift must be a finite number > 0"),
+        (["--seed", "-3"], "seed must be 0..9223372036854775807"),
+        (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+        (["--device", "cpu", "--vae-autocast", "float16"], "vae_autocast float16 needs a CUDA device"),
+    ],
+)
+def test_error_invalid_request(tmp_path, capsys, flags, message):
+    expect_error(tmp_path, capsys, *flags, message=message)
+
+
+def test_error_unreadable_keyframe(tmp_path, capsys):
+    expect_error(tmp_path, capsys, "--first", str(tmp_path / "nope.png"), message="--first")
+    garbage = tmp_path / "garbage.png"
+    garbage.write_bytes(b"not an image")
+    expect_error(tmp_path, capsys, "--last", str(garbage), message="--last")
+
+
+def test_error_unwritable_output(tmp_path, capsys):
+    expect_error(tmp_path, capsys, "-o", str(tmp_path / "missing" / "x.mp4"), message="does not exist")
+    expect_error(tmp_path, capsys, "-o", str(tmp_path / "x.mov"), message="must end in .mp4")
+    folder = tmp_path / "dir.mp4"
+    folder.mkdir()
+    expect_error(tmp_path, capsys, "-o", str(folder), message="is a folder")
+
+
+def test_error_prompt(tmp_path, capsys):
+    expect_error(tmp_path, capsys, message="a prompt is required", prompt=None)
+    expect_error(tmp_path, capsys, "--prompt-file", str(tmp_path / "none.txt"), message="--prompt-file", prompt=None)
+    expect_error(tmp_path, capsys, message="prompt must be a non-empty string", prompt="   ")
+
+
+def test_prompt_file_is_read_verbatim(tmp_path, capsys):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("integrated_multimodal_description: [Shot 1] A fox.\n\noverall_soundscape: wind.")
+    code = main(["render", "--prompt-file", str(prompt), "-o", str(tmp_path / "p.mp4"), *STEPS])
+    assert code == 0, capsys.readouterr().err
+    assert probe_mp4(tmp_path / "p.mp4").frame_count == 22
+
+
+def test_existing_output_survives_a_failed_render(tmp_path, capsys):
+    out = tmp_path / "keep.mp4"
+    out.write_bytes(b"previous render")
+    code = main(["render", "a fox", "-o", str(out), "--frames", "9999", *STEPS])
+    assert code == 1 and out.read_bytes() == b"previous render"
+
+
+def test_render_uses_float32_on_cpu_by_default():
+    profile = Profile.for_device("cpu")
+    assert (profile.dtype, profile.vae_autocast) == ("float32", "none")
+    engine = Engine.load(None, profile)
+    assert engine.components.dit.blocks[0].attn.qkv_proj.weight.dtype == torch.float32
