@@ -124,8 +124,10 @@ def test_faststart_puts_moov_before_mdat(clip: tuple[Path, np.ndarray, np.ndarra
 
 def test_same_input_gives_same_bytes(clip: tuple[Path, np.ndarray, np.ndarray], tmp_path: Path) -> None:
     path, frames, audio = clip
-    again = write_mp4(tmp_path / "again.mp4", frames, audio)
-    assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
+    # Several encodes: a nondeterministic encoder setting (x264's mbtree under av 19) differed about half the time.
+    for i in range(4):
+        again = write_mp4(tmp_path / f"again{i}.mp4", frames, audio)
+        assert hashlib.sha256(again.read_bytes()).hexdigest() == hashlib.sha256(path.read_bytes()).hexdigest()
     # Torch tensors are the pipeline's native output: same bytes as numpy input.
     from_torch = write_mp4(tmp_path / "torch.mp4", torch.from_numpy(frames), torch.from_numpy(audio))
     assert from_torch.read_bytes() == path.read_bytes()
@@ -157,9 +159,9 @@ def test_decoded_audio_close_to_input(clip: tuple[Path, np.ndarray, np.ndarray])
     path, _, audio = clip
     decoded = decode_audio(path)
     assert decoded.dtype == np.float32 and decoded.shape[0] == 2
-    # AAC-LC at 128 kb/s on two pure tones measures ~44 dB; a one-sample offset already drops below 31 dB,
-    # and a channel swap far lower.
-    assert audio_psnr(decoded, audio) >= 38.0
+    # AAC-LC at 128 kb/s on two pure tones measures ~44 dB with av 18 and ~35 dB with av 19 (its FFmpeg's
+    # encoder); a one-sample offset already drops below 31 dB, and a channel swap far lower.
+    assert audio_psnr(decoded, audio) >= 33.0
     assert audio_psnr(decoded[::-1], audio) < 10.0
 
 
