@@ -22,10 +22,8 @@ from h3serve.model.text_encoder import (
     load_text_encoder,
     load_tokenizer,
     present,
-    randomize_,
-    tiny_text_encoder,
-    tiny_text_encoder_config,
 )
+from h3serve.model.tiny import randomize, tiny_text_encoder, tiny_text_encoder_config
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 TOKENIZER = REFERENCE / "FL2VA" / "tokenizer"
@@ -102,7 +100,7 @@ def test_keyframe_presentation(tokenizer, image_processor, height, width, pads):
 
 def full_tiny_qwen(num_layers: int, seed: int = 0) -> Qwen3VLForConditionalGeneration:
     model = Qwen3VLForConditionalGeneration(tiny_text_encoder_config(num_layers)).eval()
-    return randomize_(model, seed)
+    return randomize(model, seed)
 
 
 def reference_hidden_states(model, presentation, layer: int) -> torch.Tensor:

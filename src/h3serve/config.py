@@ -24,6 +24,22 @@ _DIFFUSERS_DIT_KEYS = {
 }
 
 
+def from_diffusers_keys(cls: type, config: dict[str, Any], what: str, *, exclude: frozenset[str] = frozenset()):
+    """Build a config dataclass whose fields are a diffusers `config.json`'s keys (metadata keys start with `_`).
+
+    Unknown keys are an error, not ignored; `exclude` names fields the file must not set (recipe settings that the
+    diffusers port hard-codes). The latent statistics are required.
+    """
+    known = {f.name for f in fields(cls)} - exclude
+    values = {k: v for k, v in config.items() if not k.startswith("_")}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown keys in diffusers {what} config: {unknown}; allowed: {sorted(known)}")
+    if "latents_mean" not in values or "latents_std" not in values:
+        raise ValueError(f"diffusers {what} config lacks latents_mean / latents_std")
+    return cls(**values)
+
+
 @dataclass(frozen=True)
 class DiTConfig:
     """The H3 DiT, with the field names of the released `FL2VA/transformer/config.json`.

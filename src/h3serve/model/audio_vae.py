@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from h3serve.config import from_diffusers_keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +87,7 @@ class AudioVAEConfig:
 
     @classmethod
     def from_diffusers(cls, config: Mapping[str, Any]) -> AudioVAEConfig:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in config.items() if not k.startswith("_")}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown keys in diffusers audio VAE config: {unknown}")
-        if "latents_mean" not in values or "latents_std" not in values:
-            raise ValueError("diffusers audio VAE config lacks latents_mean / latents_std")
-        return cls(**values)
+        return from_diffusers_keys(cls, dict(config), "audio VAE")
 
     @classmethod
     def from_original(cls, metadata: Mapping[str, Any], wrapper: Mapping[str, Any]) -> AudioVAEConfig:

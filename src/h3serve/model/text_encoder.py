@@ -108,7 +108,7 @@ def truncated_qwen3vl(config: Qwen3VLConfig, layer: int, vision: bool) -> Qwen3V
     return model.eval().requires_grad_(False)
 
 
-def _materialize_buffers(model: nn.Module) -> None:
+def materialize_buffers(model: nn.Module) -> None:
     """Rebuild, on the CPU, every module that owns non-persistent buffers.
 
     Those are the rotary tables: no checkpoint holds them, so after a meta-device build they are either still on
@@ -181,7 +181,7 @@ def load_qwen3vl_prefix(
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"{folder} does not match Qwen3-VL: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    _materialize_buffers(model)
+    materialize_buffers(model)
     return model.to(device)
 
 
@@ -255,89 +255,3 @@ def load_released_text_encoder(root: str | Path, **kwargs) -> TextEncoder:
     layout's top level). kwargs as for `load_text_encoder`."""
     root = Path(root)
     return load_text_encoder(root / "text_encoder", root / "tokenizer", root / "processor", **kwargs)
-
-
-# --- tiny model -------------------------------------------------------------------------------------------------
-
-TINY_TEXT_LAYER = 2
-
-
-def tiny_text_encoder_config(num_hidden_layers: int = TINY_TEXT_LAYER + 1) -> Qwen3VLConfig:
-    """A Qwen3-VL of a few kilobytes per layer that keeps the released token ids, vocabulary and vision geometry
-    (patch 16, merge 2, temporal patch 2), so the real tokenizer and processor drive it. The full vocabulary makes
-    the token embedding (151936 x 32, 19 MB in float32) nearly all of its size.
-
-    Widths differ on purpose (hidden 32, heads 4x8 with 2 KV heads, MLP 48; vision 16 wide, 2 heads) and MRoPE
-    sections [2, 1, 1] interleave like the released [24, 20, 20].
-    """
-    return Qwen3VLConfig(
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            vocab_size=151936,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=4096,
-            rope_scaling=dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True),
-            rope_theta=5_000_000.0,
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=16,
-            intermediate_size=24,
-            num_heads=2,
-            out_hidden_size=32,
-            patch_size=16,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            num_position_embeddings=64,
-            deepstack_visual_indexes=[0],
-        ),
-        image_token_id=151655,
-        video_token_id=151656,
-        vision_start_token_id=151652,
-        vision_end_token_id=151653,
-    )
-
-
-@torch.no_grad()
-def randomize_(model: nn.Module, seed: int) -> nn.Module:
-    """Deterministic random weights, independent of transformers' init code: parameters in name order, each from one
-    seeded generator. Matrices are scaled by 1/sqrt(fan_in) so activations stay O(1); norm weights sit near 1."""
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
-        owner, _, kind = name.rpartition(".")
-        if "norm" in owner.rpartition(".")[2] and kind == "weight":
-            value = 1.0 + 0.1 * noise
-        elif p.ndim == 1:
-            value = 0.1 * noise
-        elif name.endswith("embed_tokens.weight"):
-            value = noise
-        else:
-            value = noise / p[0].numel() ** 0.5
-        p.copy_(value.to(p.dtype))
-    return model
-
-
-def tiny_qwen3vl(
-    *, seed: int = 0, layer: int = TINY_TEXT_LAYER, vision: bool = True, dtype: torch.dtype = torch.float32
-) -> Qwen3VLModel:
-    """The truncated tiny Qwen3-VL (layers 0..layer-1, no final norm) with deterministic random weights, on the CPU."""
-    model = truncated_qwen3vl(tiny_text_encoder_config(layer + 1), layer, vision).to_empty(device="cpu")
-    _materialize_buffers(model)
-    randomize_(model.float(), seed)
-    for p in model.parameters():  # the rotary tables stay float32
-        p.data = p.data.to(dtype)
-    return model
-
-
-def tiny_text_encoder(
-    tokenizer, image_processor=None, *, seed: int = 0, layer: int = TINY_TEXT_LAYER, dtype: torch.dtype = torch.float32
-) -> TextEncoder:
-    """Text encoder of the built-in tiny model: the real tokenizer (and processor) over `tiny_qwen3vl`."""
-    model = tiny_qwen3vl(seed=seed, layer=layer, vision=image_processor is not None, dtype=dtype)
-    return TextEncoder(model, tokenizer, image_processor)

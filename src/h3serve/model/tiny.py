@@ -15,11 +15,18 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import Qwen3VLConfig, Qwen3VLModel
 
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.text_encoder import TextEncoder, load_image_processor, load_tokenizer, tiny_text_encoder
+from h3serve.model.text_encoder import (
+    TextEncoder,
+    load_image_processor,
+    load_tokenizer,
+    materialize_buffers,
+    truncated_qwen3vl,
+)
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
 
 TINY_SEED = 20261130
@@ -103,6 +110,72 @@ def randomize(module: nn.Module, seed: int, *, keep: tuple[str, ...] = ()) -> nn
             value = noise / max(1, t[0].numel()) ** 0.5
         t.copy_(value.to(t.dtype))
     return module
+
+
+# --- the tiny text encoder ---------------------------------------------------------------------------------
+
+TINY_TEXT_LAYER = 2
+
+
+def tiny_text_encoder_config(num_hidden_layers: int = TINY_TEXT_LAYER + 1) -> Qwen3VLConfig:
+    """A Qwen3-VL of a few kilobytes per layer that keeps the released token ids, vocabulary and vision geometry
+    (patch 16, merge 2, temporal patch 2), so the real tokenizer and processor drive it. The full vocabulary makes
+    the token embedding (151936 x 32, 19 MB in float32) nearly all of its size.
+
+    Widths differ on purpose (hidden 32, heads 4x8 with 2 KV heads, MLP 48; vision 16 wide, 2 heads) and MRoPE
+    sections [2, 1, 1] interleave like the released [24, 20, 20].
+    """
+    return Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            vocab_size=151936,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=4096,
+            rope_scaling=dict(rope_type="default", mrope_section=[2, 1, 1], mrope_interleaved=True),
+            rope_theta=5_000_000.0,
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=16,
+            intermediate_size=24,
+            num_heads=2,
+            out_hidden_size=32,
+            patch_size=16,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=[0],
+        ),
+        image_token_id=151655,
+        video_token_id=151656,
+        vision_start_token_id=151652,
+        vision_end_token_id=151653,
+    )
+
+
+def tiny_qwen3vl(
+    *, seed: int = 0, layer: int = TINY_TEXT_LAYER, vision: bool = True, dtype: torch.dtype = torch.float32
+) -> Qwen3VLModel:
+    """The truncated tiny Qwen3-VL (layers 0..layer-1, no final norm) with deterministic random weights, on the CPU."""
+    model = truncated_qwen3vl(tiny_text_encoder_config(layer + 1), layer, vision).to_empty(device="cpu")
+    materialize_buffers(model)
+    randomize(model.float(), seed)
+    for p in model.parameters():  # the rotary tables stay float32
+        p.data = p.data.to(dtype)
+    return model
+
+
+def tiny_text_encoder(
+    tokenizer, image_processor=None, *, seed: int = 0, layer: int = TINY_TEXT_LAYER, dtype: torch.dtype = torch.float32
+) -> TextEncoder:
+    """Text encoder of the built-in tiny model: the real tokenizer (and processor) over `tiny_qwen3vl`."""
+    model = tiny_qwen3vl(seed=seed, layer=layer, vision=image_processor is not None, dtype=dtype)
+    return TextEncoder(model, tokenizer, image_processor)
 
 
 @dataclass

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from h3serve.config import from_diffusers_keys
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 
@@ -200,14 +202,8 @@ class VideoVAEConfig:
     @classmethod
     def from_diffusers(cls, config: Mapping[str, Any]) -> VideoVAEConfig:
         """Build from a diffusers `vae/config.json` dict; unknown keys are an error, not ignored."""
-        known = {f.name for f in fields(cls)} - {"tile_size", "tile_overlap_min", "encoder_tiling", "decoder_tiling"}
-        values = {k: v for k, v in config.items() if not k.startswith("_")}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown keys in diffusers video VAE config: {unknown}")
-        if "latents_mean" not in values or "latents_std" not in values:
-            raise ValueError("diffusers video VAE config lacks latents_mean / latents_std")
-        return cls(**values)
+        recipe = frozenset({"tile_size", "tile_overlap_min", "encoder_tiling", "decoder_tiling"})
+        return from_diffusers_keys(cls, dict(config), "video VAE", exclude=recipe)
 
     @classmethod
     def from_original(cls, wrapper: Mapping[str, Any], source: Mapping[str, Any]) -> VideoVAEConfig:
