@@ -3,7 +3,6 @@ determinism, and every user error (one line, non-zero exit, no partial file)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,9 +14,9 @@ import pytest
 import torch
 from PIL import Image
 
+from folder_fixtures import write_config_folder
 from h3serve.cli import main
 from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, probe_mp4
-from h3serve.model.tiny import TINY_DIT
 from h3serve.pipeline.engine import Engine, Profile
 
 STEPS = ["--steps", "3", "--no-progress"]
@@ -151,10 +150,8 @@ def test_error_missing_model_files(tmp_path, capsys):
 
 
 def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
-    model = tmp_path / "model"
-    for part in ("transformer", "text_encoder", "tokenizer", "processor", "video_vae", "audio_vae"):
-        (model / part).mkdir(parents=True)
-    (model / "transformer" / "config.json").write_text(json.dumps(TINY_DIT.to_dict()))
+    """Configs that fit together pass the checks; the corrupt weights then stop the load, naming the file."""
+    model = write_config_folder(tmp_path / "model")
     (model / "transformer" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     expect_error(tmp_path, capsys, "--model", str(model), "--device", "cpu", message="model.safetensors")
 

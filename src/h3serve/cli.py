@@ -131,10 +131,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     _check_output(args.output)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.model is None
+    folder = None
     try:
         profile = Profile.for_device(device, args.dtype, args.vae_autocast)
         if not tiny:
-            resolve_model_folder(args.model)
+            folder = resolve_model_folder(args.model)  # every config read and cross-checked, no weights yet
         request = validate_request(
             prompt,
             task=task,
@@ -163,7 +164,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     # 2. Load and render.
     start = time.perf_counter()
     try:
-        engine = Engine.load(args.model, profile)
+        engine = Engine.load(folder, profile)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"--model {args.model}: {err}") from err
     load_s = time.perf_counter() - start

@@ -42,7 +42,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------- video VAE
-def _video_files(path: Path) -> tuple[VideoVAEConfig, Path]:
+def read_video_vae_config(path: Path) -> tuple[VideoVAEConfig, Path]:
     """Config and weights location for a `video_vae/`, `video_vae/source/` or diffusers `vae/` folder."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a video VAE folder")
@@ -145,7 +145,7 @@ def load_video_vae(
     The key layout is detected from the weights; `config` overrides the config files. Weights must be float32.
     """
     path = Path(path)
-    found, weights = _video_files(path)
+    found, weights = read_video_vae_config(path)
     config = config or found
     ckpt = open_checkpoint(weights)
     layout = layout or detect_video_vae_layout(ckpt)
@@ -164,7 +164,7 @@ def load_video_vae(
 
 
 # ----------------------------------------------------------------------------------------------- audio VAE
-def _audio_files(path: Path) -> tuple[AudioVAEConfig, Path]:
+def read_audio_vae_config(path: Path) -> tuple[AudioVAEConfig, Path]:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not an audio VAE folder")
     config = _read_json(path / "config.json")
@@ -185,7 +185,7 @@ def load_audio_vae(
 ) -> AudioVAE:
     """Load the audio VAE from `FL2VA/audio_vae/` or diffusers `audio_vae/`; the key names are shared."""
     path = Path(path)
-    found, weights = _audio_files(path)
+    found, weights = read_audio_vae_config(path)
     config = config or found
     ckpt = open_checkpoint(weights)
     with torch.device("meta"):

@@ -22,10 +22,18 @@ import numpy as np
 import torch
 from PIL import Image
 
+from h3serve.config import DiTConfig
+from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.model.loading import load_dit
-from h3serve.model.text_encoder import load_released_text_encoder
+from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, load_released_text_encoder
 from h3serve.model.tiny import Components, tiny_components
-from h3serve.model.vae_loading import load_audio_vae, load_video_vae
+from h3serve.model.vae_loading import (
+    load_audio_vae,
+    load_video_vae,
+    read_audio_vae_config,
+    read_video_vae_config,
+)
+from h3serve.model.video_vae import VideoVAEConfig
 from h3serve.pipeline.layout import (
     MediaGeometry,
     audio_rows_to_latents,
@@ -126,41 +134,93 @@ class RenderResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, and "total"
 
 
-def resolve_model_folder(path: str | Path) -> dict[str, Path]:
-    """Component folders of a released checkpoint: the original `FL2VA/` layout (or its parent) or the diffusers
-    layout. Checked before anything loads; a missing folder is named."""
+@dataclass(frozen=True)
+class ModelFolder:
+    """A released checkpoint's component folders and configurations, read and cross-checked before any weight."""
+
+    root: Path
+    transformer: Path
+    text_root: Path  # holds text_encoder/, tokenizer/, processor/
+    video_vae: Path
+    audio_vae: Path
+    dit: DiTConfig
+    video_vae_config: VideoVAEConfig
+    audio_vae_config: AudioVAEConfig
+    text_hidden_size: int
+
+
+def resolve_model_folder(path: str | Path) -> ModelFolder:
+    """Find the components of a released checkpoint (the original `FL2VA/` layout, its parent, or the diffusers
+    layout) and read every configuration, so that a missing folder, a broken config or components that do not fit
+    together stop the start before any weight loads. Raises FileNotFoundError or ValueError naming the file."""
+    from transformers import Qwen3VLConfig
+
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"model folder {root} does not exist")
     if (root / "FL2VA" / "transformer").is_dir() and not (root / "transformer").is_dir():
         root = root / "FL2VA"
-    original = (root / "video_vae").is_dir()
-    parts = {
-        "transformer": root / "transformer",
-        "text_root": root,
-        "video_vae": root / ("video_vae" if original else "vae"),
-        "audio_vae": root / "audio_vae",
-    }
-    for name in ("transformer", "text_encoder", "tokenizer", "processor"):
+    for name in ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae"):
         if not (root / name).is_dir():
             raise FileNotFoundError(
                 f"model folder {root} has no {name}/ (expected the released FL2VA/ layout or the diffusers layout)"
             )
-    for key in ("video_vae", "audio_vae"):
-        if not parts[key].is_dir():
-            raise FileNotFoundError(f"model folder {root} has no {parts[key].name}/")
-    return parts
+    video = root / ("video_vae" if (root / "video_vae").is_dir() else "vae")
+    if not video.is_dir():
+        raise FileNotFoundError(f"model folder {root} has no video_vae/ (original layout) or vae/ (diffusers layout)")
+    dit_config = root / "transformer" / "config.json"
+    if not dit_config.is_file():
+        raise FileNotFoundError(f"{dit_config} is missing")
+    text_config = root / "text_encoder" / "config.json"
+    try:
+        text = Qwen3VLConfig.from_pretrained(str(root / "text_encoder"), local_files_only=True).text_config
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{text_config}: not a readable Qwen3-VL config ({err})") from err
+    folder = ModelFolder(
+        root=root,
+        transformer=root / "transformer",
+        text_root=root,
+        video_vae=video,
+        audio_vae=root / "audio_vae",
+        dit=DiTConfig.from_json(dit_config),
+        video_vae_config=read_video_vae_config(video)[0],
+        audio_vae_config=read_audio_vae_config(root / "audio_vae")[0],
+        text_hidden_size=text.hidden_size,
+    )
+    if text.num_hidden_layers <= TEXT_ENCODER_LAYER:
+        raise ValueError(
+            f"{text_config}: the text encoder has {text.num_hidden_layers} layers; H3 reads the output of layer "
+            f"{TEXT_ENCODER_LAYER}, so it needs more than {TEXT_ENCODER_LAYER}"
+        )
+    check_compatible(folder.dit, folder.video_vae_config, folder.audio_vae_config, folder.text_hidden_size)
+    return folder
 
 
-def load_components(path: str | Path, profile: Profile) -> Components:
-    parts = resolve_model_folder(path)
+def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfig, text_hidden_size: int) -> None:
+    """The components must fit each other and the pipeline's fixed geometry (1/16 spatial and 1/4 temporal video
+    latents on 17-frame clips, 40 audio latents per second); the message names both sides of a mismatch."""
+    pairs = [
+        ("transformer text_dim", dit.text_dim, "text encoder hidden_size", text_hidden_size),
+        ("transformer latents_dim", dit.latents_dim, "video VAE latent_channels", video.latent_channels),
+        ("transformer audio_latents_dim", dit.audio_latents_dim, "audio VAE latent_channels", audio.latent_channels),
+        ("video VAE spatial ratio", video.spatial_ratio, "the pipeline's", 16),
+        ("video VAE temporal ratio", video.temporal_ratio, "the pipeline's", 4),
+        ("video VAE clip_length", video.clip_length, "the pipeline's", 17),
+        ("audio VAE latents per second", audio.sampling_rate / audio.hop_length, "the pipeline's", 40),
+    ]
+    for left, a, right, b in pairs:
+        if a != b:
+            raise ValueError(f"incompatible model components: {left} is {a:g} but {right} is {b:g}")
+
+
+def load_components(folder: ModelFolder, profile: Profile) -> Components:
     device = profile.torch_device
     return Components(
-        dit=load_dit(parts["transformer"], device=device, dtype=profile.torch_dtype),
-        text_encoder=load_released_text_encoder(parts["text_root"], device=device, dtype=profile.torch_dtype),
-        video_vae=load_video_vae(parts["video_vae"], device=device),
-        audio_vae=load_audio_vae(parts["audio_vae"], device=device),
-        name=str(Path(path)),
+        dit=load_dit(folder.transformer, device=device, dtype=profile.torch_dtype, config=folder.dit),
+        text_encoder=load_released_text_encoder(folder.text_root, device=device, dtype=profile.torch_dtype),
+        video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
+        audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
+        name=str(folder.root),
     )
 
 
@@ -168,17 +228,21 @@ class Engine:
     """Runs requests through the stages; holds the components and the profile for its whole life."""
 
     def __init__(self, components: Components, profile: Profile, rules: RequestRules = RELEASED_RULES):
+        c = components
+        text_hidden = c.text_encoder.model.config.text_config.hidden_size
+        check_compatible(c.dit.config, c.video_vae.cfg, c.audio_vae.cfg, text_hidden)
         self.components = components
         self.profile = profile
         self.rules = rules
 
     @classmethod
-    def load(cls, model: str | Path | None, profile: Profile) -> Engine:
-        """`model=None` builds the tiny model; otherwise a released checkpoint folder."""
+    def load(cls, model: str | Path | ModelFolder | None, profile: Profile) -> Engine:
+        """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved)."""
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype)
             return cls(components, profile, TINY_RULES)
-        return cls(load_components(model, profile), profile)
+        folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
+        return cls(load_components(folder, profile), profile)
 
     @property
     def name(self) -> str:

@@ -1,0 +1,87 @@
+"""A model folder is read and cross-checked before any weight loads: configs only, no weights, in these tests."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from folder_fixtures import write_config_folder
+from h3serve.cli import main
+from h3serve.model.dit import H3DiT
+from h3serve.model.tiny import (
+    TINY_AUDIO_VAE,
+    TINY_DIT,
+    TINY_VIDEO_VAE,
+    tiny_components,
+)
+from h3serve.pipeline.engine import Engine, Profile, resolve_model_folder
+
+
+def test_consistent_folder_resolves_with_its_configs(tmp_path):
+    folder = resolve_model_folder(write_config_folder(tmp_path / "m"))
+    assert folder.dit == TINY_DIT and folder.text_hidden_size == TINY_DIT.text_dim
+    assert folder.video_vae.name == "vae" and folder.video_vae_config.latent_channels == TINY_DIT.latents_dim
+    assert folder.audio_vae_config == TINY_AUDIO_VAE
+
+
+def test_parent_of_fl2va_resolves_to_it(tmp_path):
+    write_config_folder(tmp_path / "release" / "FL2VA")
+    assert resolve_model_folder(tmp_path / "release").root == tmp_path / "release" / "FL2VA"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dit": replace(TINY_DIT, text_dim=16)}, "transformer text_dim is 16 but text encoder hidden_size is 32"),
+        (
+            {"dit": replace(TINY_DIT, audio_latents_dim=6)},
+            "transformer audio_latents_dim is 6 but audio VAE latent_channels is 8",
+        ),
+        (
+            {
+                "video": replace(
+                    TINY_VIDEO_VAE,
+                    block_out_channels=(8, 8, 16),
+                    spatial_downsample_factors=(2, 2, 2),
+                    temporal_downsample_factors=(1, 2, 2),
+                )
+            },
+            "video VAE spatial ratio is 8 but the pipeline's is 16",
+        ),
+        ({"text_layers": 50}, "H3 reads the output of layer 50"),
+    ],
+)
+def test_mismatched_components_are_refused_before_loading(tmp_path, change, message):
+    root = write_config_folder(tmp_path / "m", **change)
+    with pytest.raises(ValueError, match=message):
+        resolve_model_folder(root)
+
+
+def test_broken_config_names_the_file(tmp_path):
+    root = write_config_folder(tmp_path / "m")
+    (root / "audio_vae" / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=re.escape(str(root / "audio_vae" / "config.json"))):
+        resolve_model_folder(root)
+    root = write_config_folder(tmp_path / "n")
+    (root / "transformer" / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"transformer/config\.json is missing"):
+        resolve_model_folder(root)
+
+
+def test_cli_refuses_a_mismatched_folder_without_loading_weights(tmp_path, capsys):
+    """No weight file exists at all: the error can only come from reading the configs."""
+    root = write_config_folder(tmp_path / "m", dit=replace(TINY_DIT, latents_dim=4))
+    out = tmp_path / "out.mp4"
+    code = main(["render", "a fox", "--model", str(root), "-o", str(out), "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and "transformer latents_dim is 4 but video VAE latent_channels is 8" in err[-1]
+    assert not out.exists()
+
+
+def test_engine_refuses_components_that_do_not_fit():
+    components = tiny_components()
+    components.dit = H3DiT(replace(TINY_DIT, text_dim=16))
+    with pytest.raises(ValueError, match="transformer text_dim is 16"):
+        Engine(components, Profile.for_device("cpu"))
