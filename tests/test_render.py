@@ -217,3 +217,13 @@ def test_render_uses_float32_on_cpu_by_default():
     assert (profile.dtype, profile.vae_autocast) == ("float32", "none")
     engine = Engine.load(None, profile)
     assert engine.components.dit.blocks[0].attn.qkv_proj.weight.dtype == torch.float32
+
+
+def test_internal_failure_is_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatch):
+    """A failure inside the render (here: the engine raising as on a CUDA out-of-memory) is reported in one line."""
+
+    def fail(self, request, on_step=None):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(Engine, "render", fail)
+    expect_error(tmp_path, capsys, message="render failed: RuntimeError: CUDA out of memory")

@@ -221,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("h3serve: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # an internal failure (out of memory, a bug): still one line, still no partial file
+        if args.verbose:
+            logging.exception("h3serve: %s failed", args.command)
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"h3serve: error: {args.command} failed: {type(err).__name__}: {err}{hint}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":
