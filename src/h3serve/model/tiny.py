@@ -200,6 +200,10 @@ def tiny_components(*, device: torch.device | str = "cpu", dtype: torch.dtype = 
                 t.data = t.data.to(torch.bfloat16).to(dtype)
     video_vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
     audio_vae = randomize(AudioVAE(TINY_AUDIO_VAE), TINY_SEED + 2, keep=("filter",))
+    with torch.no_grad():
+        # At this random scale over a quarter of the samples sat on the [-1, 1] clamp, where any two decodes agree
+        # trivially; a tenth of the output gain keeps the waveform inside it, so audio comparisons mean something.
+        audio_vae.decoder.conv_post.weight_g.mul_(0.1)
     text_encoder = tiny_text_encoder(
         load_tokenizer(asset_dir("tokenizer")),
         load_image_processor(asset_dir("processor")),
