@@ -237,3 +237,48 @@ def test_matches_diffusers_text_encoder_step(tmp_path, tokenizer, image_processo
     cond = ours.encode(prompt, keyframes)
     assert torch.equal(cond.token_tags, state.get("text_token_tags"))
     assert torch.equal(cond.states, state.get("prompt_embeds")[0])
+
+
+# --- loader strictness ------------------------------------------------------------------------------------------
+
+
+def _rewrite(file, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(file)
+    edit(state)
+    save_file(state, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s.pop("model.language_model.layers.1.mlp.up_proj.weight"), "missing key"),
+        (lambda s: s.update({"model.extra.weight": torch.zeros(2)}), "unexpected key 'model.extra.weight'"),
+        (
+            lambda s: s.update({"model.language_model.layers.0.input_layernorm.weight": torch.zeros(3)}),
+            "wrong shape",
+        ),
+        (
+            lambda s: s.update(
+                {"model.language_model.layers.0.input_layernorm.weight": torch.ones(32, dtype=torch.float16)}
+            ),
+            "dtype torch.float16, expected torch.float32",
+        ),
+    ],
+)
+def test_loader_refuses_corrupt_checkpoints(tmp_path, edit, message):
+    """Keys past the prefix (layer 2, the final norm, the LM head) are skipped; anything else wrong is refused."""
+    from h3serve.model.loading import CheckpointError
+
+    full_tiny_qwen(3).save_pretrained(tmp_path)
+    _rewrite(tmp_path / "model.safetensors", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_text_encoder(tmp_path, TOKENIZER, vision=False, layer=2, dtype=torch.float32)
+
+
+def test_loader_reads_a_clean_prefix_checkpoint(tmp_path):
+    full_tiny_qwen(3).save_pretrained(tmp_path)
+    encoder = load_text_encoder(tmp_path, TOKENIZER, vision=False, layer=2, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and not p.is_meta for p in encoder.model.parameters())
+    assert len(encoder.model.language_model.layers) == 2

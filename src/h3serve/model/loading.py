@@ -44,6 +44,9 @@ class Checkpoint:
     def keys(self) -> frozenset[str]:
         return frozenset(self._files)
 
+    def __iter__(self):
+        return iter(self._files)
+
     def file_of(self, key: str) -> Path:
         return self._files[key]
 
@@ -155,11 +158,13 @@ def assign_from_checkpoint(
     device: torch.device | str,
     dtype_of: Callable[[str], torch.dtype],
     ckpt_dtype_of: Callable[[str], torch.dtype],
+    unused: frozenset[str] = frozenset(),
 ) -> None:
     """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source).
 
-    The checkpoint's key set must equal the plan's, each stored tensor must have the expected dtype, and each built
-    tensor the module's shape. Tensors are read with mmap and placed once at their target device and dtype.
+    The checkpoint's key set must equal the plan's (plus `unused`: keys known to be there and deliberately not read,
+    such as the text encoder's layers past the one H3 reads), each stored tensor must have the expected dtype, and
+    each built tensor the module's shape. Tensors are read with mmap and placed once at their target device and dtype.
     """
     expected = dict(module.state_dict(keep_vars=True))
     if set(plan) != set(expected):
@@ -170,8 +175,8 @@ def assign_from_checkpoint(
     if wanted - present:
         key = min(wanted - present)
         raise CheckpointError(f"{ckpt.root}: missing key {key!r}")
-    if present - wanted:
-        key = min(present - wanted)
+    if present - wanted - unused:
+        key = min(present - wanted - unused)
         raise CheckpointError(f"{ckpt.file_of(key)}: unexpected key {key!r}")
 
     state: dict[str, torch.Tensor] = {}

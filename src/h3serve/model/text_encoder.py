@@ -11,17 +11,17 @@ keyframe, in packed order, comes first as `"<Picture i>: "` plus `<|vision_start
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from h3serve.model.loading import Source, assign_from_checkpoint, open_checkpoint
 
 TEXT_ENCODER_LAYER = 50
 TEXT_TAG = 1
@@ -124,19 +124,6 @@ def materialize_buffers(model: nn.Module) -> None:
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, type(module)(module.config))
 
 
-def _checkpoint_files(folder: Path) -> dict[str, Path]:
-    """key -> safetensors file, from the sharded index or a single `model.safetensors`."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {key: folder / file for key, file in weight_map.items()}
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"no model.safetensors(.index.json) in {folder}")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 def checkpoint_key_map(key: str, layer: int, vision: bool) -> str | None:
     """Map a `Qwen3VLForConditionalGeneration` key to our `Qwen3VLModel` key, or None to skip it."""
     if not key.startswith("model."):
@@ -161,26 +148,28 @@ def load_qwen3vl_prefix(
 ) -> Qwen3VLModel:
     """Load decoder layers 0..layer-1 (and the vision tower if `vision`) of a released Qwen3-VL folder.
 
-    Weights go straight from the safetensors files to `device` and are assigned in place of the meta tensors;
-    nothing else of the checkpoint is read.
+    Strict like the other loaders: every tensor the prefix needs must be there, in the dtype the folder's config
+    declares (bfloat16 in the release), with the right shape; keys past the prefix (later layers, the final norm,
+    the LM head, the vision tower when not wanted) must be the ones `checkpoint_key_map` skips, and are never read.
+    Each tensor goes from the mmap-ed file to `device` at `dtype` once.
     """
     folder = Path(folder)
     config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
+    stored = config.dtype or config.text_config.dtype or torch.bfloat16
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
     model = truncated_qwen3vl(config, layer, vision)
-    files = _checkpoint_files(folder)
-    by_file: dict[Path, list[tuple[str, str]]] = {}
-    for key, file in files.items():
-        ours = checkpoint_key_map(key, layer, vision)
-        if ours is not None:
-            by_file.setdefault(file, []).append((key, ours))
-    state = {}
-    for file, keys in by_file.items():
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for key, ours in keys:
-                state[ours] = f.get_tensor(key).to(dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if missing or unexpected:
-        raise ValueError(f"{folder} does not match Qwen3-VL: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    ckpt = open_checkpoint(folder)
+    plan = {name: Source((f"model.{name}",)) for name in model.state_dict()}
+    skipped = frozenset(k for k in ckpt if checkpoint_key_map(k, layer, vision) is None)
+    assign_from_checkpoint(
+        model,
+        ckpt,
+        plan,
+        device=device,
+        dtype_of=lambda _: dtype,
+        ckpt_dtype_of=lambda _: stored,
+        unused=skipped,
+    )
     materialize_buffers(model)
     return model.to(device)
 
