@@ -39,6 +39,8 @@ def test_round_trip_through_original_keys():
         ({"norm_eps": -1.0}, "norm_eps must be a positive number"),
         ({"hidden_size": 5376.0}, "hidden_size must be an int"),
         ({"timestep_input_dim": 255}, "timestep_input_dim must be even"),
+        ({"num_layers": 2.5}, "num_layers must be an int, got 2.5"),
+        ({"rope_inv_freq_len": 4.0}, "rope_inv_freq_len must be an int"),
     ],
 )
 def test_invalid_values_are_refused(change, message):

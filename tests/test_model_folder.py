@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from e2e_fixtures import write_tiny_checkpoint
 from folder_fixtures import write_config_folder
 from h3serve.cli import main
 from h3serve.model.dit import H3DiT
@@ -19,16 +20,35 @@ from h3serve.model.tiny import (
 from h3serve.pipeline.engine import Engine, Profile, resolve_model_folder
 
 
-def test_consistent_folder_resolves_with_its_configs(tmp_path):
-    folder = resolve_model_folder(write_config_folder(tmp_path / "m"))
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A complete tiny checkpoint (weights included) in the diffusers layout, under a release-like parent."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("release") / "FL2VA")
+
+
+def test_complete_folder_resolves_with_its_configs(checkpoint):
+    folder = resolve_model_folder(checkpoint)
     assert folder.dit == TINY_DIT and folder.text_hidden_size == TINY_DIT.text_dim
     assert folder.video_vae.name == "vae" and folder.video_vae_config.latent_channels == TINY_DIT.latents_dim
     assert folder.audio_vae_config == TINY_AUDIO_VAE
 
 
-def test_parent_of_fl2va_resolves_to_it(tmp_path):
-    write_config_folder(tmp_path / "release" / "FL2VA")
-    assert resolve_model_folder(tmp_path / "release").root == tmp_path / "release" / "FL2VA"
+def test_parent_of_fl2va_resolves_to_it(checkpoint):
+    assert resolve_model_folder(checkpoint.parent).root == checkpoint
+
+
+def test_weights_are_checked_before_anything_loads(checkpoint, tmp_path):
+    """Configs that fit but no weight files (or a truncated one): refused by reading headers only."""
+    with pytest.raises(ValueError, match=r"transformer: expected one \*\.safetensors\.index\.json"):
+        resolve_model_folder(write_config_folder(tmp_path / "configs-only"))
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    audio = next((broken / "audio_vae").glob("*.safetensors"))
+    audio.write_bytes(audio.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=re.escape(str(audio))):
+        resolve_model_folder(broken)
 
 
 @pytest.mark.parametrize(
@@ -51,6 +71,7 @@ def test_parent_of_fl2va_resolves_to_it(tmp_path):
             "video VAE spatial ratio is 8 but the pipeline's is 16",
         ),
         ({"text_layers": 50}, "H3 reads the output of layer 50"),
+        ({"dit": replace(TINY_DIT, patch_size=(1, 1, 1))}, r"transformer patch_size is \(1, 1, 1\) but the pipeline"),
     ],
 )
 def test_mismatched_components_are_refused_before_loading(tmp_path, change, message):

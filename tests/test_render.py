@@ -166,7 +166,10 @@ def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
         (["--width", "2048", "--height", "2048"], "above the canvas area cap"),
         (["--frames", "5000"], "num_frames must be 22..362"),
         (["--frames", "0"], "num_frames must be >= 22"),
-        (["--seconds", "-1"], "--seconds must be > 0"),
+        (["--seconds", "-1"], "--seconds must be a finite number > 0"),
+        (["--seconds", "inf"], "--seconds must be a finite number > 0"),
+        (["--threads", "0"], "--threads: threads must be an integer in 1..64"),
+        (["--video-shift", "1e6", "--steps", "50"], "steps=50 with video_shift=1e+06 and audio_shift=3 collapses"),
         (["--steps", "1"], "steps must be 2..1000"),
         (["--video-shift", "0"], "video_shift must be a finite number > 0"),
         (["--seed", "-3"], "seed must be 0..9223372036854775807"),
@@ -229,3 +232,11 @@ def test_internal_failure_is_one_line_and_leaves_no_file(tmp_path, capsys, monke
 
     monkeypatch.setattr(Engine, "render", fail)
     expect_error(tmp_path, capsys, message="render failed: RuntimeError: CUDA out of memory")
+
+
+def test_non_finite_latents_are_refused_not_written_as_black(tmp_path):
+    engine = Engine.load(None, Profile.for_device("cpu"))
+    with torch.no_grad():
+        engine.components.dit.final_layer.video_out.bias.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="denoised latents are not finite"):
+        engine.render(engine.validate("a fox", num_frames=22, steps=3))

@@ -15,6 +15,7 @@ from h3serve.pipeline.request import (
     CanvasRule,
     FrameRule,
     RequestRules,
+    decode_keyframe,
     fit_keyframes,
     resolve_canvas,
     validate_request,
@@ -198,3 +199,18 @@ def test_fit_keyframes_matches_reference(first, last, canvas):
     for mine, theirs in zip(ours, state.get("keyframes"), strict=True):
         assert mine.size == theirs.size
         assert np.array_equal(np.asarray(mine), np.asarray(theirs.convert("RGB")))
+
+
+def test_keyframe_exif_orientation_is_applied():
+    """A camera JPEG stored landscape with an EXIF 'rotate 90' tag is a portrait image, as the reference loads it."""
+    import io
+
+    from PIL import Image
+
+    image = Image.new("RGB", (64, 32), (200, 10, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW to display
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", exif=exif)
+    decoded = decode_keyframe(0, buffer.getvalue())
+    assert decoded.size == (32, 64)

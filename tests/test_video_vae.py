@@ -201,7 +201,7 @@ def test_fp16_autocast_decode_tracks_reference(pair):
     z = torch.randn(1, 4, 7, 11, 9, generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         expected = ref.decode(z).sample.float()
-    got = ours.decode(z)  # fp16 autocast is the default, as released
+    got = ours.decode(z, autocast_dtype=torch.float16)  # as released
     exact = ours.decode(z, autocast_dtype=None)
     assert got.dtype == torch.float32
     # fp16 keeps 11 significant bits (~5e-4 relative per op). Our fused to_qkv GEMM, fp32 tile blending (the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -110,8 +111,8 @@ def _check_output(path: Path) -> None:
 
 def _num_frames(args: argparse.Namespace, tiny: bool) -> int:
     if args.seconds is not None:
-        if not args.seconds > 0:
-            raise CliError(f"--seconds must be > 0, got {args.seconds}")
+        if not (math.isfinite(args.seconds) and args.seconds > 0):
+            raise CliError(f"--seconds must be a finite number > 0, got {args.seconds}")
         return max(1, round(args.seconds * 24))
     if args.frames is not None:
         return args.frames
@@ -121,14 +122,18 @@ def _num_frames(args: argparse.Namespace, tiny: bool) -> int:
 def cmd_render(args: argparse.Namespace) -> int:
     import torch
 
-    from h3serve.media.mp4 import write_mp4
-    from h3serve.pipeline.engine import RELEASED_RULES, TINY_RULES, Engine, Profile, resolve_model_folder
+    from h3serve.media.mp4 import DEFAULT_CRF, check_settings, write_mp4
+    from h3serve.pipeline.engine import FPS, RELEASED_RULES, STAGES, TINY_RULES, Engine, Profile, resolve_model_folder
     from h3serve.pipeline.request import validate_request
 
     # 1. Everything the user gave, checked before any weight loads.
     prompt = _read_prompt(args)
     task, keyframes = _read_keyframes(args)
     _check_output(args.output)
+    try:
+        check_settings(FPS, 32000, DEFAULT_CRF, args.threads)
+    except ValueError as err:
+        raise CliError(f"--threads: {err}") from err
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.model is None
     folder = None
@@ -198,7 +203,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         raise CliError(f"--output {args.output}: {err}") from err
     encode_s = time.perf_counter() - encode_start
-    stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in ("text", "layout", "denoise", "video", "audio"))
+    stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
     frames = result.frames
     print(
         f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "

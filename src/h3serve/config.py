@@ -40,6 +40,9 @@ def from_diffusers_keys(cls: type, config: dict[str, Any], what: str, *, exclude
     return cls(**values)
 
 
+_FLOAT_FIELDS = frozenset({"norm_eps", "qk_norm_eps", "final_norm_eps", "rope_theta"})
+
+
 @dataclass(frozen=True)
 class DiTConfig:
     """The H3 DiT, with the field names of the released `FL2VA/transformer/config.json`.
@@ -78,9 +81,9 @@ class DiTConfig:
                     raise ValueError(f"patch_size must be three positive ints (t, h, w), got {value}")
             elif isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{f.name} must be a positive number, got {value!r}")
-        for name in ("hidden_size", "num_attention_heads", "attention_head_dim", "ffn_hidden_size", "text_dim"):
-            if not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        for f in fields(self):
+            if f.name not in _FLOAT_FIELDS and f.name != "patch_size" and not isinstance(getattr(self, f.name), int):
+                raise ValueError(f"{f.name} must be an int, got {getattr(self, f.name)!r}")
         if self.adaln_out_features != NUM_BLOCK_MODULATIONS * NUM_MODALITIES * self.hidden_size:
             raise ValueError(
                 f"adaln_out_features must be 6 x 3 modalities x hidden_size = "

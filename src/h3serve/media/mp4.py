@@ -77,7 +77,7 @@ def write_mp4(
     existing file at `path` is left as it was. Returns the destination path.
     """
     dest = Path(path)
-    _check_settings(fps, sample_rate, crf, threads)
+    check_settings(fps, sample_rate, crf, threads)
     video = _check_frames(frames)  # (F, H, W, 3) uint8
     pcm = _check_audio(audio)  # (2, N) float32
     _check_destination(dest)
@@ -185,7 +185,8 @@ def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _check_settings(fps: int, sample_rate: int, crf: int, threads: int) -> None:
+def check_settings(fps: int, sample_rate: int, crf: int, threads: int) -> None:
+    """Validate the encoder settings alone (callers check them before rendering anything)."""
     if not _is_int(fps) or not 1 <= fps <= 240:
         raise ValueError(f"fps must be an integer in 1..240, got {fps!r}")
     if not _is_int(sample_rate) or sample_rate not in AAC_SAMPLE_RATES:

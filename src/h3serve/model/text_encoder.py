@@ -2,7 +2,7 @@
 
 The conditioning is `hidden_states[50]` of the released `Qwen3VLForConditionalGeneration`: the output of
 decoder layers 0..49. Layers 50..63, the final norm and the LM head never run, so they are never loaded; the
-vision tower is loaded only when keyframes are to be encoded.
+vision tower is loaded unless `vision=False` (only the keyframe modes use it).
 
 Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each
 keyframe, in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n

@@ -662,13 +662,14 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = torch.float16
+        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
 
-        The release decodes under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`); pass None for a
-        pure fp32 decode. Windows of `chunk + token_overlap` latents decode one at a time and their overlapping
-        frames are linearly cross-faded; frames are written straight into the output.
+        The release decodes on the GPU under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`, which
+        the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
+        `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
+        frames are written straight into the output.
         """
         cfg = self.cfg
         if z.ndim != 5 or z.shape[1] != cfg.latent_channels:

@@ -24,7 +24,7 @@ from PIL import Image
 
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
-from h3serve.model.loading import load_dit
+from h3serve.model.loading import load_dit, open_checkpoint
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, load_released_text_encoder
 from h3serve.model.tiny import Components, tiny_components
 from h3serve.model.vae_loading import (
@@ -193,6 +193,15 @@ def resolve_model_folder(path: str | Path) -> ModelFolder:
             f"{TEXT_ENCODER_LAYER}, so it needs more than {TEXT_ENCODER_LAYER}"
         )
     check_compatible(folder.dit, folder.video_vae_config, folder.audio_vae_config, folder.text_hidden_size)
+    # Every weight file's header too (indexes, shards, key lists; no tensor data): a missing or truncated file
+    # stops the start now, not after the components before it have loaded.
+    for weights in (
+        folder.transformer,
+        root / "text_encoder",
+        read_video_vae_config(video)[1],
+        read_audio_vae_config(root / "audio_vae")[1],
+    ):
+        open_checkpoint(weights)
     return folder
 
 
@@ -203,6 +212,7 @@ def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfi
         ("transformer text_dim", dit.text_dim, "text encoder hidden_size", text_hidden_size),
         ("transformer latents_dim", dit.latents_dim, "video VAE latent_channels", video.latent_channels),
         ("transformer audio_latents_dim", dit.audio_latents_dim, "audio VAE latent_channels", audio.latent_channels),
+        ("transformer patch_size", dit.patch_size, "the pipeline's", (1, 2, 2)),
         ("video VAE spatial ratio", video.spatial_ratio, "the pipeline's", 16),
         ("video VAE temporal ratio", video.temporal_ratio, "the pipeline's", 4),
         ("video VAE clip_length", video.clip_length, "the pipeline's", 17),
@@ -210,7 +220,11 @@ def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfi
     ]
     for left, a, right, b in pairs:
         if a != b:
-            raise ValueError(f"incompatible model components: {left} is {a:g} but {right} is {b:g}")
+            raise ValueError(f"incompatible model components: {left} is {_fmt(a)} but {right} is {_fmt(b)}")
+
+
+def _fmt(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def load_components(folder: ModelFolder, profile: Profile) -> Components:
@@ -297,6 +311,10 @@ class Engine:
                 model, video_rows.to(device), audio_rows.to(device), layout, schedule, on_step
             )
 
+        if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
+            # Fail closed: a NaN would otherwise reach the MP4 as black pixels.
+            raise RuntimeError("the denoised latents are not finite (NaN or inf); nothing was decoded")
+
         with self._stage(timings, "video"):
             generated = video_rows[layout.num_condition_video_rows :]
             latents = unpatchify_video(generated, geometry, cfg.patch_size)  # (1, C, F, h, w) normalised
@@ -304,8 +322,11 @@ class Engine:
             pixels = c.video_vae.decode(c.video_vae.denormalize_latents(latents), autocast_dtype=autocast)
             mean = torch.tensor(PIXEL_MEAN, device=pixels.device).view(1, -1, 1, 1, 1)
             std = torch.tensor(PIXEL_STD, device=pixels.device).view(1, -1, 1, 1, 1)
-            pixels = (pixels.float() * std + mean).clamp(0, 1)  # (1, 3, F, H, W) in [0, 1]
-            frames = (pixels[0].permute(1, 2, 3, 0) * 255).round().to(torch.uint8).cpu().numpy()
+            if not torch.isfinite(pixels).all():
+                raise RuntimeError("the video decoder produced non-finite pixels (NaN or inf)")
+            # In place: at 1344x768x362 each full-size float32 copy would be ~4.5 GB.
+            pixels = pixels.float().mul_(std).add_(mean).clamp_(0, 1).mul_(255).round_()  # (1, 3, F, H, W)
+            frames = pixels[0].permute(1, 2, 3, 0).to(torch.uint8).cpu().numpy()
 
         with self._stage(timings, "audio"):
             audio_latents = audio_rows_to_latents(audio_rows, layout.audio_channels)  # (2, C, Na)

@@ -21,9 +21,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from PIL import Image
+from PIL import Image, ImageOps
 
 from h3serve.pipeline.layout import TASK_ANCHORS
+from h3serve.pipeline.schedule import DualSchedule
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,8 @@ def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryv
             raise ValueError(f"{name} could not be decoded as an image ({type(e).__name__}: {e})") from e
     else:
         raise ValueError(f"{name} must be image bytes or a PIL image, got {type(image).__name__}")
+    # Camera JPEGs store their rotation as EXIF; apply it, as the reference's image loading does.
+    decoded = ImageOps.exif_transpose(decoded)
     if decoded.width < 1 or decoded.height < 1:
         raise ValueError(f"{name} has no pixels ({decoded.width}x{decoded.height})")
     return decoded.convert("RGB")
@@ -205,7 +208,10 @@ def validate_request(
             width, height = resolve_canvas(*aspect, canvas)
         except ValueError as e:
             raise ValueError(f"keyframes[0]: {e}; give width and height explicitly") from e
-        source = "the first keyframe's aspect ratio" if images else "the default 16:9"
+        if not images:
+            source = "the default 16:9"
+        else:
+            source = "the keyframe's aspect ratio" if len(images) == 1 else "the first keyframe's aspect ratio"
         notices.append(f"canvas {width}x{height} chosen from {source}")
     width, height = _number("width", width, int), _number("height", height, int)
     canvas.check(width, height)
@@ -244,6 +250,10 @@ def validate_request(
         value = _number(name, value, float)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+    # Both schedules must keep one point per step, or video and audio would step out of sync: refuse it here,
+    # before anything loads, rather than in the middle of a render.
+    DualSchedule.build(steps, float(video_shift), float(audio_shift))
 
     for notice in notices:
         log.info("request: %s", notice)

@@ -56,8 +56,9 @@ class DualSchedule:
         if len(video) != len(audio):
             # Both modalities step by the same index; a collapsed grid point in one of them would desynchronise them.
             raise ValueError(
-                f"num_points={num_points} collapses the shifted grids to different lengths "
-                f"(video {len(video) + 1}, audio {len(audio) + 1}); use fewer steps"
+                f"steps={num_points} with video_shift={video_shift:g} and audio_shift={audio_shift:g} collapses the "
+                f"shifted grids to different lengths (video {len(video) + 1}, audio {len(audio) + 1} distinct "
+                f"points); use fewer steps or shifts nearer the released 12 and 3"
             )
         return cls(video=video, audio=audio)
 
