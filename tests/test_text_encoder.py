@@ -16,10 +16,10 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from h3serve.model.loading import load_text_encoder
 from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     load_image_processor,
-    load_text_encoder,
     load_tokenizer,
     present,
 )
@@ -171,7 +171,8 @@ def test_released_index_covers_exactly_the_prefix(vision):
 
     from transformers import Qwen3VLConfig
 
-    from h3serve.model.text_encoder import checkpoint_key_map, truncated_qwen3vl
+    from h3serve.model.loading import checkpoint_key_map
+    from h3serve.model.text_encoder import truncated_qwen3vl
 
     folder = REFERENCE / "FL2VA" / "text_encoder"
     keys = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]

@@ -1,5 +1,7 @@
 """Checkpoint loading: safetensors read with mmap into a model built on the meta device, strictly.
 
+Loaders for the DiT and the text encoder live here (the VAEs' in `vae_loading.py`).
+
 The generic part (`open_checkpoint`, `Source`, `assign_from_checkpoint`) serves every component; the DiT part
 detects which of the three published DiT layouts a checkpoint uses and fixes its quirks once, here:
 
@@ -22,9 +24,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import Qwen3VLConfig, Qwen3VLModel
 
 from h3serve.config import DiTConfig
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
+from h3serve.model.text_encoder import (
+    TEXT_ENCODER_LAYER,
+    TextEncoder,
+    load_image_processor,
+    load_tokenizer,
+    materialize_buffers,
+    truncated_qwen3vl,
+)
 
 log = logging.getLogger(__name__)
 
@@ -378,3 +389,81 @@ def dit_state_dict_for_layout(model: H3DiT, layout: str) -> dict[str, torch.Tens
         else:
             out[name] = tensor.contiguous()
     return out
+
+
+# ----------------------------------------------------------------------------------------------- the text encoder
+
+
+def checkpoint_key_map(key: str, layer: int, vision: bool) -> str | None:
+    """Map a `Qwen3VLForConditionalGeneration` key to our `Qwen3VLModel` key, or None to skip it."""
+    if not key.startswith("model."):
+        return None  # lm_head
+    key = key.removeprefix("model.")
+    if key.startswith("visual."):
+        return key if vision else None
+    if key.startswith("language_model.layers."):
+        return key if int(key.split(".")[2]) < layer else None
+    if key == "language_model.norm.weight":
+        return None
+    return key
+
+
+def load_qwen3vl_prefix(
+    folder: str | Path,
+    *,
+    layer: int = TEXT_ENCODER_LAYER,
+    vision: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> Qwen3VLModel:
+    """Load decoder layers 0..layer-1 (and the vision tower if `vision`) of a released Qwen3-VL folder.
+
+    Strict like the other loaders: every tensor the prefix needs must be there, in the dtype the folder's config
+    declares (bfloat16 in the release), with the right shape; keys past the prefix (later layers, the final norm,
+    the LM head, the vision tower when not wanted) must be the ones `checkpoint_key_map` skips, and are never read.
+    Each tensor goes from the mmap-ed file to `device` at `dtype` once.
+    """
+    folder = Path(folder)
+    config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
+    stored = config.dtype or config.text_config.dtype or torch.bfloat16
+    stored = getattr(torch, stored) if isinstance(stored, str) else stored
+    model = truncated_qwen3vl(config, layer, vision)
+    ckpt = open_checkpoint(folder)
+    plan = {name: Source((f"model.{name}",)) for name in model.state_dict()}
+    skipped = frozenset(k for k in ckpt if checkpoint_key_map(k, layer, vision) is None)
+    assign_from_checkpoint(
+        model,
+        ckpt,
+        plan,
+        device=device,
+        dtype_of=lambda _: dtype,
+        ckpt_dtype_of=lambda _: stored,
+        unused=skipped,
+    )
+    materialize_buffers(model)
+    return model.to(device)
+
+
+def load_text_encoder(
+    text_encoder_dir: str | Path,
+    tokenizer_dir: str | Path,
+    processor_dir: str | Path | None = None,
+    *,
+    layer: int = TEXT_ENCODER_LAYER,
+    vision: bool = True,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+) -> TextEncoder:
+    """The released `text_encoder/`, `tokenizer/` and `processor/` folders (processor needed only with vision)."""
+    if vision and processor_dir is None:
+        raise ValueError("vision=True needs processor_dir (the released processor/ folder)")
+    model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype)
+    processor = load_image_processor(processor_dir) if vision else None
+    return TextEncoder(model, load_tokenizer(tokenizer_dir), processor)
+
+
+def load_released_text_encoder(root: str | Path, **kwargs) -> TextEncoder:
+    """From a release root holding `text_encoder/`, `tokenizer/` and `processor/` (`FL2VA/` or the diffusers
+    layout's top level). kwargs as for `load_text_encoder`."""
+    root = Path(root)
+    return load_text_encoder(root / "text_encoder", root / "tokenizer", root / "processor", **kwargs)

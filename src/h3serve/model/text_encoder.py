@@ -21,8 +21,6 @@ from torch import nn
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from h3serve.model.loading import Source, assign_from_checkpoint, open_checkpoint
-
 TEXT_ENCODER_LAYER = 50
 TEXT_TAG = 1
 VISION_TAG = 0  # vision-block rows are tagged as video
@@ -124,56 +122,6 @@ def materialize_buffers(model: nn.Module) -> None:
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, type(module)(module.config))
 
 
-def checkpoint_key_map(key: str, layer: int, vision: bool) -> str | None:
-    """Map a `Qwen3VLForConditionalGeneration` key to our `Qwen3VLModel` key, or None to skip it."""
-    if not key.startswith("model."):
-        return None  # lm_head
-    key = key.removeprefix("model.")
-    if key.startswith("visual."):
-        return key if vision else None
-    if key.startswith("language_model.layers."):
-        return key if int(key.split(".")[2]) < layer else None
-    if key == "language_model.norm.weight":
-        return None
-    return key
-
-
-def load_qwen3vl_prefix(
-    folder: str | Path,
-    *,
-    layer: int = TEXT_ENCODER_LAYER,
-    vision: bool = True,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-) -> Qwen3VLModel:
-    """Load decoder layers 0..layer-1 (and the vision tower if `vision`) of a released Qwen3-VL folder.
-
-    Strict like the other loaders: every tensor the prefix needs must be there, in the dtype the folder's config
-    declares (bfloat16 in the release), with the right shape; keys past the prefix (later layers, the final norm,
-    the LM head, the vision tower when not wanted) must be the ones `checkpoint_key_map` skips, and are never read.
-    Each tensor goes from the mmap-ed file to `device` at `dtype` once.
-    """
-    folder = Path(folder)
-    config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
-    stored = config.dtype or config.text_config.dtype or torch.bfloat16
-    stored = getattr(torch, stored) if isinstance(stored, str) else stored
-    model = truncated_qwen3vl(config, layer, vision)
-    ckpt = open_checkpoint(folder)
-    plan = {name: Source((f"model.{name}",)) for name in model.state_dict()}
-    skipped = frozenset(k for k in ckpt if checkpoint_key_map(k, layer, vision) is None)
-    assign_from_checkpoint(
-        model,
-        ckpt,
-        plan,
-        device=device,
-        dtype_of=lambda _: dtype,
-        ckpt_dtype_of=lambda _: stored,
-        unused=skipped,
-    )
-    materialize_buffers(model)
-    return model.to(device)
-
-
 class TextEncoder(nn.Module):
     """Prompt (+ keyframes) -> (L, hidden) conditioning rows and their modality tags."""
 
@@ -219,28 +167,3 @@ class TextEncoder(nn.Module):
     def encode(self, prompt: str, keyframes: Sequence[Image.Image] = ()) -> TextConditioning:
         presentation = self.present(prompt, keyframes)
         return TextConditioning(self(presentation), torch.tensor(presentation.token_tags, dtype=torch.long))
-
-
-def load_text_encoder(
-    text_encoder_dir: str | Path,
-    tokenizer_dir: str | Path,
-    processor_dir: str | Path | None = None,
-    *,
-    layer: int = TEXT_ENCODER_LAYER,
-    vision: bool = True,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-) -> TextEncoder:
-    """The released `text_encoder/`, `tokenizer/` and `processor/` folders (processor needed only with vision)."""
-    if vision and processor_dir is None:
-        raise ValueError("vision=True needs processor_dir (the released processor/ folder)")
-    model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype)
-    processor = load_image_processor(processor_dir) if vision else None
-    return TextEncoder(model, load_tokenizer(tokenizer_dir), processor)
-
-
-def load_released_text_encoder(root: str | Path, **kwargs) -> TextEncoder:
-    """From a release root holding `text_encoder/`, `tokenizer/` and `processor/` (`FL2VA/` or the diffusers
-    layout's top level). kwargs as for `load_text_encoder`."""
-    root = Path(root)
-    return load_text_encoder(root / "text_encoder", root / "tokenizer", root / "processor", **kwargs)

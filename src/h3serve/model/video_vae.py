@@ -708,15 +708,14 @@ class VideoVAE(nn.Module):
         return out
 
 
-def posterior_mode(moments: torch.Tensor) -> torch.Tensor:
-    return moments.chunk(2, dim=1)[0]
+def posterior_sample(
+    mean: torch.Tensor, logvar: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """mean + std * eps with eps drawn from `generator` (H3 uses a CPU generator seeded 42 for keyframes).
 
-
-def posterior_sample(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """mean + std * eps with eps drawn from `generator` (H3 uses a CPU generator seeded 42 for keyframes)."""
-    mean, logvar = moments.chunk(2, dim=1)
+    The noise is drawn on the generator's device, so a CPU generator gives the same noise whatever device encodes.
+    """
     std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
-    # Draw on the generator's device so a CPU generator gives the same noise whatever device decodes.
     noise_device = generator.device if generator is not None else mean.device
     eps = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=noise_device).to(mean.device)
     return mean + std * eps

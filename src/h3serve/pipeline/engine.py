@@ -24,8 +24,8 @@ from PIL import Image
 
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
-from h3serve.model.loading import load_dit, open_checkpoint
-from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, load_released_text_encoder
+from h3serve.model.loading import load_dit, load_released_text_encoder, open_checkpoint
+from h3serve.model.text_encoder import TEXT_ENCODER_LAYER
 from h3serve.model.tiny import Components, tiny_components
 from h3serve.model.vae_loading import (
     load_audio_vae,

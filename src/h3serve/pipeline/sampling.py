@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3serve.model.video_vae import posterior_sample
 from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
 from h3serve.pipeline.schedule import DualSchedule, euler_step
 
@@ -81,10 +82,8 @@ def sample_keyframe_latents(
     mean, logvar: (1, C, 1, h, w) on any device. Returns float32 on the CPU. The fixed seed makes a keyframe
     always encode to the same anchor; the fp16 rounding is part of the released recipe (about 11 bits kept).
     """
-    # Drawn on the CPU (a CPU generator) at the posterior's dtype, then moved, like the reference.
-    eps = torch.randn(mean.shape, generator=request_generator(seed), dtype=mean.dtype).to(mean.device)
-    std = torch.exp(0.5 * torch.clamp(logvar, -30.0, 20.0))
-    z = (mean + std * eps).to(torch.float16).float().cpu()
+    # Drawn from a CPU generator at the posterior's dtype, then moved, like the reference.
+    z = posterior_sample(mean, logvar, request_generator(seed)).to(torch.float16).float().cpu()
     shape = (1, -1) + (1,) * (z.ndim - 2)
     m = torch.as_tensor(latents_mean, dtype=torch.float32).view(shape)
     s = torch.as_tensor(latents_std, dtype=torch.float32).view(shape)
