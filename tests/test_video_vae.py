@@ -291,3 +291,7 @@ def test_config_rejects_unknown_and_unsupported_keys():
     source = json.loads((REF / "FL2VA/video_vae/source/config.json").read_text())
     with pytest.raises(ValueError, match="causal_decoder"):
         VideoVAEConfig.from_original(wrapper, {**source, "causal_decoder": True})
+    with pytest.raises(ValueError, match=r"unknown keys \['vae_tile_sise'\]"):
+        VideoVAEConfig.from_original({**wrapper, "vae_tile_sise": 128}, source)
+    with pytest.raises(ValueError, match="vae_decoder_parallel=1 is not supported"):
+        VideoVAEConfig.from_original({**wrapper, "vae_decoder_parallel": 1}, source)

@@ -247,6 +247,20 @@ class VideoVAEConfig:
         ratio_t = math.prod(source["time_down"])
         if source.get("vae_ratio", ratio_s) != ratio_s or source.get("vae_ratio_t", ratio_t) != ratio_t:
             raise ValueError("vae_ratio / vae_ratio_t disagree with space_down / time_down")
+        # Wrapper keys: the ones read below, metadata, and settings the release fixes (multi-GPU and chunking
+        # switches of the original code). Anything else, or another value of a fixed one, is refused.
+        read = {"vae_clip_length", "vae_token_drop", "latents_mean", "latents_std", "latent_channels"}
+        read |= {"vae_tile_size", "vae_tile_overlap_min", "vae_encoder_tiling", "vae_decoder_tiling"}
+        read |= {"source_path", "source_safetensors_path"}
+        metadata = {"_class_name", "_diffusers_version", "auto_map", "source_class_name"}
+        wrapper_fixed = {"mode": "standalone", "vae_parallel_tiling": 1, "vae_encoder_parallel": 0}
+        wrapper_fixed |= {"vae_decoder_parallel": 0, "vae_chunk_dim": -1}
+        unknown = sorted(set(wrapper) - read - metadata - set(wrapper_fixed))
+        if unknown:
+            raise ValueError(f"video_vae/config.json: unknown keys {unknown}")
+        for key, expected in wrapper_fixed.items():
+            if wrapper.get(key, expected) != expected:
+                raise ValueError(f"video_vae/config.json: {key}={wrapper[key]!r} is not supported (only {expected!r})")
         if wrapper.get("latent_channels", source["embed_dim"]) != source["embed_dim"]:
             raise ValueError("video_vae/config.json latent_channels disagrees with source embed_dim")
         tile_size = int(wrapper.get("vae_tile_size", 256))
