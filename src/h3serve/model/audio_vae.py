@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import from_diffusers_keys
+from h3serve.model.latents import denormalize, normalize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,18 +418,11 @@ class AudioVAE(nn.Module):
         self.dec_in_proj = nn.Conv1d(c, cfg.latent_dim, 1)
         self.decoder = BigVGANDecoder(cfg)
 
-    def _stats(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = torch.tensor(self.cfg.latents_mean, dtype=torch.float32, device=z.device).view(1, -1, 1)
-        std = torch.tensor(self.cfg.latents_std, dtype=torch.float32, device=z.device).view(1, -1, 1)
-        return mean, std
-
     def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return (z - mean) / std
+        return normalize(z, self.cfg.latents_mean, self.cfg.latents_std)
 
     def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return z * std + mean
+        return denormalize(z, self.cfg.latents_mean, self.cfg.latents_std)
 
     @torch.no_grad()
     def encode(self, wave: torch.Tensor) -> torch.Tensor:

@@ -170,15 +170,12 @@ class TokenRefiner(nn.Module):
         return self.final_norm(x)
 
 
-class Block(nn.Module):
-    """Single-stream block; its AdaLN parameters are picked per row from the (timestep, modality) table."""
+class Block(RefinerBlock):
+    """Single-stream block: the refiner block's layers plus AdaLN, whose parameters are picked per row from the
+    (timestep, modality) table, and RoPE."""
 
     def __init__(self, cfg: DiTConfig):
-        super().__init__()
-        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
-        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        super().__init__(cfg)
         self.adaln_proj = AdaLNProjection(cfg, NUM_BLOCK_MODULATIONS, NUM_MODALITIES)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import from_diffusers_keys
+from h3serve.model.latents import denormalize, normalize
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 
@@ -587,21 +588,11 @@ class VideoVAE(nn.Module):
         self.post_quant_conv = nn.Conv3d(c, c, 1)
         self.decoder = ViTDecoder3d(cfg)
 
-    # Latent statistics --------------------------------------------------------------------------------------
-    def _stats(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (1, -1, 1, 1, 1)
-        mean = torch.tensor(self.cfg.latents_mean, dtype=torch.float32, device=z.device).view(shape)
-        std = torch.tensor(self.cfg.latents_std, dtype=torch.float32, device=z.device).view(shape)
-        return mean, std
-
     def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        """VAE latent -> the space the transformer works in."""
-        mean, std = self._stats(z)
-        return (z - mean) / std
+        return normalize(z, self.cfg.latents_mean, self.cfg.latents_std)
 
     def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(z)
-        return z * std + mean
+        return denormalize(z, self.cfg.latents_mean, self.cfg.latents_std)
 
     # Encode ---------------------------------------------------------------------------------------------------
     def _encode_clip(self, x: torch.Tensor, tiled: bool) -> torch.Tensor:

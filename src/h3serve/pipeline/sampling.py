@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h3serve.model.latents import normalize
 from h3serve.model.video_vae import posterior_sample
 from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
 from h3serve.pipeline.schedule import DualSchedule, euler_step
@@ -84,10 +85,7 @@ def sample_keyframe_latents(
     """
     # Drawn from a CPU generator at the posterior's dtype, then moved, like the reference.
     z = posterior_sample(mean, logvar, request_generator(seed)).to(torch.float16).float().cpu()
-    shape = (1, -1) + (1,) * (z.ndim - 2)
-    m = torch.as_tensor(latents_mean, dtype=torch.float32).view(shape)
-    s = torch.as_tensor(latents_std, dtype=torch.float32).view(shape)
-    return (z - m) / s
+    return normalize(z, latents_mean, latents_std)
 
 
 def noise_condition(latents: torch.Tensor, noise: torch.Tensor, level: float = CONDITION_TIMESTEP) -> torch.Tensor:
