@@ -138,9 +138,8 @@ class RenderResult:
 class ModelFolder:
     """A released checkpoint's component folders and configurations, read and cross-checked before any weight."""
 
-    root: Path
+    root: Path  # holds text_encoder/, tokenizer/, processor/ beside the folders below
     transformer: Path
-    text_root: Path  # holds text_encoder/, tokenizer/, processor/
     video_vae: Path
     audio_vae: Path
     dit: DiTConfig
@@ -176,15 +175,16 @@ def resolve_model_folder(path: str | Path) -> ModelFolder:
         text = Qwen3VLConfig.from_pretrained(str(root / "text_encoder"), local_files_only=True).text_config
     except (OSError, ValueError) as err:
         raise ValueError(f"{text_config}: not a readable Qwen3-VL config ({err})") from err
+    video_config, video_weights = read_video_vae_config(video)
+    audio_config, audio_weights = read_audio_vae_config(root / "audio_vae")
     folder = ModelFolder(
         root=root,
         transformer=root / "transformer",
-        text_root=root,
         video_vae=video,
         audio_vae=root / "audio_vae",
         dit=DiTConfig.from_json(dit_config),
-        video_vae_config=read_video_vae_config(video)[0],
-        audio_vae_config=read_audio_vae_config(root / "audio_vae")[0],
+        video_vae_config=video_config,
+        audio_vae_config=audio_config,
         text_hidden_size=text.hidden_size,
     )
     if text.num_hidden_layers <= TEXT_ENCODER_LAYER:
@@ -195,12 +195,7 @@ def resolve_model_folder(path: str | Path) -> ModelFolder:
     check_compatible(folder.dit, folder.video_vae_config, folder.audio_vae_config, folder.text_hidden_size)
     # Every weight file's header too (indexes, shards, key lists; no tensor data): a missing or truncated file
     # stops the start now, not after the components before it have loaded.
-    for weights in (
-        folder.transformer,
-        root / "text_encoder",
-        read_video_vae_config(video)[1],
-        read_audio_vae_config(root / "audio_vae")[1],
-    ):
+    for weights in (folder.transformer, root / "text_encoder", video_weights, audio_weights):
         open_checkpoint(weights)
     return folder
 
@@ -231,7 +226,7 @@ def load_components(folder: ModelFolder, profile: Profile) -> Components:
     device = profile.torch_device
     return Components(
         dit=load_dit(folder.transformer, device=device, dtype=profile.torch_dtype, config=folder.dit),
-        text_encoder=load_released_text_encoder(folder.text_root, device=device, dtype=profile.torch_dtype),
+        text_encoder=load_released_text_encoder(folder.root, device=device, dtype=profile.torch_dtype),
         video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
         name=str(folder.root),
