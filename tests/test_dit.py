@@ -5,7 +5,7 @@ import torch
 
 from dit_fixtures import packed_inputs, rel_err, tiny_dit_pair
 from h3serve.config import DiTConfig
-from h3serve.model.dit import H3DiT, apply_rope, is_fp32_name, timestep_sinusoid
+from h3serve.model.dit import H3DiT, is_fp32_name, timestep_sinusoid
 
 CASES = [(0.3, 0.7), (0.05, 0.95), (0.999, 0.5)]
 
@@ -69,16 +69,6 @@ def test_timestep_sinusoid_by_hand():
         ]
     )
     torch.testing.assert_close(emb, expected)
-
-
-def test_partial_rope_by_hand():
-    # One head of 6 dims, 4 rotate: pairs (0, 2) and (1, 3) turn by the angle; dims 4, 5 pass through.
-    x = torch.arange(1.0, 7.0).view(1, 1, 6)
-    angle = torch.tensor([[0.3, 0.7, 0.3, 0.7]])
-    out = apply_rope(x, angle.cos(), angle.sin())
-    c, s = angle.cos()[0], angle.sin()[0]
-    expected = torch.tensor([1 * c[0] - 3 * s[0], 2 * c[1] - 4 * s[1], 3 * c[0] + 1 * s[0], 4 * c[1] + 2 * s[1], 5, 6])
-    torch.testing.assert_close(out.view(-1), expected)
 
 
 def test_released_config_builds_on_meta_with_index_parameter_count():

@@ -1,16 +1,43 @@
-"""Model configurations: frozen dataclasses keyed like the released `config.json` files, validated on construction."""
+"""Model configurations (frozen dataclasses keyed like the released `config.json` files, validated on construction)
+and the released model's fixed facts: the numbers no config file states but the checkpoint was trained with.
+
+Each fact has its home here and nowhere else; the pipeline, the CLI and the media writer import them.
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
-# The DiT keeps one AdaLN parameter set per (timestep, modality) pair: 0 = video, 1 = text, 2 = audio.
-NUM_MODALITIES = 3
+
+class Modality(IntEnum):
+    """The modality tag of a packed row. The value selects the row's AdaLN column block `[video | text | audio]`,
+    so the numbering is a checkpoint contract. Vision-block rows inside the text stream are tagged VIDEO."""
+
+    VIDEO = 0
+    TEXT = 1
+    AUDIO = 2
+
+
+# The DiT keeps one AdaLN parameter set per (timestep, modality) pair.
+NUM_MODALITIES = len(Modality)
 # Six modulation vectors per block: shift/scale/gate before attention and before the MLP.
 NUM_BLOCK_MODULATIONS = 6
+
+# --- the released recipe --------------------------------------------------------------------------------------
+FPS = 24  # video frame rate
+SAMPLE_RATE = 32_000  # audio sample rate (Hz); stereo travels as two mono channels
+AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz; also the RoPE time clock
+VIDEO_SHIFT = 12.0  # schedule shift of the video sigmas
+AUDIO_SHIFT = 3.0  # schedule shift of the audio sigmas
+SPATIAL_RATIO = 16  # video VAE: pixels per latent, each side
+TEMPORAL_RATIO = 4  # video VAE: pixel frames per latent frame
+CLIP_FRAMES = 17  # video VAE: pixel frames per encoded clip; frame counts are CLIP_FRAMES * n + LATENTS_PER_CLIP
+LATENTS_PER_CLIP = 5  # latent frames per clip (ceil(17 / 4))
+PATCH_SIZE = (1, 2, 2)  # DiT patch (t, h, w) over the video latents
 
 # diffusers' `transformer/config.json` names -> the original `FL2VA/transformer/config.json` names.
 _DIFFUSERS_DIT_KEYS = {
@@ -59,7 +86,7 @@ class DiTConfig:
     ffn_hidden_size: int = 14336
     latents_dim: int = 24
     audio_latents_dim: int = 32
-    patch_size: tuple[int, int, int] = (1, 2, 2)
+    patch_size: tuple[int, int, int] = PATCH_SIZE
     text_dim: int = 5120
     timestep_input_dim: int = 256
     time_embed_hidden_size: int = 5376

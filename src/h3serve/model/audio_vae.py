@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3serve.config import from_diffusers_keys
-from h3serve.model.latents import denormalize, normalize
+from h3serve.config import SAMPLE_RATE, from_diffusers_keys
+from h3serve.model.latents import LatentStats
+from h3serve.model.ops import attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,7 +38,7 @@ class AudioVAEConfig:
     decoder_kernel_sizes: tuple[int, ...] = (9, 9, 4, 4, 4, 4, 4)
     resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
     resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5), (1, 3, 5))
-    sampling_rate: int = 32000
+    sampling_rate: int = SAMPLE_RATE
     latents_mean: tuple[float, ...]
     latents_std: tuple[float, ...]
 
@@ -47,8 +48,6 @@ class AudioVAEConfig:
         object.__setattr__(
             self, "resblock_dilation_sizes", tuple(tuple(int(d) for d in ds) for ds in self.resblock_dilation_sizes)
         )
-        for name in ("latents_mean", "latents_std"):
-            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
 
         for name in ("encoder_dim", "latent_dim", "latent_channels", "num_attention_heads", "decoder_dim"):
             value = getattr(self, name)
@@ -76,11 +75,13 @@ class AudioVAEConfig:
             raise ValueError("latent_dim must be divisible by num_attention_heads")
         if self.latent_dim % self.latent_channels:
             raise ValueError("latent_dim must be a multiple of latent_channels")
-        for name in ("latents_mean", "latents_std"):
-            if len(getattr(self, name)) != self.latent_channels:
-                raise ValueError(f"{name} has {len(getattr(self, name))} values, expected {self.latent_channels}")
-        if any(not s > 0 for s in self.latents_std):
-            raise ValueError("latents_std must be strictly positive")
+        stats = LatentStats.for_channels(self.latents_mean, self.latents_std, self.latent_channels)
+        object.__setattr__(self, "latents_mean", stats.mean)
+        object.__setattr__(self, "latents_std", stats.std)
+
+    @property
+    def latent_stats(self) -> LatentStats:
+        return LatentStats(self.latents_mean, self.latents_std)
 
     @property
     def hop_length(self) -> int:
@@ -371,8 +372,8 @@ class CausalAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         qkv = F.linear(x, self.qkv.weight, torch.cat([self.q_bias, self.zero_k_bias, self.v_bias]))
-        q, k, v = qkv.view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # (B, nh, S, hd) each
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).mean(dim=1)  # (B, S, hd)
+        q, k, v = qkv.view(b, s, 3, self.heads, d // self.heads).unbind(2)  # (B, S, nh, hd) each
+        out = attention(q, k, v, causal=True).mean(dim=2)  # (B, S, hd)
         return self.proj(F.adaptive_avg_pool1d(out, self.out_dim))  # (B, S, out_dim)
 
 
@@ -417,12 +418,6 @@ class AudioVAE(nn.Module):
         self.logs_proj = nn.Conv1d(c, c, 1)
         self.dec_in_proj = nn.Conv1d(c, cfg.latent_dim, 1)
         self.decoder = BigVGANDecoder(cfg)
-
-    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return normalize(z, self.cfg.latents_mean, self.cfg.latents_std)
-
-    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return denormalize(z, self.cfg.latents_mean, self.cfg.latents_std)
 
     @torch.no_grad()
     def encode(self, wave: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Architecture only. Parameter names follow the original checkpoint (`FL2VA/transformer`), with one internal layout
 choice: `qkv_proj` rows are contiguous `[q_all; k_all; v_all]` (the original interleaves them per head; the loader
 reorders once). Kernels, compilation and attention backends are applied from outside (see `REPEATED_BLOCKS` and
-`FP32_MODULES`); attention here is plain `scaled_dot_product_attention`, which an outside `sdpa_kernel` context steers.
+`FP32_MODULES`); attention and RoPE go through `h3serve.model.ops`, the seam those layers act on.
 
 Shapes are unbatched: one request is one packed sequence of S rows.
 """
@@ -17,11 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
+from h3serve.model.ops import apply_rotary, attention, rotary_table
 
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-# Modality tags of the packed rows; they select the AdaLN column block `[video | text | audio]`.
-VIDEO, TEXT, AUDIO = 0, 1, 2
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (S, rotary_dim), float32
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -30,20 +28,6 @@ def timestep_sinusoid(t: torch.Tensor, dim: int) -> torch.Tensor:
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     angles = t.float()[:, None] * freqs[None, :]
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the leading `cos.shape[-1]` channels of each head; the rest pass through.
-
-    x: (S, H, D); cos/sin: (S, R) with R <= D. The table is cast to x's dtype first, as the reference does.
-    """
-    r = cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    cos = cos.to(x.dtype)[:, None, :]
-    sin = sin.to(x.dtype)[:, None, :]
-    x1, x2 = rot.chunk(2, dim=-1)
-    rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((rot, rest), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -58,9 +42,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, position_ids: torch.Tensor) -> Rope:
         # position_ids (S, 3) -> cos, sin (S, 6 * num_freqs), float32
         angles = position_ids.float()[:, :, None] * self.inv_freq.float()[None, None, :]  # (S, 3, F)
-        angles = angles.flatten(1)  # (S, 3F) as [t | h | w]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        return rotary_table(angles.flatten(1))  # angles (S, 3F) as [t | h | w]
 
 
 def inv_freq(num_freqs: int, theta: float) -> torch.Tensor:
@@ -98,11 +80,8 @@ class Attention(nn.Module):
         q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in self.qkv_proj(x).chunk(3, dim=-1))
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        # (1, H, S, D): one document, no mask, scale 1/sqrt(D). A 4-D call picks the same kernels as the
-        # reference's batched call (on CPU the 3-D and 4-D bf16 paths round differently).
-        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)  # (S, H, D)
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attention(q, k, v)  # (S, H, D): one document, no mask
         return self.out_proj(out.flatten(1).to(x.dtype))  # (S, hidden)
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import from_diffusers_keys
-from h3serve.model.latents import denormalize, normalize
+from h3serve.model.latents import LatentStats
+from h3serve.model.ops import apply_rotary, attention, rotary_table
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 
@@ -70,9 +71,6 @@ class VideoVAEConfig:
         # JSON gives lists; the config is hashable and immutable, so store tuples.
         for name in ("block_out_channels", "spatial_downsample_factors", "temporal_downsample_factors"):
             object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
-        for name in ("latents_mean", "latents_std"):
-            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
-
         positive = (
             "in_channels",
             "out_channels",
@@ -122,11 +120,9 @@ class VideoVAEConfig:
             raise ValueError(f"rotary width {self.rope_dim} (head_dim x rope_dim_ratio) must be a multiple of 6")
         if not 0 <= self.token_drop < self.tokens_chunk_size:
             raise ValueError(f"token_drop must be in [0, {self.tokens_chunk_size}), got {self.token_drop}")
-        for name in ("latents_mean", "latents_std"):
-            if len(getattr(self, name)) != self.latent_channels:
-                raise ValueError(f"{name} has {len(getattr(self, name))} values, expected {self.latent_channels}")
-        if any(not s > 0 for s in self.latents_std):
-            raise ValueError("latents_std must be strictly positive")
+        stats = LatentStats.for_channels(self.latents_mean, self.latents_std, self.latent_channels)
+        object.__setattr__(self, "latents_mean", stats.mean)
+        object.__setattr__(self, "latents_std", stats.std)
         r = self.spatial_ratio
         if self.tile_size % r or self.tile_overlap_min % r:
             raise ValueError(f"tile_size and tile_overlap_min must be multiples of the spatial ratio {r}")
@@ -134,6 +130,10 @@ class VideoVAEConfig:
             raise ValueError("tile_overlap_min must be smaller than tile_size")
 
     # Derived geometry ------------------------------------------------------------------------------------------
+    @property
+    def latent_stats(self) -> LatentStats:
+        return LatentStats(self.latents_mean, self.latents_std)
+
     @property
     def spatial_ratio(self) -> int:
         return math.prod(self.spatial_downsample_factors)
@@ -406,18 +406,8 @@ class Attention(nn.Module):
         # qk-norm (no affine) in fp32 whatever the compute dtype, as the reference does.
         q = _rms_norm(q.float(), None, self.eps).to(q.dtype)
         k = _rms_norm(k.float(), None, self.eps).to(k.dtype)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B,nh,S,hd)
-        return self.to_out(out.transpose(1, 2).reshape(b, s, -1))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Rotate-half on the first rope_dim channels of each head (channel i pairs with i + rope_dim/2); the rest pass.
-    rd = cos.shape[-1]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rot, rest = x[..., :rd], x[..., rd:]
-    first, second = rot.chunk(2, dim=-1)
-    return torch.cat([rot * cos + torch.cat([-second, first], dim=-1) * sin, rest], dim=-1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.to_out(attention(q, k, v).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):
@@ -476,8 +466,7 @@ class ViTDecoder3d(nn.Module):
         inv_freq = 1.0 / self.cfg.decoder_rope_theta ** torch.arange(
             0, 1, 6 / self.cfg.rope_dim, dtype=torch.float32, device=device
         )
-        angles = (2.0 * math.pi * pos[:, :, None] * inv_freq).flatten(1).tile(2)  # (S, rope_dim), [t h w | t h w]
-        return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]  # (1, S, 1, rope_dim)
+        return rotary_table((2.0 * math.pi * pos[:, :, None] * inv_freq).flatten(1))  # (S, rope_dim) each
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         b, c, t, h, w = z.shape  # (B, C, T, h, w) latents
@@ -570,6 +559,16 @@ def stitch_tiles(
     return canvas
 
 
+PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics over [0, 1]
+PIXEL_STD = (0.229, 0.224, 0.225)
+
+
+def _pixel_stats(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+    std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+    return mean, std
+
+
 def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     if dtype is None:
         return contextlib.nullcontext()
@@ -588,11 +587,25 @@ class VideoVAE(nn.Module):
         self.post_quant_conv = nn.Conv3d(c, c, 1)
         self.decoder = ViTDecoder3d(cfg)
 
-    def normalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return normalize(z, self.cfg.latents_mean, self.cfg.latents_std)
+    # Pixel convention ---------------------------------------------------------------------------------------------
+    # The encoder takes, and the decoder returns, ImageNet-normalised RGB (`pixel_norm_type: imagenet` in the
+    # original config); these two convert from and to uint8 frames.
+    @staticmethod
+    def rgb_to_input(rgb: torch.Tensor) -> torch.Tensor:
+        """uint8 RGB frames (B, F, H, W, 3) -> encoder input (B, 3, F, H, W), float32, ImageNet-normalised."""
+        x = rgb.permute(0, 4, 1, 2, 3).float().div(255.0)
+        mean, std = _pixel_stats(x.device)
+        return (x - mean) / std
 
-    def denormalize_latents(self, z: torch.Tensor) -> torch.Tensor:
-        return denormalize(z, self.cfg.latents_mean, self.cfg.latents_std)
+    @staticmethod
+    def output_to_rgb(pixels: torch.Tensor) -> torch.Tensor:
+        """Decoder output (B, 3, F, H, W), ImageNet-normalised -> uint8 RGB frames (B, F, H, W, 3), rounded.
+
+        Works in place on a float32 `pixels`: at 1344x768x362 each full-size float32 copy would be ~4.5 GB.
+        """
+        mean, std = _pixel_stats(pixels.device)
+        pixels = pixels.float().mul_(std).add_(mean).clamp_(0, 1).mul_(255).round_()
+        return pixels.permute(0, 2, 3, 4, 1).to(torch.uint8)
 
     # Encode ---------------------------------------------------------------------------------------------------
     def _encode_clip(self, x: torch.Tensor, tiled: bool) -> torch.Tensor:
