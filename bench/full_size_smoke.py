@@ -27,6 +27,7 @@ from transformers import Qwen3VLConfig
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
+from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     TextEncoder,
@@ -35,7 +36,7 @@ from h3serve.model.text_encoder import (
     materialize_buffers,
     truncated_qwen3vl,
 )
-from h3serve.model.tiny import Components, asset_dir
+from h3serve.model.tiny import asset_dir
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
 from h3serve.pipeline.engine import Engine, Profile
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3serve.model.dit import H3DiT
+from h3serve.model.dit import H3DiT, is_fp32_name
 from h3serve.model.loading import load_dit
 
 # Attention width (2 x 16 = 32) differs from the hidden size (24), and RoPE rotates 2 x 3 x 2 = 12 of 16 head dims,
@@ -132,8 +132,8 @@ class PackedInputs:
         )
 
 
-def packed_inputs(t_video: float = 0.3, t_audio: float = 0.7, seed: int = 1) -> PackedInputs:
-    cfg = TINY_DIFFUSERS_CONFIG
+def packed_inputs(t_video: float = 0.3, t_audio: float = 0.7, seed: int = 1, cfg=TINY_DIFFUSERS_CONFIG) -> PackedInputs:
+    """Inputs for a DiT of diffusers config `cfg` (its in_channels, audio_in_channels and text_dim)."""
     g = torch.Generator().manual_seed(seed)
     n_text, n_cond, n_audio, n_video = 7, 4, 6, 8
     tags = [1] * n_text + [0] * n_cond + [2] * n_audio + [0] * n_video
@@ -168,3 +168,36 @@ def packed_inputs(t_video: float = 0.3, t_audio: float = 0.7, seed: int = 1) -> 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
+
+
+# --- writing our weights in each published layout ------------------------------------------------------------------
+
+
+def interleave_qkv(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Stacked `[q; k; v]` rows -> the original shards' per-head `[h0: q k v, h1: q k v, ...]`."""
+    return w.view(3, heads, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape).contiguous()
+
+
+def export_state_dict(model: H3DiT, layout: str) -> dict[str, torch.Tensor]:
+    """Our model's weights as a published checkpoint stores them (bf16 with fp32 islands):
+
+    "stacked": original key names, QKV `[q; k; v]` (the community single files);
+    "interleaved": original key names, QKV per head (the `FL2VA/transformer` shards);
+    "diffusers": converted from "stacked" by diffusers' own single-file converter.
+    """
+    heads = model.config.num_attention_heads
+    stacked = {
+        k: (v.float() if is_fp32_name(k) else v.to(torch.bfloat16)).detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+    }
+    if layout == "stacked":
+        return stacked
+    if layout == "interleaved":
+        return {k: interleave_qkv(v, heads) if k.endswith("attn.qkv_proj.weight") else v for k, v in stacked.items()}
+    if layout == "diffusers":
+        from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+
+        config = {"num_attention_heads": heads, "attention_head_dim": model.config.attention_head_dim}
+        converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(stacked, config, qkv_layout="stacked")
+        return {k: v.contiguous() for k, v in converted.items()}
+    raise ValueError(f"unknown layout {layout!r}")

@@ -1,6 +1,8 @@
-"""The DiT loader: three layouts give the same model; every corruption stops the load naming the file and key."""
+"""The DiT loader: every published layout gives the same model; every corruption stops the load naming the file
+and key; a single file's QKV order is the caller's to say."""
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -8,14 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dit_fixtures import packed_inputs, tiny_dit_pair
-from h3serve.model.loading import (
-    CheckpointError,
-    detect_dit_layout,
-    dit_state_dict_for_layout,
-    load_dit,
-    open_checkpoint,
-)
+from dit_fixtures import export_state_dict, packed_inputs, tiny_dit_pair
+from h3serve.model.loading import CheckpointError, load_dit, open_checkpoint, resolve_dit_layout
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 INDEX = {
@@ -48,29 +44,15 @@ def write_sharded(folder: Path, state: dict[str, torch.Tensor], layout: str, sha
     return folder
 
 
-def released_state(model, layout: str) -> dict[str, torch.Tensor]:
-    """Our weights as the released checkpoint stores them: bf16, fp32 islands (the tiny fixture's values are
-    bf16-representable, so this is lossless)."""
-    from h3serve.model.dit import is_fp32_name
-
-    ours_fp32 = {k for k in model.state_dict() if is_fp32_name(k)}
-    exported = dit_state_dict_for_layout(model, layout)
-    # exported names differ per layout; the fp32 set is found through the island prefixes of each naming
-    fp32_prefixes = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.", "rope.")
-    out = {}
-    for k, v in exported.items():
-        keep = k in ours_fp32 or (layout == "diffusers" and k.startswith(fp32_prefixes))
-        out[k] = v.float() if keep else v.to(torch.bfloat16)
-    return out
-
-
 def write_layout(root: Path, model, layout: str) -> Path:
-    if layout == "contiguous":
-        path = root / "minimax_h3_fl2va_bf16.safetensors"
+    """ "original" / "diffusers": a sharded folder with config.json; "stacked" / "interleaved": one file, no config."""
+    if layout in ("stacked", "interleaved"):
+        path = root / f"minimax_h3_fl2va_{layout}_bf16.safetensors"
         root.mkdir(parents=True, exist_ok=True)
-        save_file(released_state(model, "contiguous"), path)
+        save_file(export_state_dict(model, layout), path)
         return path
-    folder = write_sharded(root / layout, released_state(model, layout), layout)
+    state = export_state_dict(model, "interleaved" if layout == "original" else layout)
+    folder = write_sharded(root / layout, state, layout)
     (folder / "config.json").write_text(json.dumps(model.config.to_dict()))
     return folder
 
@@ -95,24 +77,49 @@ def test_written_keys_match_released_index(tiny, layout, tmp_path):
     assert written == reference_keys(REFERENCE / sub / index_name, tiny.config.num_layers)
 
 
-def test_three_layouts_load_to_identical_outputs(tiny, tmp_path):
-    outputs = {}
-    for layout in ("original", "diffusers", "contiguous"):
-        path = write_layout(tmp_path, tiny, layout)
-        sharded = path.is_dir()
-        assert detect_dit_layout(open_checkpoint(path), sharded=sharded) == layout
-        model = load_dit(path, dtype=torch.float32, config=tiny.config)
-        outputs[layout] = run(model)
+def test_every_layout_loads_to_identical_outputs(tiny, tmp_path):
     expected = run(tiny)
-    for layout, (video, audio) in outputs.items():
-        assert torch.equal(video, expected[0]) and torch.equal(audio, expected[1]), layout
+    for layout, qkv, found in [
+        ("original", None, "original names, interleaved QKV"),
+        ("diffusers", None, "diffusers"),
+        ("stacked", None, "original names, stacked QKV"),
+        ("stacked", "stacked", "original names, stacked QKV"),
+        ("interleaved", "interleaved", "original names, interleaved QKV"),
+    ]:
+        path = write_layout(tmp_path / layout, tiny, layout)
+        assert str(resolve_dit_layout(open_checkpoint(path), qkv)) == found
+        video, audio = run(load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout=qkv))
+        assert torch.equal(video, expected[0]) and torch.equal(audio, expected[1]), (layout, qkv)
 
 
-def test_original_qkv_is_really_interleaved(tiny, tmp_path):
-    """Loading the original shards as if contiguous must give a different model: the reorder is real."""
-    folder = write_layout(tmp_path, tiny, "original")
-    wrong = load_dit(folder, dtype=torch.float32, layout="contiguous")
+def test_single_file_qkv_order_is_assumed_stacked_with_a_warning_that_says_how_to_change_it(tiny, tmp_path, caplog):
+    path = write_layout(tmp_path, tiny, "interleaved")
+    with caplog.at_level(logging.WARNING, logger="h3serve.model.loading"):
+        wrong = load_dit(path, dtype=torch.float32, config=tiny.config)
+    assert "assuming stacked" in caplog.text and "--qkv-layout interleaved" in caplog.text
+    # The file really is interleaved: read as stacked, the model differs; said so, it loads right.
     assert not torch.equal(run(wrong)[0], run(tiny)[0])
+    right = load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout="interleaved")
+    assert torch.equal(run(right)[0], run(tiny)[0])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="h3serve.model.loading"):
+        load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout="stacked")
+    assert "assuming" not in caplog.text  # an explicit choice is not warned about
+
+
+@pytest.mark.parametrize(
+    ("layout", "qkv", "message"),
+    [
+        ("original", "stacked", "interleaves QKV per head"),
+        ("diffusers", "stacked", "diffusers names"),
+        ("diffusers", "interleaved", "diffusers names"),
+        ("stacked", "per-head", "qkv_layout must be one of stacked, interleaved"),
+    ],
+)
+def test_qkv_layout_that_cannot_apply_is_refused(tiny, tmp_path, layout, qkv, message):
+    path = write_layout(tmp_path, tiny, layout)
+    with pytest.raises(ValueError, match=message):
+        load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout=qkv)
 
 
 def test_bf16_load_places_tensors_once_in_target_dtypes(tiny, tmp_path):
@@ -175,7 +182,7 @@ def test_key_listed_in_index_but_absent_from_shard(tiny, tmp_path):
 
 
 def test_unexpected_key(tiny, tmp_path):
-    path = write_layout(tmp_path, tiny, "contiguous")
+    path = write_layout(tmp_path, tiny, "stacked")
     rewrite_shard(path, lambda s: s.update({"blocks.7.extra.weight": torch.zeros(2, dtype=torch.bfloat16)}))
     expect_error(path, str(path), "blocks.7.extra.weight", "unexpected", config=tiny.config)
 

@@ -18,8 +18,9 @@ from PIL import Image
 
 from h3serve.model.text_encoder import load_image_processor
 from h3serve.pipeline.engine import Engine, Profile, RenderResult
+from oracle import oracle
 
-pytest.importorskip("diffusers")
+oracle("diffusers")
 from diffusers import (
     AutoencoderKLMiniMaxH3,
     AutoencoderKLMiniMaxH3Audio,

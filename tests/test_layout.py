@@ -6,20 +6,18 @@ import numpy as np
 import pytest
 import torch
 
+from h3serve.config import Modality
 from h3serve.pipeline.layout import (
-    AUDIO_TAG,
     TASK_ANCHORS,
-    TEXT_TAG,
-    VIDEO_TAG,
     MediaGeometry,
-    audio_latents_to_rows,
     audio_rows_to_latents,
     build_layout,
     patchify_video,
     unpatchify_video,
 )
+from oracle import oracle
 
-diffusers_before_denoise = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.before_denoise")
+diffusers_before_denoise = oracle("diffusers.modular_pipelines.minimax_h3.before_denoise")
 PrepareLayout = diffusers_before_denoise.MiniMaxH3PrepareLayoutStep
 SetTimesteps = diffusers_before_denoise.MiniMaxH3SetTimestepsStep
 reference_patchify = diffusers_before_denoise.patchify_video_latents
@@ -41,8 +39,8 @@ def text_tags(num_keyframes: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     tags: list[int] = []
     for _ in range(num_keyframes):
-        tags += [TEXT_TAG] * int(torch.randint(3, 7, (1,), generator=g)) + [VIDEO_TAG] * 5
-    tags += [TEXT_TAG] * int(torch.randint(5, 40, (1,), generator=g))
+        tags += [Modality.TEXT] * int(torch.randint(3, 7, (1,), generator=g)) + [Modality.VIDEO] * 5
+    tags += [Modality.TEXT] * int(torch.randint(5, 40, (1,), generator=g))
     return torch.tensor(tags)
 
 
@@ -55,8 +53,8 @@ def reference_layout(tags, geometry: MediaGeometry, anchors):
         geometry.audio_latents,
         (1, 2, 2),
         2,
-        AUDIO_TAG,
-        VIDEO_TAG,
+        Modality.AUDIO,
+        Modality.VIDEO,
         anchors,
     )
 
@@ -121,7 +119,7 @@ def test_layout_structure_and_positions():
     assert (g.latent_frames, g.latent_height, g.latent_width, g.audio_latents) == (17, 28, 48, 93)
     layout = build_layout(tags, g, ("first", "last"))
     n_text, rows = len(tags), 14 * 24
-    assert layout.sequence_length == n_text + 2 * rows + 2 * 93 + 17 * rows
+    assert layout.token_tags.shape[0] == n_text + 2 * rows + 2 * 93 + 17 * rows
     pos = layout.position_ids
     # Text rows at (i, 0, 0); the media clock starts right after them.
     assert torch.equal(pos[:n_text, 0], torch.arange(n_text, dtype=torch.float64))
@@ -147,7 +145,7 @@ def test_layout_structure_and_positions():
     assert not audio[..., 1].any()
     # Every row is scattered exactly once.
     all_idx = torch.cat([layout.text_indices, layout.video_indices, layout.audio_indices]).sort().values
-    assert torch.equal(all_idx, torch.arange(layout.sequence_length))
+    assert torch.equal(all_idx, torch.arange(layout.token_tags.shape[0]))
 
 
 def test_layout_rejects_bad_input():
@@ -166,10 +164,11 @@ def test_patchify_round_trip_and_reference():
     rows = patchify_video(latents)
     assert torch.equal(rows, reference_patchify(latents, (1, 2, 2)))
     assert torch.equal(unpatchify_video(rows, g), latents)
-    audio = torch.randn(2, 32, 11)
-    assert torch.equal(audio_rows_to_latents(audio_latents_to_rows(audio)), audio)
-    # Channel-major: the first Na rows are the left channel.
-    assert torch.equal(audio_latents_to_rows(audio)[:11], audio[0].T)
+    # Channel-major rows: the first Na rows are the left channel, the next Na the right one.
+    rows = torch.randn(22, 32)
+    audio = audio_rows_to_latents(rows)
+    assert audio.shape == (2, 32, 11)
+    assert torch.equal(audio[0], rows[:11].T) and torch.equal(audio[1], rows[11:].T)
 
 
 def test_spatial_grid_is_numpy_float64():

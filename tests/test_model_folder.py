@@ -11,13 +11,14 @@ from e2e_fixtures import write_tiny_checkpoint
 from folder_fixtures import write_config_folder
 from h3serve.cli import main
 from h3serve.model.dit import H3DiT
+from h3serve.model.folder import resolve_model_folder
 from h3serve.model.tiny import (
     TINY_AUDIO_VAE,
     TINY_DIT,
     TINY_VIDEO_VAE,
     tiny_components,
 )
-from h3serve.pipeline.engine import Engine, Profile, resolve_model_folder
+from h3serve.pipeline.engine import Engine, Profile
 
 
 @pytest.fixture(scope="module")

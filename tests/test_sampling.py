@@ -1,10 +1,13 @@
-"""Noise order, keyframe posterior sampling and the denoise loop against diffusers' H3 modular blocks."""
+"""Keyframe encoding and posterior sampling, noise order and the denoise loop against diffusers' H3 modular blocks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from h3serve.model.latents import LatentStats
+from h3serve.model.vae_loading import load_video_vae
+from h3serve.pipeline.conditioning import encode_keyframes, sample_keyframe_latents
 from h3serve.pipeline.layout import TASK_ANCHORS, MediaGeometry, audio_rows_to_latents, build_layout, unpatchify_video
 from h3serve.pipeline.sampling import (
     InitialNoise,
@@ -14,11 +17,11 @@ from h3serve.pipeline.sampling import (
     draw_noise,
     initial_rows,
     request_generator,
-    sample_keyframe_latents,
 )
 from h3serve.pipeline.schedule import DualSchedule
+from oracle import oracle
 
-pytest.importorskip("diffusers")
+oracle("diffusers")
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
 from diffusers.modular_pipelines import PipelineState
 from diffusers.modular_pipelines.minimax_h3 import before_denoise as ref_bd
@@ -146,14 +149,32 @@ def test_keyframe_posterior_matches_reference():
         expected = ref_enc.encode_vae_condition(vae, pixels, mean, std, 42)
         x = (pixels.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1, 1)
         posterior = vae.encode(x).latent_dist
-    ours = sample_keyframe_latents(posterior.mean, posterior.logvar, vae.config.latents_mean, vae.config.latents_std)
+    stats = LatentStats(vae.config.latents_mean, vae.config.latents_std)
+    ours = sample_keyframe_latents(posterior.mean, posterior.logvar, stats)
     assert ours.shape == (1, 4, 1, 4, 6)
     assert torch.equal(ours, expected)
     # Another seed is another anchor: the seed is really used.
-    other = sample_keyframe_latents(
-        posterior.mean, posterior.logvar, vae.config.latents_mean, vae.config.latents_std, 7
-    )
+    other = sample_keyframe_latents(posterior.mean, posterior.logvar, stats, 7)
     assert not torch.equal(other, expected)
+
+
+def test_keyframe_encode_stage_matches_reference(tmp_path):
+    """The whole stage: uint8 keyframe -> the VAE's pixel convention -> encode -> seeded posterior -> normalised."""
+    from PIL import Image
+
+    vae = tiny_video_vae()
+    vae.save_pretrained(tmp_path)
+    ours = load_video_vae(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randint(0, 256, (64, 96, 3), generator=g, dtype=torch.uint8) for _ in range(2)]
+    latents = encode_keyframes(ours, [Image.fromarray(i.numpy()) for i in images])
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    for got, pixels in zip(latents, images, strict=True):
+        with torch.no_grad():
+            expected = ref_enc.encode_vae_condition(vae, pixels.permute(2, 0, 1)[None, :, None], mean, std, 42)
+        assert got.shape == (1, 4, 1, 4, 6) and got.dtype == torch.float32
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert not torch.equal(latents[0], latents[1])
 
 
 # --- denoise loop ------------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3serve.pipeline.schedule import AUDIO_SHIFT, VIDEO_SHIFT, DualSchedule, Schedule, euler_step
+from h3serve.config import AUDIO_SHIFT, VIDEO_SHIFT
+from h3serve.pipeline.schedule import DualSchedule, Schedule, euler_step
+from oracle import oracle
 
-MiniMaxH3Scheduler = pytest.importorskip("diffusers").MiniMaxH3Scheduler
+MiniMaxH3Scheduler = oracle("diffusers").MiniMaxH3Scheduler
 REFERENCE = Path(__file__).parent / "data" / "reference"
 
 

@@ -21,9 +21,10 @@ from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     load_image_processor,
     load_tokenizer,
-    present,
 )
 from h3serve.model.tiny import randomize, tiny_text_encoder, tiny_text_encoder_config
+from h3serve.pipeline.conditioning import encode_text, present
+from oracle import oracle
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 TOKENIZER = REFERENCE / "FL2VA" / "tokenizer"
@@ -130,8 +131,8 @@ def test_layer_equals_transformers_hidden_states(tmp_path, tokenizer, image_proc
     assert len(encoder.model.language_model.layers) == layer
     assert (encoder.model.visual is not None) == with_keyframes
     keyframes = [keyframe(64, 96, 0), keyframe(64, 96, 1)] if with_keyframes else []
-    cond = encoder.encode(example_prompts()["FL2VA"][:300], keyframes)
-    presentation = encoder.present(example_prompts()["FL2VA"][:300], keyframes)
+    cond = encode_text(encoder, example_prompts()["FL2VA"][:300], keyframes)
+    presentation = present(encoder.tokenizer, example_prompts()["FL2VA"][:300], keyframes, encoder.image_processor)
     hidden = reference_hidden_states(full, presentation, layer)
     assert torch.equal(cond.states, hidden[layer][0])
     assert not torch.allclose(cond.states, hidden[layer - 1][0])
@@ -139,7 +140,7 @@ def test_layer_equals_transformers_hidden_states(tmp_path, tokenizer, image_proc
     assert cond.token_tags.tolist() == list(presentation.token_tags)
     if not with_keyframes:
         with pytest.raises(ValueError, match="vision"):
-            encoder.encode("a prompt", [keyframe(64, 64, 2)])
+            encode_text(encoder, "a prompt", [keyframe(64, 64, 2)])
 
 
 def test_loader_rejects_bad_layers(tmp_path):
@@ -186,9 +187,9 @@ def test_released_index_covers_exactly_the_prefix(vision):
 
 def test_tiny_text_encoder_is_deterministic(tokenizer, image_processor):
     kf = [keyframe(64, 64, 3)]
-    a = tiny_text_encoder(tokenizer, image_processor, seed=0).encode("a red fox", kf)
-    b = tiny_text_encoder(tokenizer, image_processor, seed=0).encode("a red fox", kf)
-    c = tiny_text_encoder(tokenizer, image_processor, seed=1).encode("a red fox", kf)
+    a = encode_text(tiny_text_encoder(tokenizer, image_processor, seed=0), "a red fox", kf)
+    b = encode_text(tiny_text_encoder(tokenizer, image_processor, seed=0), "a red fox", kf)
+    c = encode_text(tiny_text_encoder(tokenizer, image_processor, seed=1), "a red fox", kf)
     assert torch.equal(a.states, b.states) and not torch.allclose(a.states, c.states)
     assert torch.isfinite(a.states).all() and a.states.std() > 0.1
 
@@ -208,8 +209,8 @@ class PilQwen3VLProcessor(Qwen3VLProcessor):
 @pytest.mark.parametrize("num_keyframes", [0, 1, 2])
 def test_matches_diffusers_text_encoder_step(tmp_path, tokenizer, image_processor, num_keyframes):
     """The diffusers blocks read hidden_states[50], so the tiny model has 51 layers here."""
-    blocks = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3")
-    encoders = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.encoders")
+    blocks = oracle("diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3")
+    encoders = oracle("diffusers.modular_pipelines.minimax_h3.encoders")
     from diffusers.modular_pipelines import PipelineState
 
     full = full_tiny_qwen(TEXT_ENCODER_LAYER + 1, seed=3)
@@ -235,7 +236,7 @@ def test_matches_diffusers_text_encoder_step(tmp_path, tokenizer, image_processo
     with torch.no_grad():
         _, state = step(pipe, state)
 
-    cond = ours.encode(prompt, keyframes)
+    cond = encode_text(ours, prompt, keyframes)
     assert torch.equal(cond.token_tags, state.get("text_token_tags"))
     assert torch.equal(cond.states, state.get("prompt_embeds")[0])
 

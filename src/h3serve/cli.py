@@ -13,12 +13,19 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from h3serve import __version__
+from h3serve.config import AUDIO_SHIFT, FPS, SAMPLE_RATE, VIDEO_SHIFT
+
+if TYPE_CHECKING:
+    from h3serve.model.folder import ModelFolder
+    from h3serve.pipeline.engine import Profile
+    from h3serve.pipeline.request import RenderRequest
 
 EXIT_ERROR = 1
-EXIT_USAGE = 2
 
 
 class CliError(Exception):
@@ -36,16 +43,22 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file, verbatim")
     p.add_argument("-o", "--output", type=Path, required=True, help="the MP4 to write")
     p.add_argument("--model", type=Path, help="released checkpoint folder (FL2VA/ or diffusers layout); default: tiny")
+    p.add_argument(
+        "--qkv-layout",
+        choices=("stacked", "interleaved"),
+        help="QKV row order of a single-file DiT with original key names, which the file cannot tell: stacked "
+        "(default; every published single file) or interleaved (a file merged from the original shards)",
+    )
     p.add_argument("--first", type=Path, help="first keyframe image (I2VA, or FL2VA with --last)")
     p.add_argument("--last", type=Path, help="last keyframe image (L2VA, or FL2VA with --first)")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
-    length.add_argument("--seconds", type=float, help="duration at 24 fps, snapped up to 17n+5 frames")
+    length.add_argument("--seconds", type=float, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
     p.add_argument("--steps", type=int, default=50, help="schedule grid points; N points run N-1 forwards (50)")
-    p.add_argument("--video-shift", type=float, default=12.0, help="video schedule shift (12)")
-    p.add_argument("--audio-shift", type=float, default=3.0, help="audio schedule shift (3)")
+    p.add_argument("--video-shift", type=float, default=VIDEO_SHIFT, help=f"video schedule shift ({VIDEO_SHIFT:g})")
+    p.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT, help=f"audio schedule shift ({AUDIO_SHIFT:g})")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="DiT/text-encoder precision (cuda: bf16)")
@@ -109,44 +122,53 @@ def _check_output(path: Path) -> None:
         raise CliError(f"--output {path}: folder {folder} is not writable")
 
 
-def _num_frames(args: argparse.Namespace, tiny: bool) -> int:
+def _num_frames(args: argparse.Namespace) -> int | None:
+    """The requested frame count, or None for the model's default."""
     if args.seconds is not None:
         if not (math.isfinite(args.seconds) and args.seconds > 0):
             raise CliError(f"--seconds must be a finite number > 0, got {args.seconds}")
-        return max(1, round(args.seconds * 24))
-    if args.frames is not None:
-        return args.frames
-    return 22 if tiny else 124
+        return max(1, round(args.seconds * FPS))
+    return args.frames
 
 
-def cmd_render(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class _RenderPlan:
+    """Everything `render` was asked to do, checked, before any weight loads."""
+
+    request: RenderRequest
+    profile: Profile
+    folder: ModelFolder | None  # None: the built-in tiny model
+
+
+def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     import torch
 
-    from h3serve.media.mp4 import DEFAULT_CRF, check_settings, write_mp4
-    from h3serve.pipeline.engine import FPS, RELEASED_RULES, STAGES, TINY_RULES, Engine, Profile, resolve_model_folder
-    from h3serve.pipeline.request import validate_request
+    from h3serve.media.mp4 import DEFAULT_CRF, check_settings
+    from h3serve.model.folder import resolve_model_folder
+    from h3serve.pipeline.engine import Profile
+    from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, validate_request
 
-    # 1. Everything the user gave, checked before any weight loads.
     prompt = _read_prompt(args)
     task, keyframes = _read_keyframes(args)
     _check_output(args.output)
     try:
-        check_settings(FPS, 32000, DEFAULT_CRF, args.threads)
+        check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, args.threads)
     except ValueError as err:
         raise CliError(f"--threads: {err}") from err
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = args.model is None
-    folder = None
+    if tiny and args.qkv_layout is not None:
+        raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         profile = Profile.for_device(device, args.dtype, args.vae_autocast)
-        if not tiny:
-            folder = resolve_model_folder(args.model)  # every config read and cross-checked, no weights yet
+        # Every config read and cross-checked, every weight header opened; no weights yet.
+        folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
         request = validate_request(
             prompt,
             task=task,
             width=args.width,
             height=args.height,
-            num_frames=_num_frames(args, tiny),
+            num_frames=_num_frames(args),
             steps=args.steps,
             seed=args.seed,
             video_shift=args.video_shift,
@@ -156,9 +178,37 @@ def cmd_render(args: argparse.Namespace) -> int:
         )
     except (ValueError, FileNotFoundError) as err:
         raise CliError(str(err)) from err
+    return _RenderPlan(request, profile, folder)
+
+
+def _render(engine, request, progress: bool):
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=request.steps - 1, desc="denoise", unit="step", file=sys.stderr, leave=False)
+
+    def on_step(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        return engine.render(request, on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from h3serve.media.mp4 import write_mp4
+    from h3serve.pipeline.engine import STAGES, Engine
+
+    # 1. Everything the user gave, checked before any weight loads.
+    plan = _plan_render(args)
+    request, profile = plan.request, plan.profile
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
-    model_name = "built-in tiny model (random weights: the output is noise)" if tiny else str(args.model)
+    model_name = str(args.model) if plan.folder else "built-in tiny model (random weights: the output is noise)"
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps - 1} "
         f"steps, seed {request.seed} | {model_name} | {profile.device} {profile.dtype} vae-autocast "
@@ -169,25 +219,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     # 2. Load and render.
     start = time.perf_counter()
     try:
-        engine = Engine.load(folder, profile)
+        engine = Engine.load(plan.folder, profile)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"--model {args.model}: {err}") from err
     load_s = time.perf_counter() - start
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=request.steps - 1, desc="denoise", unit="step", file=sys.stderr, leave=False)
-
-    def on_step(done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(done - bar.n)
-
-    try:
-        result = engine.render(request, on_step=on_step)
-    finally:
-        if bar is not None:
-            bar.close()
+    result = _render(engine, request, progress=not args.no_progress)
 
     # 3. Encode (atomically: a temporary name renamed when complete).
     encode_start = time.perf_counter()

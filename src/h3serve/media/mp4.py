@@ -31,8 +31,8 @@ import av
 import numpy as np
 import torch
 
-DEFAULT_FPS = 24
-DEFAULT_SAMPLE_RATE = 32000
+from h3serve.config import FPS, SAMPLE_RATE
+
 # crf 18 is near visually lossless for x264 and keeps a 5 s 768x448 clip around a few MB.
 DEFAULT_CRF = 18
 # Pinned, never 0 ("auto"): x264's output depends on its thread count. 4 is a measured sweet spot on small
@@ -65,8 +65,8 @@ def write_mp4(
     frames: np.ndarray | torch.Tensor,
     audio: np.ndarray | torch.Tensor,
     *,
-    fps: int = DEFAULT_FPS,
-    sample_rate: int = DEFAULT_SAMPLE_RATE,
+    fps: int = FPS,
+    sample_rate: int = SAMPLE_RATE,
     crf: int = DEFAULT_CRF,
     threads: int = DEFAULT_THREADS,
 ) -> Path:

@@ -3,14 +3,15 @@
 Loaders for the DiT and the text encoder live here (the VAEs' in `vae_loading.py`).
 
 The generic part (`open_checkpoint`, `Source`, `assign_from_checkpoint`) serves every component; the DiT part
-detects which of the three published DiT layouts a checkpoint uses and fixes its quirks once, here:
+reads the published DiT layouts and fixes their quirks once, here. Key names tell two of them apart:
 
-* ``original``: `FL2VA/transformer` (13 shards, `model.safetensors.index.json`): our parameter names, but the QKV
-  rows interleaved per head `[h0: q k v, h1: q k v, ...]`.
-* ``contiguous``: a single safetensors file with original names and QKV already `[q_all; k_all; v_all]`
-  (the community single files).
-* ``diffusers``: `transformer/` (14 shards): renamed keys, split `to_q/to_k/to_v`, and `fc1` halves swapped to
-  `[value; gate]`.
+* ``original`` names (our parameter names): `FL2VA/transformer` (13 shards, `model.safetensors.index.json`) with
+  the fused QKV rows interleaved per head `[h0: q k v, h1: q k v, ...]`, and the community single files, whose QKV
+  rows are stacked `[q_all; k_all; v_all]`. Keys and shapes are identical, so a single file's QKV order cannot be
+  read from the file: it is taken as stacked (what every published single file holds, and diffusers' default)
+  unless the caller says `qkv_layout="interleaved"` (a file merged from the original shards by hand).
+* ``diffusers`` names: `transformer/` (14 shards): renamed keys, split `to_q/to_k/to_v`, and `fc1` halves swapped
+  to `[value; gate]`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class Checkpoint:
 
     def keys(self) -> frozenset[str]:
         return frozenset(self._files)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the tensors come from shards listed in an index (else one safetensors file)."""
+        return self.root.name.endswith(".index.json")
 
     def __iter__(self):
         return iter(self._files)
@@ -215,20 +221,65 @@ def assign_from_checkpoint(
 # ----------------------------------------------------------------------------------------------- the DiT
 
 
-DIT_LAYOUTS = ("original", "contiguous", "diffusers")
+DIT_NAMINGS = ("original", "diffusers")
+QKV_LAYOUTS = ("stacked", "interleaved")
 
 
-def detect_dit_layout(ckpt: Checkpoint, *, sharded: bool) -> str:
-    """Layout from the key names; original names in one unsharded file mean contiguous QKV (community files)."""
+@dataclass(frozen=True)
+class DiTLayout:
+    """How a DiT checkpoint stores our tensors: its key naming and, for original names, the fused QKV row order
+    (None for diffusers names, which store q, k and v apart)."""
+
+    naming: str
+    qkv: str | None
+
+    def __str__(self) -> str:
+        return self.naming if self.qkv is None else f"{self.naming} names, {self.qkv} QKV"
+
+
+def detect_dit_naming(ckpt: Checkpoint) -> str:
     keys = ckpt.keys()
     if "transformer_blocks.0.attn.to_q.weight" in keys:
         return "diffusers"
     if "blocks.0.attn.qkv_proj.weight" in keys:
-        return "original" if sharded else "contiguous"
+        return "original"
     raise CheckpointError(
         f"{ckpt.root}: not an H3 DiT checkpoint: neither 'blocks.0.attn.qkv_proj.weight' (original) nor "
         f"'transformer_blocks.0.attn.to_q.weight' (diffusers) is present"
     )
+
+
+def resolve_dit_layout(ckpt: Checkpoint, qkv_layout: str | None = None) -> DiTLayout:
+    """The layout of a DiT checkpoint: naming from the keys, QKV order from the release or from `qkv_layout`.
+
+    The original shards are interleaved and diffusers shards split, so `qkv_layout` may only confirm them; for a
+    single file with original names it decides (None: stacked, with a warning that says how to change it).
+    """
+    if qkv_layout is not None and qkv_layout not in QKV_LAYOUTS:
+        raise ValueError(f"qkv_layout must be one of {', '.join(QKV_LAYOUTS)}, got {qkv_layout!r}")
+    naming = detect_dit_naming(ckpt)
+    if naming == "diffusers":
+        if qkv_layout is not None:
+            raise ValueError(
+                f"{ckpt.root}: qkv_layout applies only to a single-file DiT with original key names; this checkpoint "
+                f"has diffusers names, which store to_q / to_k / to_v apart"
+            )
+        return DiTLayout("diffusers", None)
+    if ckpt.sharded:
+        if qkv_layout not in (None, "interleaved"):
+            raise ValueError(
+                f"{ckpt.root}: the sharded original DiT (FL2VA/transformer) interleaves QKV per head; "
+                f"qkv_layout={qkv_layout!r} applies only to a single-file DiT"
+            )
+        return DiTLayout("original", "interleaved")
+    if qkv_layout is None:
+        log.warning(
+            "%s: a single-file DiT does not record its QKV row order; assuming stacked [q; k; v], as in every "
+            "published single file. For a file merged from the original shards, pass --qkv-layout interleaved",
+            ckpt.root,
+        )
+        qkv_layout = "stacked"
+    return DiTLayout("original", qkv_layout)
 
 
 def _deinterleave_qkv(heads: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
@@ -281,20 +332,18 @@ def _diffusers_name(name: str) -> str:
     return name
 
 
-def dit_plan(model: H3DiT, layout: str, ckpt_keys: frozenset[str]) -> dict[str, Source]:
+def dit_plan(model: H3DiT, layout: DiTLayout, ckpt_keys: frozenset[str]) -> dict[str, Source]:
     """Module name -> Source for one DiT layout."""
-    if layout not in DIT_LAYOUTS:
-        raise ValueError(f"unknown DiT layout {layout!r}; allowed: {list(DIT_LAYOUTS)}")
     cfg = model.config
     plan: dict[str, Source] = {}
     for name in model.state_dict():
         if name == "rope.inv_freq":
             # Recomputable (bit-identical); the original shards store it, diffusers and some single files do not.
-            stored = layout != "diffusers" and name in ckpt_keys
+            stored = layout.naming == "original" and name in ckpt_keys
             plan[name] = (
                 Source((name,)) if stored else Source((), lambda _: inv_freq(cfg.rope_inv_freq_len, cfg.rope_theta))
             )
-        elif layout == "diffusers":
+        elif layout.naming == "diffusers":
             theirs = _diffusers_name(name)
             if name.endswith("attn.qkv_proj.weight"):
                 stem = theirs[: -len("qkv_proj.weight")]
@@ -303,7 +352,7 @@ def dit_plan(model: H3DiT, layout: str, ckpt_keys: frozenset[str]) -> dict[str, 
                 plan[name] = Source((theirs,), _swap_halves)
             else:
                 plan[name] = Source((theirs,))
-        elif layout == "original" and name.endswith("attn.qkv_proj.weight"):
+        elif layout.qkv == "interleaved" and name.endswith("attn.qkv_proj.weight"):
             plan[name] = Source((name,), _deinterleave_qkv(cfg.num_attention_heads))
         else:
             plan[name] = Source((name,))
@@ -322,9 +371,10 @@ def load_dit(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
-    layout: str | None = None,
+    qkv_layout: str | None = None,
 ) -> H3DiT:
-    """Load the H3 DiT from any of the three layouts.
+    """Load the H3 DiT from any published layout (see the module docstring; `qkv_layout` as in
+    `resolve_dit_layout`).
 
     `dtype` is the compute dtype of the block stack; the fp32 islands stay float32. The checkpoint must store the
     released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
@@ -343,8 +393,7 @@ def load_dit(
             log.warning("%s: no config.json beside the weights; using the released H3 DiT configuration", path)
             config = DiTConfig()
     ckpt = open_checkpoint(path)
-    sharded = path.is_dir() and any(path.glob("*.safetensors.index.json"))
-    layout = layout or detect_dit_layout(ckpt, sharded=sharded)
+    layout = resolve_dit_layout(ckpt, qkv_layout)
     with torch.device("meta"):
         model = H3DiT(config)
     plan = dit_plan(model, layout, ckpt.keys())
@@ -357,38 +406,8 @@ def load_dit(
         dtype_of=lambda name: torch.float32 if is_fp32_name(name) else dtype,
         ckpt_dtype_of=lambda key: torch.float32 if key in island_keys else torch.bfloat16,
     )
-    log.info("loaded H3 DiT from %s (layout %s, %s, %s)", path, layout, dtype, device)
+    log.info("loaded H3 DiT from %s (%s, %s, %s)", path, layout, dtype, device)
     return model.eval().requires_grad_(False)
-
-
-def dit_state_dict_for_layout(model: H3DiT, layout: str) -> dict[str, torch.Tensor]:
-    """The model's weights under another layout's key names and tensor layouts (the inverse of `dit_plan`).
-
-    Used to export a checkpoint, and by tests to write the same weights in each layout.
-    """
-    heads = model.config.num_attention_heads
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach().cpu()
-        if name == "rope.inv_freq" and layout == "diffusers":
-            continue
-        if layout == "diffusers":
-            theirs = _diffusers_name(name)
-            if name.endswith("attn.qkv_proj.weight"):
-                stem = theirs[: -len("qkv_proj.weight")]
-                for part, w in zip("qkv", tensor.chunk(3, dim=0), strict=True):
-                    out[f"{stem}to_{part}.weight"] = w.contiguous()
-            elif name.endswith("mlp.fc1.weight"):
-                gate, value = tensor.chunk(2, dim=0)
-                out[theirs] = torch.cat((value, gate), dim=0)
-            else:
-                out[theirs] = tensor.contiguous()
-        elif layout == "original" and name.endswith("attn.qkv_proj.weight"):
-            # [q; k; v] -> per-head [q k v] interleave
-            out[name] = tensor.view(3, heads, -1, tensor.shape[-1]).transpose(0, 1).reshape(tensor.shape).contiguous()
-        else:
-            out[name] = tensor.contiguous()
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- the text encoder
@@ -460,10 +479,3 @@ def load_text_encoder(
     model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype)
     processor = load_image_processor(processor_dir) if vision else None
     return TextEncoder(model, load_tokenizer(tokenizer_dir), processor)
-
-
-def load_released_text_encoder(root: str | Path, **kwargs) -> TextEncoder:
-    """From a release root holding `text_encoder/`, `tokenizer/` and `processor/` (`FL2VA/` or the diffusers
-    layout's top level). kwargs as for `load_text_encoder`."""
-    root = Path(root)
-    return load_text_encoder(root / "text_encoder", root / "tokenizer", root / "processor", **kwargs)

@@ -4,43 +4,21 @@ The conditioning is `hidden_states[50]` of the released `Qwen3VLForConditionalGe
 decoder layers 0..49. Layers 50..63, the final norm and the LM head never run, so they are never loaded; the
 vision tower is loaded unless `vision=False` (only the keyframe modes use it).
 
-Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each
-keyframe, in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n
-<|vision_end|>`; the rows of that vision block are tagged video (0) for the DiT's AdaLN, all others text (1).
+How a prompt and its keyframes are presented to it (H3's prompt format) is the conditioning stage's business
+(`h3serve.pipeline.conditioning`); this module holds the truncated model and its tokenizer and image processor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image
 from torch import nn
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 TEXT_ENCODER_LAYER = 50
-TEXT_TAG = 1
-VISION_TAG = 0  # vision-block rows are tagged as video
-VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
-
-
-@dataclass(frozen=True)
-class Presentation:
-    """One request's text-stream, tokenized: ids and tags per row, and the keyframes' vision inputs."""
-
-    token_ids: tuple[int, ...]
-    token_tags: tuple[int, ...]
-    pixel_values: torch.Tensor | None = None  # (patches, 3 * temporal_patch * patch * patch)
-    image_grid_thw: torch.Tensor | None = None  # (num_keyframes, 3)
-
-
-@dataclass(frozen=True)
-class TextConditioning:
-    states: torch.Tensor  # (L, hidden) hidden_states[layer], the encoder's dtype
-    token_tags: torch.Tensor  # (L,) int64
 
 
 def load_tokenizer(path: str | Path):
@@ -56,31 +34,6 @@ def load_image_processor(path: str | Path) -> Qwen2VLImageProcessorPil:
     (what the config names) could differ only in the float rounding of the 0.5/0.5 normalisation.
     """
     return Qwen2VLImageProcessorPil.from_pretrained(str(path), local_files_only=True)
-
-
-def present(tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image_processor=None) -> Presentation:
-    """Tokenize the H3 presentation of a prompt and its keyframes (in packed order: first, then last)."""
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    ids: list[int] = []
-    tags: list[int] = []
-    pixel_values = grid = None
-    if keyframes:
-        if image_processor is None:
-            raise ValueError("keyframes need an image processor (load the released processor/ folder)")
-        vision = image_processor(images=list(keyframes), return_tensors="pt")
-        pixel_values, grid = vision["pixel_values"], vision["image_grid_thw"]
-        merge = image_processor.merge_size**2
-        start, pad, end = tokenizer.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
-        for i in range(len(keyframes)):
-            label = tokenizer(f"<Picture {i + 1}>: ", add_special_tokens=False)["input_ids"]
-            block = [start] + [pad] * (int(grid[i].prod()) // merge) + [end]
-            ids += label + block
-            tags += [TEXT_TAG] * len(label) + [VISION_TAG] * len(block)
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    ids += prompt_ids
-    tags += [TEXT_TAG] * len(prompt_ids)
-    return Presentation(tuple(ids), tuple(tags), pixel_values, grid)
 
 
 def truncated_qwen3vl(config: Qwen3VLConfig, layer: int, vision: bool) -> Qwen3VLModel:
@@ -123,7 +76,7 @@ def materialize_buffers(model: nn.Module) -> None:
 
 
 class TextEncoder(nn.Module):
-    """Prompt (+ keyframes) -> (L, hidden) conditioning rows and their modality tags."""
+    """The truncated Qwen3-VL with its tokenizer and image processor: token ids (+ vision inputs) -> (L, hidden)."""
 
     def __init__(self, model: Qwen3VLModel, tokenizer, image_processor=None):
         super().__init__()
@@ -137,23 +90,26 @@ class TextEncoder(nn.Module):
     def has_vision(self) -> bool:
         return self.model.visual is not None and self.image_processor is not None
 
-    def present(self, prompt: str, keyframes: Sequence[Image.Image] = ()) -> Presentation:
-        if keyframes and not self.has_vision:
-            raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
-        return present(self.tokenizer, prompt, keyframes, self.image_processor)
-
     @torch.no_grad()
-    def forward(self, presentation: Presentation) -> torch.Tensor:
-        """(L, hidden): the output of the last loaded decoder layer, before any norm."""
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token ids (L,) and the keyframes' vision inputs -> (L, hidden): the output of the last loaded decoder
+        layer, before any norm."""
         device = self.model.language_model.embed_tokens.weight.device
-        ids = torch.tensor([presentation.token_ids], dtype=torch.long, device=device)  # (1, L)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # (1, L)
         # Qwen's own modality ids (0 text, 1 image, 2 video) drive its MRoPE; they are not H3's row tags.
         mm_types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
         vision = {}
-        if presentation.pixel_values is not None:
+        if pixel_values is not None:
+            if self.model.visual is None:
+                raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
             vision = {
-                "pixel_values": presentation.pixel_values.to(device, self.model.visual.dtype),
-                "image_grid_thw": presentation.image_grid_thw.to(device),
+                "pixel_values": pixel_values.to(device, self.model.visual.dtype),
+                "image_grid_thw": image_grid_thw.to(device),
             }
         out = self.model(
             input_ids=ids,
@@ -163,7 +119,3 @@ class TextEncoder(nn.Module):
             **vision,
         )
         return out.last_hidden_state[0]
-
-    def encode(self, prompt: str, keyframes: Sequence[Image.Image] = ()) -> TextConditioning:
-        presentation = self.present(prompt, keyframes)
-        return TextConditioning(self(presentation), torch.tensor(presentation.token_tags, dtype=torch.long))

@@ -9,7 +9,6 @@ Widths differ from each other on purpose, as in the reference's own tiny tests, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -17,9 +16,10 @@ import torch
 from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
-from h3serve.config import DiTConfig
+from h3serve.config import SAMPLE_RATE, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
+from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TextEncoder,
     load_image_processor,
@@ -80,7 +80,7 @@ TINY_AUDIO_VAE = AudioVAEConfig(
     decoder_kernel_sizes=(9, 9, 4, 4, 4, 4, 4),
     resblock_kernel_sizes=(3, 7),
     resblock_dilation_sizes=((1, 3), (1, 3)),
-    sampling_rate=32000,
+    sampling_rate=SAMPLE_RATE,
     latents_mean=tuple(-0.05 * i for i in range(TINY_AUDIO_LATENT_CHANNELS)),
     latents_std=tuple(0.5 + 0.1 * i for i in range(TINY_AUDIO_LATENT_CHANNELS)),
 )
@@ -176,17 +176,6 @@ def tiny_text_encoder(
     """Text encoder of the built-in tiny model: the real tokenizer (and processor) over `tiny_qwen3vl`."""
     model = tiny_qwen3vl(seed=seed, layer=layer, vision=image_processor is not None, dtype=dtype)
     return TextEncoder(model, tokenizer, image_processor)
-
-
-@dataclass
-class Components:
-    """Everything a render needs; `Engine` runs them."""
-
-    dit: H3DiT
-    text_encoder: TextEncoder
-    video_vae: VideoVAE
-    audio_vae: AudioVAE
-    name: str
 
 
 def tiny_components(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Components:

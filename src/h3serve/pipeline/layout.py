@@ -17,10 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Modality tags select the AdaLN column block of every row, so their values are a checkpoint contract.
-VIDEO_TAG = 0
-TEXT_TAG = 1
-AUDIO_TAG = 2
+from h3serve.config import (
+    AUDIO_LATENTS_PER_SECOND,
+    CLIP_FRAMES,
+    FPS,
+    LATENTS_PER_CLIP,
+    PATCH_SIZE,
+    SPATIAL_RATIO,
+    Modality,
+)
 
 # Keyframe anchors per task, in packed order. Ref2VA is a different layout and is not built here.
 TASK_ANCHORS: dict[str, tuple[str, ...]] = {
@@ -56,31 +61,19 @@ class MediaGeometry:
     audio_latents: int  # per stereo channel, 40 per second
 
     @classmethod
-    def from_pixels(
-        cls,
-        height: int,
-        width: int,
-        num_frames: int,
-        *,
-        spatial_ratio: int = 16,
-        frames_per_chunk: int = 17,
-        latents_per_chunk: int = 5,
-        fps: float = 24.0,
-        audio_latents_per_second: int = 40,
-    ) -> MediaGeometry:
-        if num_frames % frames_per_chunk != latents_per_chunk:
-            raise ValueError(
-                f"num_frames must be of the form {frames_per_chunk}n+{latents_per_chunk}, got {num_frames}"
-            )
-        if height % spatial_ratio or width % spatial_ratio:
-            raise ValueError(f"height and width must be multiples of {spatial_ratio}, got {height}x{width}")
+    def from_pixels(cls, height: int, width: int, num_frames: int) -> MediaGeometry:
+        """The latent sizes of a canvas and a frame count on the 17n+5 grid."""
+        if num_frames % CLIP_FRAMES != LATENTS_PER_CLIP:
+            raise ValueError(f"num_frames must be of the form {CLIP_FRAMES}n+{LATENTS_PER_CLIP}, got {num_frames}")
+        if height % SPATIAL_RATIO or width % SPATIAL_RATIO:
+            raise ValueError(f"height and width must be multiples of {SPATIAL_RATIO}, got {height}x{width}")
         # Each 17-frame clip gives 5 latents and the encoder drops 3 at the end: 17n+5 frames -> 5n+2 latents.
-        latent_frames = (num_frames - latents_per_chunk) // frames_per_chunk * latents_per_chunk + 2
+        latent_frames = (num_frames - LATENTS_PER_CLIP) // CLIP_FRAMES * LATENTS_PER_CLIP + 2
         return cls(
             latent_frames=latent_frames,
-            latent_height=height // spatial_ratio,
-            latent_width=width // spatial_ratio,
-            audio_latents=round(num_frames / fps * audio_latents_per_second),
+            latent_height=height // SPATIAL_RATIO,
+            latent_width=width // SPATIAL_RATIO,
+            audio_latents=round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND),
         )
 
 
@@ -130,16 +123,12 @@ class PackedLayout:
     audio_channels: int
     num_text: int
     rows_per_frame: int
-    token_tags: torch.Tensor  # (S,) int64: 0 video, 1 text, 2 audio
+    token_tags: torch.Tensor  # (S,) int64 Modality values
     row_clock: torch.Tensor  # (S,) int64: CLOCK_VIDEO / CLOCK_AUDIO / CLOCK_CONDITION
     position_ids: torch.Tensor  # (S, 3) float64 (t, h, w)
     text_indices: torch.Tensor  # (L,) int64
     video_indices: torch.Tensor  # (Nc + Nv,) int64
     audio_indices: torch.Tensor  # (2 * Na,) int64
-
-    @property
-    def sequence_length(self) -> int:
-        return int(self.token_tags.shape[0])
 
     @property
     def num_condition_video_rows(self) -> int:
@@ -180,12 +169,12 @@ def build_layout(
     geometry: MediaGeometry,
     anchors: Sequence[str] = (),
     *,
-    patch_size: tuple[int, int, int] = (1, 2, 2),
+    patch_size: tuple[int, int, int] = PATCH_SIZE,
     audio_channels: int = 2,
 ) -> PackedLayout:
     """Build the `[text | keyframes | audio L, R | video]` layout.
 
-    text_tags: the modality tag of every text-encoder row (1, or 0 inside a keyframe's vision block).
+    text_tags: the modality tag of every text-encoder row (TEXT, or VIDEO inside a keyframe's vision block).
     anchors: "first" and/or "last" per keyframe, in packed order (see `TASK_ANCHORS`).
     """
     text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
@@ -201,21 +190,76 @@ def build_layout(
     if g.latent_height % patch_h or g.latent_width % patch_w:
         raise ValueError(f"latent {g.latent_height}x{g.latent_width} is not divisible by the patch {patch_size}")
 
-    rows_per_frame = (g.latent_height // patch_h) * (g.latent_width // patch_w)
-    num_text = int(text_tags.shape[0])
-    num_cond = len(anchors) * rows_per_frame
-    num_audio = g.audio_latents * audio_channels
-    num_video = g.latent_frames * rows_per_frame
-    cond_start = num_text
-    audio_start = cond_start + num_cond
-    video_start = audio_start + num_audio
-    seq = video_start + num_video
+    s = _Spans(
+        num_text=int(text_tags.shape[0]),
+        rows_per_frame=(g.latent_height // patch_h) * (g.latent_width // patch_w),
+        num_anchors=len(anchors),
+        num_audio=g.audio_latents * audio_channels,
+        latent_frames=g.latent_frames,
+    )
+    text_indices = torch.arange(s.num_text)
+    video_indices = torch.cat([torch.arange(s.cond_start, s.audio_start), torch.arange(s.video_start, s.seq)])
+    audio_indices = torch.arange(s.audio_start, s.video_start)
 
-    # --- positions, float64 -------------------------------------------------------------------------------------
-    # Text row i sits at (i, 0, 0); the media clock starts right after the text.
-    pos = np.zeros((seq, 3), dtype=np.float64)
-    pos[:num_text, 0] = np.arange(num_text, dtype=np.float64)
-    origin = float(num_text)
+    token_tags = torch.empty(s.seq, dtype=torch.long)
+    token_tags[text_indices] = text_tags
+    token_tags[video_indices] = Modality.VIDEO
+    token_tags[audio_indices] = Modality.AUDIO
+
+    row_clock = torch.full((s.seq,), CLOCK_VIDEO, dtype=torch.long)
+    row_clock[s.cond_start : s.audio_start] = CLOCK_CONDITION
+    row_clock[s.audio_start : s.video_start] = CLOCK_AUDIO
+
+    return PackedLayout(
+        anchors=anchors,
+        geometry=g,
+        patch_size=tuple(patch_size),
+        audio_channels=audio_channels,
+        num_text=s.num_text,
+        rows_per_frame=s.rows_per_frame,
+        token_tags=token_tags,
+        row_clock=row_clock,
+        position_ids=torch.from_numpy(_positions(s, g, anchors, patch_h, patch_w, audio_channels)),
+        text_indices=text_indices,
+        video_indices=video_indices,
+        audio_indices=audio_indices,
+    )
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Where each block of rows starts in the packed sequence."""
+
+    num_text: int
+    rows_per_frame: int
+    num_anchors: int
+    num_audio: int
+    latent_frames: int
+
+    @property
+    def cond_start(self) -> int:
+        return self.num_text
+
+    @property
+    def audio_start(self) -> int:
+        return self.cond_start + self.num_anchors * self.rows_per_frame
+
+    @property
+    def video_start(self) -> int:
+        return self.audio_start + self.num_audio
+
+    @property
+    def seq(self) -> int:
+        return self.video_start + self.latent_frames * self.rows_per_frame
+
+
+def _positions(
+    s: _Spans, g: MediaGeometry, anchors: tuple[str, ...], patch_h: int, patch_w: int, audio_channels: int
+) -> np.ndarray:
+    """(S, 3) float64 RoPE positions (t, h, w): text row i at (i, 0, 0); the media clock starts after the text."""
+    pos = np.zeros((s.seq, 3), dtype=np.float64)
+    pos[: s.num_text, 0] = np.arange(s.num_text, dtype=np.float64)
+    origin = float(s.num_text)
 
     sqrt_area = np.sqrt(g.latent_height * g.latent_width)
     h_grid = spatial_grid(g.latent_height, patch_h, sqrt_area)
@@ -224,54 +268,26 @@ def build_layout(
     frame_hw = np.stack([hh.reshape(-1), ww.reshape(-1)], axis=-1)  # (rows_per_frame, 2), row-major (h, w)
 
     for k, anchor in enumerate(anchors):
-        rows = slice(cond_start + k * rows_per_frame, cond_start + (k + 1) * rows_per_frame)
+        rows = slice(s.cond_start + k * s.rows_per_frame, s.cond_start + (k + 1) * s.rows_per_frame)
         pos[rows, 0] = origin if anchor == "first" else last_frame_time(g.latent_frames, origin)
         pos[rows, 1:] = frame_hw
 
     # Audio: one time unit per latent on the shared clock, no height, L at the first w point and R at the last.
-    audio_t = origin + np.arange(g.audio_latents, dtype=np.float64)
-    pos[audio_start:video_start, 0] = np.tile(audio_t, audio_channels)
-    pos[audio_start:video_start, 2] = np.concatenate(
-        [np.full(g.audio_latents, w_grid[0]), np.full(num_audio - g.audio_latents, w_grid[-1])]
+    audio = slice(s.audio_start, s.video_start)
+    pos[audio, 0] = np.tile(origin + np.arange(g.audio_latents, dtype=np.float64), audio_channels)
+    pos[audio, 2] = np.concatenate(
+        [np.full(g.audio_latents, w_grid[0]), np.full(s.num_audio - g.audio_latents, w_grid[-1])]
     )
 
-    pos[video_start:, 0] = np.repeat(frame_times(g.latent_frames, origin), rows_per_frame)
-    pos[video_start:, 1:] = np.tile(frame_hw, (g.latent_frames, 1))
-
-    # --- indices, tags, clocks ----------------------------------------------------------------------------------
-    text_indices = torch.arange(num_text)
-    video_indices = torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, seq)])
-    audio_indices = torch.arange(audio_start, video_start)
-
-    token_tags = torch.empty(seq, dtype=torch.long)
-    token_tags[text_indices] = text_tags
-    token_tags[video_indices] = VIDEO_TAG
-    token_tags[audio_indices] = AUDIO_TAG
-
-    row_clock = torch.full((seq,), CLOCK_VIDEO, dtype=torch.long)
-    row_clock[cond_start:audio_start] = CLOCK_CONDITION
-    row_clock[audio_start:video_start] = CLOCK_AUDIO
-
-    return PackedLayout(
-        anchors=anchors,
-        geometry=g,
-        patch_size=tuple(patch_size),
-        audio_channels=audio_channels,
-        num_text=num_text,
-        rows_per_frame=rows_per_frame,
-        token_tags=token_tags,
-        row_clock=row_clock,
-        position_ids=torch.from_numpy(pos),
-        text_indices=text_indices,
-        video_indices=video_indices,
-        audio_indices=audio_indices,
-    )
+    pos[s.video_start :, 0] = np.repeat(frame_times(g.latent_frames, origin), s.rows_per_frame)
+    pos[s.video_start :, 1:] = np.tile(frame_hw, (g.latent_frames, 1))
+    return pos
 
 
 # --- row <-> latent conversions ---------------------------------------------------------------------------------
 
 
-def patchify_video(latents: torch.Tensor, patch_size: tuple[int, int, int] = (1, 2, 2)) -> torch.Tensor:
+def patchify_video(latents: torch.Tensor, patch_size: tuple[int, int, int] = PATCH_SIZE) -> torch.Tensor:
     """(1, C, F, H, W) -> (F*H/ph*W/pw, C*pt*ph*pw): frame-major, then row-major; features ordered (c, pt, ph, pw)."""
     pt, ph, pw = patch_size
     b, c, f, h, w = latents.shape
@@ -281,7 +297,7 @@ def patchify_video(latents: torch.Tensor, patch_size: tuple[int, int, int] = (1,
     return x.permute(1, 3, 5, 0, 2, 4, 6).reshape(-1, c * pt * ph * pw)
 
 
-def unpatchify_video(rows: torch.Tensor, geometry: MediaGeometry, patch_size: tuple[int, int, int] = (1, 2, 2)):
+def unpatchify_video(rows: torch.Tensor, geometry: MediaGeometry, patch_size: tuple[int, int, int] = PATCH_SIZE):
     """Inverse of `patchify_video` for the generated rows: (Nv, C*pt*ph*pw) -> (1, C, F, H, W)."""
     pt, ph, pw = patch_size
     g = geometry
@@ -294,8 +310,3 @@ def unpatchify_video(rows: torch.Tensor, geometry: MediaGeometry, patch_size: tu
 def audio_rows_to_latents(rows: torch.Tensor, channels: int = 2) -> torch.Tensor:
     """Channel-major rows (channels*Na, D) -> (channels, D, Na), the mono audio VAE's batch of stereo channels."""
     return rows.reshape(channels, -1, rows.shape[-1]).permute(0, 2, 1)
-
-
-def audio_latents_to_rows(latents: torch.Tensor) -> torch.Tensor:
-    """(channels, D, Na) -> channel-major rows (channels*Na, D)."""
-    return latents.permute(0, 2, 1).reshape(-1, latents.shape[1])

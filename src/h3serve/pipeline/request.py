@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image, ImageOps
 
+from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, VIDEO_SHIFT
 from h3serve.pipeline.layout import TASK_ANCHORS
 from h3serve.pipeline.schedule import DualSchedule
 
@@ -75,19 +76,37 @@ class CanvasRule:
 
 @dataclass(frozen=True)
 class FrameRule:
-    """Frame counts on the VAE's grid (`frames_per_chunk * n + latents_per_chunk`) at a fixed frame rate."""
+    """Which frame counts a model accepts on the VAE's 17n+5 grid (at the released 24 fps), and its default."""
 
-    frames_per_chunk: int = 17
-    latents_per_chunk: int = 5
-    fps: int = 24
     min_frames: int = 22
     max_frames: int = 362
     trained_min_frames: int = 124  # 5 s; below it a notice, not an error
+    default_frames: int = 124
 
     def snap(self, num_frames: int) -> int:
         """The smallest frame count on the grid that is >= num_frames."""
-        c, r = self.frames_per_chunk, self.latents_per_chunk
-        return num_frames + (r - num_frames) % c
+        return num_frames + (LATENTS_PER_CLIP - num_frames) % CLIP_FRAMES
+
+    def check(self, requested: int) -> tuple[int, list[str]]:
+        """The frame count a request gets (snapped up to the grid) and the notices to give; ValueError if outside."""
+        notices = []
+        if requested < 1:
+            raise ValueError(f"num_frames must be >= {self.min_frames}, got {requested}")
+        num_frames = self.snap(requested)
+        if not self.min_frames <= num_frames <= self.max_frames:
+            raise ValueError(
+                f"num_frames must be {self.min_frames}..{self.max_frames} after snapping up to "
+                f"{CLIP_FRAMES}n+{LATENTS_PER_CLIP} ({self.min_frames / FPS:.2f}-{self.max_frames / FPS:.2f} s at "
+                f"{FPS} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else "")
+            )
+        if num_frames != requested:
+            notices.append(f"num_frames {requested} snapped up to {num_frames} ({CLIP_FRAMES}n+{LATENTS_PER_CLIP})")
+        if num_frames < self.trained_min_frames:
+            notices.append(
+                f"{num_frames} frames ({num_frames / FPS:.2f} s) is shorter than the trained "
+                f"{self.trained_min_frames / FPS:.2f}-{self.max_frames / FPS:.2f} s range"
+            )
+        return num_frames, notices
 
 
 @dataclass(frozen=True)
@@ -99,6 +118,11 @@ class RequestRules:
 
 
 RELEASED_RULES = RequestRules()
+# The built-in tiny model accepts small canvases (its default is 224x128) and defaults to the shortest clip, so that
+# a render takes seconds on a CPU.
+TINY_RULES = RequestRules(
+    canvas=CanvasRule(max_pixels=512 * 512, default_short_edge=128), frames=FrameRule(default_frames=22)
+)
 
 
 @dataclass(frozen=True)
@@ -174,86 +198,28 @@ def validate_request(
     task: str = "t2va",
     width: int | None = None,
     height: int | None = None,
-    num_frames: int,
+    num_frames: int | None = None,
     steps: int,
     seed: int = 0,
-    video_shift: float = 12.0,
-    audio_shift: float = 3.0,
+    video_shift: float = VIDEO_SHIFT,
+    audio_shift: float = AUDIO_SHIFT,
     keyframes: Sequence[Image.Image | bytes] = (),
     rules: RequestRules = RELEASED_RULES,
 ) -> RenderRequest:
-    """Check a request against the model's rules; return it normalised, with notices for any adjustment."""
-    notices: list[str] = []
+    """Check a request against the model's rules; return it normalised, with notices for any adjustment.
 
+    num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio.
+    """
     if task not in TASK_ANCHORS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("prompt must be a non-empty string")
-
-    expected = len(TASK_ANCHORS[task])
-    keyframes = tuple(keyframes or ())
-    if len(keyframes) != expected:
-        raise ValueError(
-            f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS[task]) or 'none'}), "
-            f"got {len(keyframes)}"
-        )
-    images = tuple(decode_keyframe(i, k) for i, k in enumerate(keyframes))
-
-    canvas = rules.canvas
-    if (width is None) != (height is None):
-        raise ValueError("width and height must be given together, or both left out")
-    if width is None:
-        aspect = images[0].size if images else (16, 9)
-        try:
-            width, height = resolve_canvas(*aspect, canvas)
-        except ValueError as e:
-            raise ValueError(f"keyframes[0]: {e}; give width and height explicitly") from e
-        if not images:
-            source = "the default 16:9"
-        else:
-            source = "the keyframe's aspect ratio" if len(images) == 1 else "the first keyframe's aspect ratio"
-        notices.append(f"canvas {width}x{height} chosen from {source}")
-    width, height = _number("width", width, int), _number("height", height, int)
-    canvas.check(width, height)
-
-    fr = rules.frames
-    requested = _number("num_frames", num_frames, int)
-    if requested < 1:
-        raise ValueError(f"num_frames must be >= {fr.min_frames}, got {requested}")
-    num_frames = fr.snap(requested)
-    if not fr.min_frames <= num_frames <= fr.max_frames:
-        raise ValueError(
-            f"num_frames must be {fr.min_frames}..{fr.max_frames} after snapping up to "
-            f"{fr.frames_per_chunk}n+{fr.latents_per_chunk} ({fr.min_frames / fr.fps:.2f}-"
-            f"{fr.max_frames / fr.fps:.2f} s at {fr.fps} fps), got {requested}"
-            + (f" (snapped to {num_frames})" if num_frames != requested else "")
-        )
-    if num_frames != requested:
-        notices.append(
-            f"num_frames {requested} snapped up to {num_frames} ({fr.frames_per_chunk}n+{fr.latents_per_chunk})"
-        )
-    if num_frames < fr.trained_min_frames:
-        notices.append(
-            f"{num_frames} frames ({num_frames / fr.fps:.2f} s) is shorter than the trained "
-            f"{fr.trained_min_frames / fr.fps:.2f}-{fr.max_frames / fr.fps:.2f} s range"
-        )
-
-    steps = _number("steps", steps, int)
-    if not rules.min_steps <= steps <= rules.max_steps:
-        raise ValueError(
-            f"steps must be {rules.min_steps}..{rules.max_steps} (grid points, including the final one), got {steps}"
-        )
-    seed = _number("seed", seed, int)
-    if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be 0..{MAX_SEED}, got {seed}")
-    for name, value in (("video_shift", video_shift), ("audio_shift", audio_shift)):
-        value = _number(name, value, float)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-    # Both schedules must keep one point per step, or video and audio would step out of sync: refuse it here,
-    # before anything loads, rather than in the middle of a render.
-    DualSchedule.build(steps, float(video_shift), float(audio_shift))
+    images = _check_keyframes(task, keyframes)
+    width, height, notices = _check_canvas(width, height, images, rules.canvas)
+    requested = rules.frames.default_frames if num_frames is None else _number("num_frames", num_frames, int)
+    num_frames, frame_notices = rules.frames.check(requested)
+    notices += frame_notices
+    steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules)
 
     for notice in notices:
         log.info("request: %s", notice)
@@ -272,21 +238,57 @@ def validate_request(
     )
 
 
-def fit_keyframes(keyframes: Sequence[Image.Image], width: int, height: int) -> list[Image.Image]:
-    """Put keyframes (packed order) on the canvas: the first is stretched, a second one cover-cropped, both LANCZOS.
+def _check_keyframes(task: str, keyframes: Sequence[Image.Image | bytes]) -> tuple[Image.Image, ...]:
+    """As many keyframes as the task packs, each decoded to RGB."""
+    expected = len(TASK_ANCHORS[task])
+    keyframes = tuple(keyframes or ())
+    if len(keyframes) != expected:
+        raise ValueError(
+            f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS[task]) or 'none'}), "
+            f"got {len(keyframes)}"
+        )
+    return tuple(decode_keyframe(i, k) for i, k in enumerate(keyframes))
 
-    The cover crop is the released model's arithmetic (round the scaled size, centre with `(src - dst) // 2`), which
-    differs by a pixel from generic crop helpers on some aspect ratios.
-    """
-    fitted = []
-    for i, image in enumerate(keyframes):
-        if image.size == (width, height):
-            fitted.append(image)
-        elif i == 0:
-            fitted.append(image.resize((width, height), Image.Resampling.LANCZOS))
+
+def _check_canvas(
+    width: int | None, height: int | None, images: Sequence[Image.Image], canvas: CanvasRule
+) -> tuple[int, int, list[str]]:
+    """The canvas given, or the one chosen from the (first) keyframe's aspect ratio (else 16:9), checked."""
+    notices = []
+    if (width is None) != (height is None):
+        raise ValueError("width and height must be given together, or both left out")
+    if width is None:
+        aspect = images[0].size if images else (16, 9)
+        try:
+            width, height = resolve_canvas(*aspect, canvas)
+        except ValueError as e:
+            raise ValueError(f"keyframes[0]: {e}; give width and height explicitly") from e
+        if not images:
+            source = "the default 16:9"
         else:
-            scale = max(width / image.width, height / image.height)
-            size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-            left, top = max(0, (size[0] - width) // 2), max(0, (size[1] - height) // 2)
-            fitted.append(image.resize(size, Image.Resampling.LANCZOS).crop((left, top, left + width, top + height)))
-    return fitted
+            source = "the keyframe's aspect ratio" if len(images) == 1 else "the first keyframe's aspect ratio"
+        notices.append(f"canvas {width}x{height} chosen from {source}")
+    width, height = _number("width", width, int), _number("height", height, int)
+    canvas.check(width, height)
+    return width, height, notices
+
+
+def _check_sampling(
+    steps: int, seed: int, video_shift: float, audio_shift: float, rules: RequestRules
+) -> tuple[int, int]:
+    steps = _number("steps", steps, int)
+    if not rules.min_steps <= steps <= rules.max_steps:
+        raise ValueError(
+            f"steps must be {rules.min_steps}..{rules.max_steps} (grid points, including the final one), got {steps}"
+        )
+    seed = _number("seed", seed, int)
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be 0..{MAX_SEED}, got {seed}")
+    for name, value in (("video_shift", video_shift), ("audio_shift", audio_shift)):
+        value = _number(name, value, float)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    # Both schedules must keep one point per step, or video and audio would step out of sync: refuse it here,
+    # before anything loads, rather than in the middle of a render.
+    DualSchedule.build(steps, float(video_shift), float(audio_shift))
+    return steps, seed

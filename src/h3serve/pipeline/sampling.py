@@ -1,8 +1,9 @@
 """Initial noise and the denoise loop.
 
 The request's one CPU generator draws, in this order: one tensor per keyframe (its conditioning noise), the
-video noise as a latent `(1, C, F, H, W)`, then the audio noise directly as channel-major rows. Keyframe VAE
-posteriors are sampled with their own generator seeded 42. Changing any of this changes every render of a seed.
+video noise as a latent `(1, C, F, H, W)`, then the audio noise directly as channel-major rows. (Keyframe VAE
+posteriors are sampled with their own generator, in the conditioning stage.) Changing any of this changes every
+render of a seed.
 
 The loop is a stateless function over a model callable: the text rows, RoPE table, tags and scatter indices of
 a request are bound once (`bind_model`) and the loop only passes rows and timesteps.
@@ -15,12 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h3serve.model.latents import normalize
-from h3serve.model.video_vae import posterior_sample
 from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
 from h3serve.pipeline.schedule import DualSchedule, euler_step
-
-KEYFRAME_POSTERIOR_SEED = 42
 
 # (video rows, audio rows, timesteps (M,), timestep indices (S,)) -> (video velocity, audio velocity), row for row.
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -69,23 +66,6 @@ def draw_layout_noise(
 
 def request_generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
-
-
-def sample_keyframe_latents(
-    mean: torch.Tensor,
-    logvar: torch.Tensor,
-    latents_mean: Sequence[float] | torch.Tensor,
-    latents_std: Sequence[float] | torch.Tensor,
-    seed: int = KEYFRAME_POSTERIOR_SEED,
-) -> torch.Tensor:
-    """Normalised keyframe latent from the video VAE posterior: sampled with its own generator, rounded to fp16.
-
-    mean, logvar: (1, C, 1, h, w) on any device. Returns float32 on the CPU. The fixed seed makes a keyframe
-    always encode to the same anchor; the fp16 rounding is part of the released recipe (about 11 bits kept).
-    """
-    # Drawn from a CPU generator at the posterior's dtype, then moved, like the reference.
-    z = posterior_sample(mean, logvar, request_generator(seed)).to(torch.float16).float().cpu()
-    return normalize(z, latents_mean, latents_std)
 
 
 def noise_condition(latents: torch.Tensor, noise: torch.Tensor, level: float = CONDITION_TIMESTEP) -> torch.Tensor:

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
+from h3serve.config import AUDIO_SHIFT, VIDEO_SHIFT
 
 
 def shifted_sigmas(num_points: int, shift: float) -> torch.Tensor:

@@ -1,0 +1,179 @@
+"""A released checkpoint on disk: where each component lives, whether they fit together, and loading them.
+
+Two folder layouts are published, and a third is accepted:
+
+    original  FL2VA/ (or its parent): transformer/, text_encoder/, tokenizer/, processor/, video_vae/, audio_vae/
+    diffusers the same names, except vae/ for the video VAE
+    either one with the transformer as a single safetensors file (its QKV order: `qkv_layout`, see loading.py)
+
+Everything here happens before the pipeline: it receives loaded `Components` and knows no folder names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, PATCH_SIZE, SPATIAL_RATIO, TEMPORAL_RATIO, DiTConfig
+from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.model.dit import H3DiT
+from h3serve.model.loading import load_dit, load_text_encoder, open_checkpoint, resolve_dit_layout
+from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, TextEncoder
+from h3serve.model.vae_loading import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
+from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+
+# Component folders both layouts share; the video VAE's differs (see `_video_vae_dir`).
+_SHARED = ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae")
+
+
+@dataclass
+class Components:
+    """Every loaded model a render needs; the engine runs them."""
+
+    dit: H3DiT
+    text_encoder: TextEncoder
+    video_vae: VideoVAE
+    audio_vae: AudioVAE
+    name: str
+
+    def check(self) -> None:
+        """The components must fit each other (see `check_compatible`)."""
+        text_hidden = self.text_encoder.model.config.text_config.hidden_size
+        check_compatible(self.dit.config, self.video_vae.cfg, self.audio_vae.cfg, text_hidden)
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    """A released checkpoint's component folders and configurations, read and cross-checked before any weight."""
+
+    root: Path
+    transformer: Path
+    text_encoder: Path
+    tokenizer: Path
+    processor: Path
+    video_vae: Path
+    audio_vae: Path
+    dit: DiTConfig
+    dit_qkv_layout: str | None  # resolved: "interleaved" / "stacked" for original names, None for diffusers names
+    video_vae_config: VideoVAEConfig
+    audio_vae_config: AudioVAEConfig
+    text_hidden_size: int
+
+
+def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> ModelFolder:
+    """Find the components of a released checkpoint and read every configuration and weight-file header, so that a
+    missing folder, a broken config, a truncated file or components that do not fit together stop the start before
+    any weight loads. `qkv_layout`: a single-file DiT's QKV row order (see `resolve_dit_layout`).
+
+    Raises FileNotFoundError or ValueError naming the file.
+    """
+    root = _component_root(Path(path))
+    video = _video_vae_dir(root)
+    dit_config = root / "transformer" / "config.json"
+    if not dit_config.is_file():
+        raise FileNotFoundError(f"{dit_config} is missing")
+    text_layers, text_hidden = _text_encoder_shape(root / "text_encoder")
+    if text_layers <= TEXT_ENCODER_LAYER:
+        raise ValueError(
+            f"{root / 'text_encoder' / 'config.json'}: the text encoder has {text_layers} layers; H3 reads the "
+            f"output of layer {TEXT_ENCODER_LAYER}, so it needs more than {TEXT_ENCODER_LAYER}"
+        )
+    video_config, video_weights = read_video_vae_config(video)
+    audio_config, audio_weights = read_audio_vae_config(root / "audio_vae")
+    dit = DiTConfig.from_json(dit_config)
+    check_compatible(dit, video_config, audio_config, text_hidden)
+    # Every weight file's header too (indexes, shards, key lists; no tensor data): a missing or truncated file
+    # stops the start now, not after the components before it have loaded.
+    dit_layout = resolve_dit_layout(open_checkpoint(root / "transformer"), qkv_layout)
+    for weights in (root / "text_encoder", video_weights, audio_weights):
+        open_checkpoint(weights)
+    return ModelFolder(
+        root=root,
+        transformer=root / "transformer",
+        text_encoder=root / "text_encoder",
+        tokenizer=root / "tokenizer",
+        processor=root / "processor",
+        video_vae=video,
+        audio_vae=root / "audio_vae",
+        dit=dit,
+        dit_qkv_layout=dit_layout.qkv,
+        video_vae_config=video_config,
+        audio_vae_config=audio_config,
+        text_hidden_size=text_hidden,
+    )
+
+
+def _component_root(root: Path) -> Path:
+    if not root.is_dir():
+        raise FileNotFoundError(f"model folder {root} does not exist")
+    if (root / "FL2VA" / "transformer").is_dir() and not (root / "transformer").is_dir():
+        root = root / "FL2VA"
+    for name in _SHARED:
+        if not (root / name).is_dir():
+            raise FileNotFoundError(
+                f"model folder {root} has no {name}/ (expected the released FL2VA/ layout or the diffusers layout)"
+            )
+    return root
+
+
+def _video_vae_dir(root: Path) -> Path:
+    for name in ("video_vae", "vae"):  # original, diffusers
+        if (root / name).is_dir():
+            return root / name
+    raise FileNotFoundError(f"model folder {root} has no video_vae/ (original layout) or vae/ (diffusers layout)")
+
+
+def _text_encoder_shape(folder: Path) -> tuple[int, int]:
+    """(num_hidden_layers, hidden_size) of the Qwen3-VL text model, from its config alone."""
+    from transformers import Qwen3VLConfig
+
+    try:
+        text = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True).text_config
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder / 'config.json'}: not a readable Qwen3-VL config ({err})") from err
+    return text.num_hidden_layers, text.hidden_size
+
+
+def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfig, text_hidden_size: int) -> None:
+    """The components must fit each other and the pipeline's fixed geometry (1/16 spatial and 1/4 temporal video
+    latents on 17-frame clips, 40 audio latents per second); the message names both sides of a mismatch."""
+    pairs = [
+        ("transformer text_dim", dit.text_dim, "text encoder hidden_size", text_hidden_size),
+        ("transformer latents_dim", dit.latents_dim, "video VAE latent_channels", video.latent_channels),
+        ("transformer audio_latents_dim", dit.audio_latents_dim, "audio VAE latent_channels", audio.latent_channels),
+        ("transformer patch_size", dit.patch_size, "the pipeline's", PATCH_SIZE),
+        ("video VAE spatial ratio", video.spatial_ratio, "the pipeline's", SPATIAL_RATIO),
+        ("video VAE temporal ratio", video.temporal_ratio, "the pipeline's", TEMPORAL_RATIO),
+        ("video VAE clip_length", video.clip_length, "the pipeline's", CLIP_FRAMES),
+        (
+            "audio VAE latents per second",
+            audio.sampling_rate / audio.hop_length,
+            "the pipeline's",
+            AUDIO_LATENTS_PER_SECOND,
+        ),
+    ]
+    for left, a, right, b in pairs:
+        if a != b:
+            raise ValueError(f"incompatible model components: {left} is {_fmt(a)} but {right} is {_fmt(b)}")
+
+
+def _fmt(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def load_components(folder: ModelFolder, *, device: torch.device | str, dtype: torch.dtype) -> Components:
+    """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
+    islands and both VAEs stay float32)."""
+    return Components(
+        dit=load_dit(
+            folder.transformer, device=device, dtype=dtype, config=folder.dit, qkv_layout=folder.dit_qkv_layout
+        ),
+        text_encoder=load_text_encoder(
+            folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype
+        ),
+        video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
+        audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
+        name=str(folder.root),
+    )

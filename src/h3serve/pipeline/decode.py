@@ -1,0 +1,47 @@
+"""Decode: the denoised packed rows -> uint8 video frames and a float stereo waveform.
+
+    decode_video  generated video rows -> latents (de-normalised) -> video VAE -> (F, H, W, 3) uint8 RGB
+    decode_audio  audio rows (L then R) -> latents (de-normalised) -> audio VAE -> (2, N) float32 in [-1, 1]
+
+Both refuse non-finite values instead of writing them: a NaN would otherwise reach the MP4 as black pixels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from h3serve.model.audio_vae import AudioVAE
+from h3serve.model.video_vae import VideoVAE
+from h3serve.pipeline.layout import PackedLayout, audio_rows_to_latents, unpatchify_video
+
+
+def check_finite(video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
+    """Fail closed on denoised latents holding NaN or inf, before any decode time is spent."""
+    if not (torch.isfinite(video_rows).all() and torch.isfinite(audio_rows).all()):
+        raise RuntimeError("the denoised latents are not finite (NaN or inf); nothing was decoded")
+
+
+@torch.no_grad()
+def decode_video(
+    vae: VideoVAE, video_rows: torch.Tensor, layout: PackedLayout, autocast: torch.dtype | None = None
+) -> np.ndarray:
+    """video_rows: every video row of the layout, keyframe rows first (as the denoise loop returns them).
+
+    autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
+    Returns (F, H, W, 3) uint8 RGB.
+    """
+    generated = video_rows[layout.num_condition_video_rows :]
+    latents = unpatchify_video(generated, layout.geometry, layout.patch_size)  # (1, C, F, h, w) normalised
+    pixels = vae.decode(vae.cfg.latent_stats.denormalize(latents), autocast_dtype=autocast)  # (1, 3, F, H, W)
+    if not torch.isfinite(pixels).all():
+        raise RuntimeError("the video decoder produced non-finite pixels (NaN or inf)")
+    return vae.output_to_rgb(pixels)[0].cpu().numpy()
+
+
+@torch.no_grad()
+def decode_audio(vae: AudioVAE, audio_rows: torch.Tensor, layout: PackedLayout) -> np.ndarray:
+    """audio_rows: (channels * Na, C) channel-major. Returns (channels, Na * hop) float32 at the VAE's sample rate."""
+    latents = audio_rows_to_latents(audio_rows, layout.audio_channels)  # (2, C, Na), the mono VAE's batch
+    wave = vae.decode(vae.cfg.latent_stats.denormalize(latents))  # (2, 1, Na * hop)
+    return wave[:, 0].float().cpu().numpy()
