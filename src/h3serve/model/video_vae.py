@@ -210,61 +210,12 @@ class VideoVAEConfig:
     def from_original(cls, wrapper: Mapping[str, Any], source: Mapping[str, Any]) -> VideoVAEConfig:
         """Build from the original `video_vae/config.json` (wrapper) and `video_vae/source/config.json`.
 
-        The source config carries switches that only ever take one value in the release; anything else would need
-        code this module does not have, so it is refused rather than silently computed the released way.
+        Both files carry switches that only ever take one value in the release; anything else would need code this
+        module does not have, so it is refused rather than silently computed the released way.
         """
-        fixed = {
-            "causal_encoder": True,
-            "causal_decoder": False,
-            "use_3d_conv": True,
-            "use_vit_decoder": True,
-            "use_t_isolated_gn": True,
-            "pixel_norm_type": "imagenet",
-            "scaling_factor": 1.0,
-            "shift_factor": 0.0,
-            "zq_ch_encoder": None,
-            "zq_ch_decoder": None,
-        }
-        for key, expected in fixed.items():
-            if source.get(key, expected) != expected:
-                raise ValueError(f"video_vae/source/config.json: {key}={source[key]!r} is not supported")
-        if source.get("num_res_blocks_decoder") is not None or source.get("padding_mode_t") is not None:
-            raise ValueError("video_vae/source/config.json: num_res_blocks_decoder / padding_mode_t must be null")
-        vit = dict(source.get("vit_decoder_kwargs", {}))
-        vit_fixed = {
-            "ffn_activation_fn": "silu",
-            "ffn_use_gated": True,
-            "norm_type": "rms_norm",
-            "norm_affine": True,
-            "qk_norm_type": "rms_norm",
-            "qk_norm_affine": False,
-        }
-        for key, expected in vit_fixed.items():
-            if vit.get(key, expected) != expected:
-                raise ValueError(f"vit_decoder_kwargs.{key}={vit[key]!r} is not supported")
-        if source["z_channels"] != source["embed_dim"]:
-            raise ValueError("z_channels and embed_dim differ; the released VAE has them equal")
-        ratio_s = math.prod(source["space_down"])
-        ratio_t = math.prod(source["time_down"])
-        if source.get("vae_ratio", ratio_s) != ratio_s or source.get("vae_ratio_t", ratio_t) != ratio_t:
-            raise ValueError("vae_ratio / vae_ratio_t disagree with space_down / time_down")
-        # Wrapper keys: the ones read below, metadata, and settings the release fixes (multi-GPU and chunking
-        # switches of the original code). Anything else, or another value of a fixed one, is refused.
-        read = {"vae_clip_length", "vae_token_drop", "latents_mean", "latents_std", "latent_channels"}
-        read |= {"vae_tile_size", "vae_tile_overlap_min", "vae_encoder_tiling", "vae_decoder_tiling"}
-        read |= {"source_path", "source_safetensors_path"}
-        metadata = {"_class_name", "_diffusers_version", "auto_map", "source_class_name"}
-        wrapper_fixed = {"mode": "standalone", "vae_parallel_tiling": 1, "vae_encoder_parallel": 0}
-        wrapper_fixed |= {"vae_decoder_parallel": 0, "vae_chunk_dim": -1}
-        unknown = sorted(set(wrapper) - read - metadata - set(wrapper_fixed))
-        if unknown:
-            raise ValueError(f"video_vae/config.json: unknown keys {unknown}")
-        for key, expected in wrapper_fixed.items():
-            if wrapper.get(key, expected) != expected:
-                raise ValueError(f"video_vae/config.json: {key}={wrapper[key]!r} is not supported (only {expected!r})")
-        if wrapper.get("latent_channels", source["embed_dim"]) != source["embed_dim"]:
-            raise ValueError("video_vae/config.json latent_channels disagrees with source embed_dim")
-        tile_size = int(wrapper.get("vae_tile_size", 256))
+        _check_original_source(source)
+        _check_original_wrapper(wrapper, source["embed_dim"])
+        vit = source.get("vit_decoder_kwargs", {})
         return cls(
             in_channels=source["in_channels"],
             out_channels=source["out_ch"],
@@ -283,11 +234,78 @@ class VideoVAEConfig:
             token_drop=wrapper["vae_token_drop"],
             latents_mean=wrapper["latents_mean"],
             latents_std=wrapper["latents_std"],
-            tile_size=tile_size,
+            tile_size=int(wrapper.get("vae_tile_size", 256)),
             tile_overlap_min=int(wrapper.get("vae_tile_overlap_min", 64)),
             encoder_tiling=bool(wrapper.get("vae_encoder_tiling", 1)),
             decoder_tiling=bool(wrapper.get("vae_decoder_tiling", 1)),
         )
+
+
+# The original source config's switches and the only values the release (and this module) has.
+_SOURCE_FIXED = {
+    "causal_encoder": True,
+    "causal_decoder": False,
+    "use_3d_conv": True,
+    "use_vit_decoder": True,
+    "use_t_isolated_gn": True,
+    "pixel_norm_type": "imagenet",  # the pixel convention `VideoVAE.rgb_to_input` / `output_to_rgb` implement
+    "scaling_factor": 1.0,
+    "shift_factor": 0.0,
+    "zq_ch_encoder": None,
+    "zq_ch_decoder": None,
+    "num_res_blocks_decoder": None,
+    "padding_mode_t": None,
+}
+_VIT_FIXED = {
+    "ffn_activation_fn": "silu",
+    "ffn_use_gated": True,
+    "norm_type": "rms_norm",
+    "norm_affine": True,
+    "qk_norm_type": "rms_norm",
+    "qk_norm_affine": False,
+}
+# Wrapper keys: the ones `from_original` reads, metadata, and settings the release fixes (multi-GPU and chunking
+# switches of the original code). Anything else, or another value of a fixed one, is refused.
+_WRAPPER_READ = frozenset(
+    {"vae_clip_length", "vae_token_drop", "latents_mean", "latents_std", "latent_channels", "vae_tile_size"}
+    | {"vae_tile_overlap_min", "vae_encoder_tiling", "vae_decoder_tiling", "source_path", "source_safetensors_path"}
+)
+_WRAPPER_METADATA = frozenset({"_class_name", "_diffusers_version", "auto_map", "source_class_name"})
+_WRAPPER_FIXED = {
+    "mode": "standalone",
+    "vae_parallel_tiling": 1,
+    "vae_encoder_parallel": 0,
+    "vae_decoder_parallel": 0,
+    "vae_chunk_dim": -1,
+}
+
+
+def _check_original_source(source: Mapping[str, Any]) -> None:
+    for key, expected in _SOURCE_FIXED.items():
+        if source.get(key, expected) != expected:
+            raise ValueError(
+                f"video_vae/source/config.json: {key}={source[key]!r} is not supported (only {expected!r})"
+            )
+    vit = source.get("vit_decoder_kwargs", {})
+    for key, expected in _VIT_FIXED.items():
+        if vit.get(key, expected) != expected:
+            raise ValueError(f"vit_decoder_kwargs.{key}={vit[key]!r} is not supported (only {expected!r})")
+    if source["z_channels"] != source["embed_dim"]:
+        raise ValueError("z_channels and embed_dim differ; the released VAE has them equal")
+    ratio_s, ratio_t = math.prod(source["space_down"]), math.prod(source["time_down"])
+    if source.get("vae_ratio", ratio_s) != ratio_s or source.get("vae_ratio_t", ratio_t) != ratio_t:
+        raise ValueError("vae_ratio / vae_ratio_t disagree with space_down / time_down")
+
+
+def _check_original_wrapper(wrapper: Mapping[str, Any], embed_dim: int) -> None:
+    unknown = sorted(set(wrapper) - _WRAPPER_READ - _WRAPPER_METADATA - set(_WRAPPER_FIXED))
+    if unknown:
+        raise ValueError(f"video_vae/config.json: unknown keys {unknown}")
+    for key, expected in _WRAPPER_FIXED.items():
+        if wrapper.get(key, expected) != expected:
+            raise ValueError(f"video_vae/config.json: {key}={wrapper[key]!r} is not supported (only {expected!r})")
+    if wrapper.get("latent_channels", embed_dim) != embed_dim:
+        raise ValueError("video_vae/config.json latent_channels disagrees with source embed_dim")
 
 
 # ----------------------------------------------------------------------------------------------------------------
