@@ -6,6 +6,7 @@ import re
 from dataclasses import replace
 
 import pytest
+import torch
 
 from e2e_fixtures import write_tiny_checkpoint
 from folder_fixtures import write_config_folder
@@ -107,3 +108,62 @@ def test_engine_refuses_components_that_do_not_fit():
     components.dit = H3DiT(replace(TINY_DIT, text_dim=16))
     with pytest.raises(ValueError, match="transformer text_dim is 16"):
         Engine(components, Profile.for_device("cpu"))
+
+
+# --- a single-file DiT in a model folder: its QKV order is the caller's to say -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_file_checkpoint(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with its DiT rewritten as one original-names file whose QKV rows are interleaved per head
+    (a file merged from the original shards), which the file itself cannot reveal."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dit_fixtures import export_state_dict
+    from h3serve.model.loading import load_dit
+
+    root = tmp_path_factory.mktemp("single") / "FL2VA"
+    shutil.copytree(checkpoint, root)
+    dit = load_dit(checkpoint / "transformer", dtype=torch.float32)
+    for f in (root / "transformer").glob("*.safetensors*"):
+        f.unlink()
+    save_file(export_state_dict(dit, "interleaved"), root / "transformer" / "minimax_h3_fl2va_bf16.safetensors")
+    return root
+
+
+def test_single_file_dit_qkv_layout_is_resolved_before_loading(single_file_checkpoint, checkpoint):
+    assert resolve_model_folder(single_file_checkpoint).dit_qkv_layout == "stacked"  # the default, with a warning
+    assert resolve_model_folder(single_file_checkpoint, qkv_layout="interleaved").dit_qkv_layout == "interleaved"
+    assert resolve_model_folder(checkpoint).dit_qkv_layout is None  # diffusers names: q, k, v stored apart
+    with pytest.raises(ValueError, match="diffusers names"):
+        resolve_model_folder(checkpoint, qkv_layout="stacked")
+
+
+def test_cli_qkv_layout_decides_how_a_single_file_dit_reads(single_file_checkpoint, checkpoint, tmp_path):
+    from h3serve.media.mp4 import decode_frames
+
+    def render(model, name, *extra):
+        out = tmp_path / f"{name}.mp4"
+        code = main(["render", "a fox", "--model", str(model), "--width", "64", "--height", "64", "--frames", "22",
+                     "--steps", "3", "--no-progress", "-o", str(out), *extra])  # fmt: skip
+        return code, out
+
+    code, reference = render(checkpoint, "reference")
+    assert code == 0
+    code, right = render(single_file_checkpoint, "interleaved", "--qkv-layout", "interleaved")
+    assert code == 0
+    code, wrong = render(single_file_checkpoint, "assumed-stacked")
+    assert code == 0
+    frames = decode_frames(reference)
+    assert (decode_frames(right) == frames).all()  # told the truth: the same model as the diffusers folder
+    assert not (decode_frames(wrong) == frames).all()  # the default order on an interleaved file: another model
+
+
+def test_cli_refuses_a_qkv_layout_that_cannot_apply(checkpoint, tmp_path, capsys):
+    out = tmp_path / "x.mp4"
+    assert main(["render", "p", "--model", str(checkpoint), "--qkv-layout", "stacked", "-o", str(out)]) == 1
+    assert "diffusers names" in capsys.readouterr().err and not out.exists()
+    assert main(["render", "p", "--qkv-layout", "interleaved", "-o", str(out)]) == 1
+    assert "built-in tiny model" in capsys.readouterr().err and not out.exists()

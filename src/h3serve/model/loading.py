@@ -64,6 +64,9 @@ class Checkpoint:
     def __iter__(self):
         return iter(self._files)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._files
+
     def file_of(self, key: str) -> Path:
         return self._files[key]
 
@@ -237,16 +240,18 @@ class DiTLayout:
         return self.naming if self.qkv is None else f"{self.naming} names, {self.qkv} QKV"
 
 
+def naming_by_marker(ckpt: Checkpoint, what: str, markers: Mapping[str, str]) -> str:
+    """Which published naming a checkpoint uses, from one key only that naming has (naming -> marker key)."""
+    for naming, key in markers.items():
+        if key in ckpt:
+            return naming
+    seen = " nor ".join(f"{key!r} ({naming})" for naming, key in markers.items())
+    raise CheckpointError(f"{ckpt.root}: not an H3 {what} checkpoint: neither {seen} is present")
+
+
 def detect_dit_naming(ckpt: Checkpoint) -> str:
-    keys = ckpt.keys()
-    if "transformer_blocks.0.attn.to_q.weight" in keys:
-        return "diffusers"
-    if "blocks.0.attn.qkv_proj.weight" in keys:
-        return "original"
-    raise CheckpointError(
-        f"{ckpt.root}: not an H3 DiT checkpoint: neither 'blocks.0.attn.qkv_proj.weight' (original) nor "
-        f"'transformer_blocks.0.attn.to_q.weight' (diffusers) is present"
-    )
+    markers = {"original": "blocks.0.attn.qkv_proj.weight", "diffusers": "transformer_blocks.0.attn.to_q.weight"}
+    return naming_by_marker(ckpt, "DiT", markers)
 
 
 def resolve_dit_layout(ckpt: Checkpoint, qkv_layout: str | None = None) -> DiTLayout:

@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
-from h3serve.model.loading import Checkpoint, CheckpointError, Source, assign_from_checkpoint, open_checkpoint
+from h3serve.model.loading import (
+    Checkpoint,
+    CheckpointError,
+    Source,
+    assign_from_checkpoint,
+    naming_by_marker,
+    open_checkpoint,
+)
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
 
 log = logging.getLogger(__name__)
@@ -65,15 +72,8 @@ def read_video_vae_config(path: Path) -> tuple[VideoVAEConfig, Path]:
 
 
 def detect_video_vae_layout(ckpt: Checkpoint) -> str:
-    keys = ckpt.keys()
-    if "decoder.x_embedder.weight" in keys:
-        return "original"
-    if "decoder.proj_in.weight" in keys:
-        return "diffusers"
-    raise CheckpointError(
-        f"{ckpt.root}: not an H3 video VAE checkpoint: neither 'decoder.x_embedder.weight' (original) nor "
-        f"'decoder.proj_in.weight' (diffusers) is present"
-    )
+    markers = {"original": "decoder.x_embedder.weight", "diffusers": "decoder.proj_in.weight"}
+    return naming_by_marker(ckpt, "video VAE", markers)
 
 
 _VIDEO_RENAMES = (  # our (original) name pattern -> diffusers name
