@@ -20,6 +20,8 @@ import hashlib
 import heapq
 import math
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -98,6 +100,32 @@ def write_mp4(
         tmp.unlink(missing_ok=True)
         raise
     return dest
+
+
+def encode_mp4(
+    fh: BinaryIO,
+    frames: np.ndarray | torch.Tensor,
+    audio: np.ndarray | torch.Tensor,
+    *,
+    fps: int = FPS,
+    sample_rate: int = SAMPLE_RATE,
+    crf: int = DEFAULT_CRF,
+    threads: int = DEFAULT_THREADS,
+) -> None:
+    """Encode to a writable binary file object (a file, a BytesIO, a socket's file), with the same checks and
+    settings as `write_mp4`. The object receives a complete MP4 or, on an error, nothing.
+
+    The encode goes through a temporary file first: FFmpeg's faststart pass re-opens its output by name to move
+    `moov` to the front, which an in-memory object does not have.
+    """
+    check_settings(fps, sample_rate, crf, threads)
+    video, pcm = _check_frames(frames), _check_audio(audio)
+    with tempfile.TemporaryDirectory(prefix="h3serve-mp4-") as folder:
+        tmp = Path(folder) / "out.mp4"
+        with open(tmp, "xb+") as out:
+            _encode(out, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads)
+        with open(tmp, "rb") as done:
+            shutil.copyfileobj(done, fh)
 
 
 def _encode(
@@ -281,9 +309,20 @@ class StreamInfo:
     audio_duration_s: float
 
 
-def probe_mp4(path: str | os.PathLike[str]) -> StreamInfo:
-    """Read the stream facts of `path` without decoding (frame count comes from the MP4 index)."""
-    with av.open(os.fspath(path)) as container:
+Source = str | os.PathLike[str] | BinaryIO
+
+
+def _open(source: Source) -> av.container.InputContainer:
+    if isinstance(source, str | os.PathLike):
+        return av.open(os.fspath(source))
+    source.seek(0)
+    return av.open(source, mode="r")
+
+
+def probe_mp4(path: Source) -> StreamInfo:
+    """Read the stream facts of `path` (a file path or a seekable binary file object) without decoding; the frame
+    count comes from the MP4 index."""
+    with _open(path) as container:
         video, audio = _streams(container, path)
         vctx, actx = video.codec_context, audio.codec_context
         return StreamInfo(
@@ -303,9 +342,9 @@ def probe_mp4(path: str | os.PathLike[str]) -> StreamInfo:
         )
 
 
-def decode_frames(path: str | os.PathLike[str]) -> np.ndarray:
+def decode_frames(path: Source) -> np.ndarray:
     """Decode every video frame of `path` to RGB. Returns (F, H, W, 3) uint8."""
-    with av.open(os.fspath(path)) as container:
+    with _open(path) as container:
         _streams(container, path)
         frames = [
             frame.to_ndarray(
@@ -318,14 +357,14 @@ def decode_frames(path: str | os.PathLike[str]) -> np.ndarray:
     return np.stack(frames)  # (F, H, W, 3)
 
 
-def decode_audio(path: str | os.PathLike[str]) -> np.ndarray:
+def decode_audio(path: Source) -> np.ndarray:
     """Decode the first audio stream of `path`. Returns (channels, N) float32.
 
     N is what the decoder yields: the encoder's priming is skipped via the MP4 edit list, but the padding of
     the last AAC frame is not, so N can exceed the written length by up to 1024 samples, and it differs by up
     to 1024 between av versions. Compare with `audio_psnr`, which aligns to the shorter length.
     """
-    with av.open(os.fspath(path)) as container:
+    with _open(path) as container:
         _streams(container, path)
         chunks = [_frame_to_fltp(frame) for frame in container.decode(audio=0)]
     if not chunks:
@@ -370,7 +409,7 @@ def audio_psnr(a: np.ndarray, b: np.ndarray, *, peak: float = 1.0) -> float:
 
 
 def _streams(
-    container: av.container.InputContainer, path: str | os.PathLike[str]
+    container: av.container.InputContainer, path: Source
 ) -> tuple[av.video.stream.VideoStream, av.audio.stream.AudioStream]:
     if not container.streams.video:
         raise ValueError(f"{path} has no video stream")
@@ -379,13 +418,50 @@ def _streams(
     return container.streams.video[0], container.streams.audio[0]
 
 
-def _duration_s(stream: av.stream.Stream, path: str | os.PathLike[str]) -> float:
+def _duration_s(stream: av.stream.Stream, path: Source) -> float:
     if stream.duration is None or stream.time_base is None:
         raise ValueError(f"{path}: the {stream.type} stream does not declare a duration")
     return float(stream.duration * stream.time_base)
 
 
-def _count_packets(path: str | os.PathLike[str], index: int) -> int:
+def _count_packets(path: Source, index: int) -> int:
     # Fallback for containers that do not index their frames; an MP4 always does.
-    with av.open(os.fspath(path)) as container:
+    with _open(path) as container:
         return sum(1 for packet in container.demux(container.streams[index]) if packet.size)
+
+
+def verify_mp4(
+    source: Source,
+    *,
+    width: int,
+    height: int,
+    num_frames: int,
+    fps: int = FPS,
+    sample_rate: int = SAMPLE_RATE,
+) -> StreamInfo:
+    """Check that `source` is the output contract's MP4: H.264 yuv420p of the given size and frame count at `fps`,
+    AAC-LC stereo at `sample_rate`, and that every frame decodes. Raises ValueError listing every mismatch."""
+    try:
+        info = probe_mp4(source)
+        decoded = decode_frames(source).shape[0]
+    except (av.FFmpegError, ValueError) as err:
+        raise ValueError(f"not a readable MP4 with video and audio ({err})") from err
+    expected = {
+        "video_codec": "h264",
+        "pixel_format": "yuv420p",
+        "width": width,
+        "height": height,
+        "frame_count": num_frames,
+        "audio_codec": "aac",
+        "audio_profile": "LC",
+        "channels": 2,
+        "sample_rate": sample_rate,
+    }
+    wrong = [f"{k} {getattr(info, k)!r} (expected {v!r})" for k, v in expected.items() if getattr(info, k) != v]
+    if abs(info.fps - fps) > 1e-6:
+        wrong.append(f"fps {info.fps:g} (expected {fps})")
+    if decoded != num_frames:
+        wrong.append(f"{decoded} decodable frames (expected {num_frames})")
+    if wrong:
+        raise ValueError("the MP4 does not match the output contract: " + "; ".join(wrong))
+    return info

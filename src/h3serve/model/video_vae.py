@@ -698,14 +698,20 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
+        self,
+        z: torch.Tensor,
+        *,
+        tiled: bool | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        on_window: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
 
         The release decodes on the GPU under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`, which
         the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
         `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
-        frames are written straight into the output.
+        frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
+        may raise from it to stop the decode).
         """
         cfg = self.cfg
         if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
@@ -738,6 +744,8 @@ class VideoVAE(nn.Module):
             if cfg.token_drop > 0:
                 carry = clip[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone()
             del clip, head
+            if on_window is not None:
+                on_window(i + 1, windows)
         if carry is not None:
             emit(carry)
         assert pos == num_frames, (pos, num_frames)

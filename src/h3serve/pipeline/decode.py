@@ -8,6 +8,8 @@ Both refuse non-finite values instead of writing them: a NaN would otherwise rea
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -24,16 +26,21 @@ def check_finite(video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
 
 @torch.no_grad()
 def decode_video(
-    vae: VideoVAE, video_rows: torch.Tensor, layout: PackedLayout, autocast: torch.dtype | None = None
+    vae: VideoVAE,
+    video_rows: torch.Tensor,
+    layout: PackedLayout,
+    autocast: torch.dtype | None = None,
+    on_window: Callable[[int, int], None] | None = None,
 ) -> np.ndarray:
     """video_rows: every video row of the layout, keyframe rows first (as the denoise loop returns them).
 
     autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
-    Returns (F, H, W, 3) uint8 RGB.
+    on_window(done, total): called after each temporal decode window. Returns (F, H, W, 3) uint8 RGB.
     """
     generated = video_rows[layout.num_condition_video_rows :]
     latents = unpatchify_video(generated, layout.geometry, layout.patch_size)  # (1, C, F, h, w) normalised
-    pixels = vae.decode(vae.cfg.latent_stats.denormalize(latents), autocast_dtype=autocast)  # (1, 3, F, H, W)
+    z = vae.cfg.latent_stats.denormalize(latents)
+    pixels = vae.decode(z, autocast_dtype=autocast, on_window=on_window)  # (1, 3, F, H, W)
     if not torch.isfinite(pixels).all():
         raise RuntimeError("the video decoder produced non-finite pixels (NaN or inf)")
     return vae.output_to_rgb(pixels)[0].cpu().numpy()

@@ -11,7 +11,10 @@ renders requests by running the stages of the data flow in order and timing each
 
 from __future__ import annotations
 
+import io
 import logging
+import resource
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,9 +25,11 @@ import numpy as np
 import torch
 
 from h3serve.config import FPS
+from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.conditioning import encode_keyframes, encode_text, fit_keyframes
+from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, RenderRequest, RequestRules, validate_request
@@ -97,16 +102,35 @@ class RenderResult:
     fps: int
     request: RenderRequest
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, and "total"
+    peak_memory_mb: float = 0.0  # CUDA: peak allocated during this render; CPU: the process's peak RSS so far
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """The startup warmup: a short render at the production shape, encoded and checked as the clients will."""
+
+    passed: bool
+    seconds: float
+    request: str  # what was rendered, e.g. "t2va 768x448 56 frames 1 step(s)"
+    error: str | None = None
+
+
+WARMUP_PROMPT = "Macro soldering a PCB under warm bench light, soft room tone."
+WARMUP_STEPS = 2  # grid points: one forward, as the seed's 2-step warmup
 
 
 class Engine:
-    """Runs requests through the stages; holds the components and the profile for its whole life."""
+    """Runs requests through the stages; holds the components and the profile for its whole life.
+
+    One render runs at a time (a lock), whoever calls: the CLI, the service's worker, the warmup.
+    """
 
     def __init__(self, components: Components, profile: Profile, rules: RequestRules = RELEASED_RULES):
         components.check()
         self.components = components
         self.profile = profile
         self.rules = rules
+        self.lock = threading.Lock()
 
     @classmethod
     def load(cls, model: str | Path | ModelFolder | None, profile: Profile) -> Engine:
@@ -126,28 +150,59 @@ class Engine:
         return validate_request(prompt, rules=self.rules, **kwargs)
 
     @contextmanager
-    def _stage(self, timings: dict[str, float], name: str) -> Iterator[None]:
+    def _stage(self, timings: dict[str, float], name: str, ctx: RenderContext) -> Iterator[None]:
+        ctx.report(name, 0, 1)  # a stage boundary: a cancelled render stops here
         start = time.perf_counter()
         yield
         if self.profile.torch_device.type == "cuda":
             torch.cuda.synchronize(self.profile.torch_device)
         timings[name] = time.perf_counter() - start
 
+    def render(
+        self,
+        request: RenderRequest,
+        ctx: RenderContext | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> RenderResult:
+        """Run one request. `ctx` carries the cancel flag and progress events; `on_step(done, total)` is a plain
+        per-step callback (the CLI's progress bar). Raises RenderCancelled when cancelled; the memory the render
+        held is released before that reaches the caller."""
+        ctx = ctx or RenderContext()
+        with self.lock:
+            cuda = self.profile.torch_device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.profile.torch_device)
+            try:
+                result = self._render(request, ctx, on_step)
+            except RenderCancelled:
+                if cuda:
+                    torch.cuda.empty_cache()
+                raise
+            result.peak_memory_mb = _peak_memory_mb(self.profile.torch_device)
+            return result
+
     @torch.no_grad()
-    def render(self, request: RenderRequest, on_step: Callable[[int, int], None] | None = None) -> RenderResult:
+    def _render(
+        self, request: RenderRequest, ctx: RenderContext, on_step: Callable[[int, int], None] | None
+    ) -> RenderResult:
         c, device = self.components, self.profile.torch_device
         cfg = c.dit.config
         timings: dict[str, float] = {}
         start = time.perf_counter()
 
-        with self._stage(timings, "text"):
+        def step_done(done: int, total: int) -> None:
+            if on_step is not None:
+                on_step(done, total)
+            ctx.report("denoise", done, total)
+
+        with self._stage(timings, "text", ctx):
             keyframes = fit_keyframes(request.keyframes, request.width, request.height)
             text = encode_text(c.text_encoder, request.prompt, keyframes)
 
-        with self._stage(timings, "keyframes"):
+        with self._stage(timings, "keyframes", ctx):
             keyframe_latents = encode_keyframes(c.video_vae, keyframes)
 
-        with self._stage(timings, "layout"):
+        with self._stage(timings, "layout", ctx):
             geometry = MediaGeometry.from_pixels(request.height, request.width, request.num_frames)
             layout = build_layout(text.token_tags, geometry, request.anchors, patch_size=cfg.patch_size)
             noise = draw_layout_noise(request_generator(request.seed), layout, cfg.latents_dim, cfg.audio_latents_dim)
@@ -155,17 +210,19 @@ class Engine:
             schedule = DualSchedule.build(request.steps, request.video_shift, request.audio_shift)
             model = bind_model(c.dit, layout, text.states)
 
-        with self._stage(timings, "denoise"):
+        with self._stage(timings, "denoise", ctx):
             video_rows, audio_rows = denoise(
-                model, video_rows.to(device), audio_rows.to(device), layout, schedule, on_step
+                model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
             )
         check_finite(video_rows, audio_rows)
 
-        with self._stage(timings, "video"):
-            frames = decode_video(c.video_vae, video_rows, layout, VAE_AUTOCAST[self.profile.vae_autocast])
+        with self._stage(timings, "video", ctx):
+            autocast = VAE_AUTOCAST[self.profile.vae_autocast]
+            frames = decode_video(c.video_vae, video_rows, layout, autocast, lambda i, n: ctx.report("video", i, n))
 
-        with self._stage(timings, "audio"):
+        with self._stage(timings, "audio", ctx):
             audio = decode_audio(c.audio_vae, audio_rows, layout)
+        ctx.check()
 
         timings["total"] = time.perf_counter() - start
         return RenderResult(
@@ -176,3 +233,44 @@ class Engine:
             request=request,
             timings=timings,
         )
+
+    def warmup_request(self) -> RenderRequest:
+        """The production shape (768x448, 56 frames, T2VA for the released model; the tiny model's own default)."""
+        size = self.rules.warmup_size
+        return self.validate(
+            WARMUP_PROMPT,
+            task="t2va",
+            width=size[0] if size else None,
+            height=size[1] if size else None,
+            num_frames=self.rules.warmup_frames,
+            steps=WARMUP_STEPS,
+            seed=0,
+        )
+
+    def warmup(self, threads: int = DEFAULT_THREADS) -> WarmupResult:
+        """Render the warmup request, encode it to MP4 in memory and check the file as a client would (codecs,
+        size, frame count, stereo AAC). Never raises: a failure is the result, with its reason."""
+        start = time.perf_counter()
+        request = self.warmup_request()
+        shape = (
+            f"{request.task} {request.width}x{request.height} {request.num_frames} frames {request.steps - 1} step(s)"
+        )
+        try:
+            result = self.render(request)
+            buffer = io.BytesIO()
+            encode_mp4(
+                buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=threads
+            )
+            buffer.seek(0)
+            verify_mp4(buffer, width=request.width, height=request.height, num_frames=request.num_frames)
+        except Exception as err:  # the warmup reports every failure instead of raising: the server stays not ready
+            log.exception("warmup failed")
+            return WarmupResult(False, time.perf_counter() - start, shape, f"{type(err).__name__}: {err}")
+        return WarmupResult(True, time.perf_counter() - start, shape)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is KiB on Linux: the whole process's peak, not this render's alone.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

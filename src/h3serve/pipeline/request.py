@@ -33,6 +33,15 @@ TASKS = tuple(TASK_ANCHORS)
 MAX_SEED = 2**63 - 1
 
 
+class RequestError(ValueError):
+    """A request value the model's rules refuse. `field` names it in the engine's terms (task, prompt, keyframes,
+    width, height, num_frames, steps, seed, video_shift, audio_shift), so a front end can map it to its own name."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class CanvasRule:
     """Which (width, height) a model accepts, and which it picks when the caller gives none."""
@@ -53,17 +62,19 @@ class CanvasRule:
         m = self.multiple
         for name, value in (("width", width), ("height", height)):
             if value < m or value % m:
-                raise ValueError(f"{name} must be a positive multiple of {m}, got {value}")
+                raise RequestError(name, f"{name} must be a positive multiple of {m}, got {value}")
         if not self.min_aspect <= width / height <= self.max_aspect:
-            raise ValueError(
+            raise RequestError(
+                "width",
                 f"width/height: the aspect ratio of {width}x{height} ({width / height:.3g}) must be within "
-                f"[{self.min_aspect:g}, {self.max_aspect:g}]"
+                f"[{self.min_aspect:g}, {self.max_aspect:g}]",
             )
         if (width - m / 2) * (height - m / 2) > self.max_pixels:
             largest = "x".join(map(str, resolve_canvas(16, 9, self)))
-            raise ValueError(
+            raise RequestError(
+                "width",
                 f"width/height: {width}x{height} is above the canvas area cap of {self.max_pixels} pixels "
-                f"(the 16:9 canvas is {largest})"
+                f"(the 16:9 canvas is {largest})",
             )
 
     def fits(self, width: int, height: int) -> bool:
@@ -91,13 +102,14 @@ class FrameRule:
         """The frame count a request gets (snapped up to the grid) and the notices to give; ValueError if outside."""
         notices = []
         if requested < 1:
-            raise ValueError(f"num_frames must be >= {self.min_frames}, got {requested}")
+            raise RequestError("num_frames", f"num_frames must be >= {self.min_frames}, got {requested}")
         num_frames = self.snap(requested)
         if not self.min_frames <= num_frames <= self.max_frames:
-            raise ValueError(
+            raise RequestError(
+                "num_frames",
                 f"num_frames must be {self.min_frames}..{self.max_frames} after snapping up to "
                 f"{CLIP_FRAMES}n+{LATENTS_PER_CLIP} ({self.min_frames / FPS:.2f}-{self.max_frames / FPS:.2f} s at "
-                f"{FPS} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else "")
+                f"{FPS} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else ""),
             )
         if num_frames != requested:
             notices.append(f"num_frames {requested} snapped up to {num_frames} ({CLIP_FRAMES}n+{LATENTS_PER_CLIP})")
@@ -115,13 +127,19 @@ class RequestRules:
     frames: FrameRule = field(default_factory=FrameRule)
     min_steps: int = 2  # grid points, terminal included: 2 gives one forward
     max_steps: int = 1000
+    # The startup warmup's shape: the production request's canvas and frame count (None: the rules' defaults).
+    warmup_size: tuple[int, int] | None = (768, 448)
+    warmup_frames: int | None = 56
 
 
 RELEASED_RULES = RequestRules()
 # The built-in tiny model accepts small canvases (its default is 224x128) and defaults to the shortest clip, so that
 # a render takes seconds on a CPU.
 TINY_RULES = RequestRules(
-    canvas=CanvasRule(max_pixels=512 * 512, default_short_edge=128), frames=FrameRule(default_frames=22)
+    canvas=CanvasRule(max_pixels=512 * 512, default_short_edge=128),
+    frames=FrameRule(default_frames=22),
+    warmup_size=None,
+    warmup_frames=None,
 )
 
 
@@ -166,7 +184,7 @@ def resolve_canvas(aspect_width: float, aspect_height: float, rule: CanvasRule =
 
 
 def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryview) -> Image.Image:
-    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...)."""
+    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...). Raises RequestError("keyframes")."""
     name = f"keyframes[{index}]"
     if isinstance(image, Image.Image):
         decoded = image
@@ -175,20 +193,20 @@ def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryv
             decoded = Image.open(io.BytesIO(bytes(image)))
             decoded.load()
         except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, DecompressionBombError)
-            raise ValueError(f"{name} could not be decoded as an image ({type(e).__name__}: {e})") from e
+            raise RequestError("keyframes", f"{name} could not be decoded as an image ({type(e).__name__}: {e})") from e
     else:
-        raise ValueError(f"{name} must be image bytes or a PIL image, got {type(image).__name__}")
+        raise RequestError("keyframes", f"{name} must be image bytes or a PIL image, got {type(image).__name__}")
     # Camera JPEGs store their rotation as EXIF; apply it, as the reference's image loading does.
     decoded = ImageOps.exif_transpose(decoded)
     if decoded.width < 1 or decoded.height < 1:
-        raise ValueError(f"{name} has no pixels ({decoded.width}x{decoded.height})")
+        raise RequestError("keyframes", f"{name} has no pixels ({decoded.width}x{decoded.height})")
     return decoded.convert("RGB")
 
 
 def _number(name: str, value, kind: type) -> int | float:
     ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
     if isinstance(value, bool) or not ok:
-        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        raise RequestError(name, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
     return value
 
 
@@ -211,9 +229,9 @@ def validate_request(
     num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio.
     """
     if task not in TASK_ANCHORS:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        raise RequestError("task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("prompt must be a non-empty string")
+        raise RequestError("prompt", "prompt must be a non-empty string")
     images = _check_keyframes(task, keyframes)
     width, height, notices = _check_canvas(width, height, images, rules.canvas)
     requested = rules.frames.default_frames if num_frames is None else _number("num_frames", num_frames, int)
@@ -243,9 +261,10 @@ def _check_keyframes(task: str, keyframes: Sequence[Image.Image | bytes]) -> tup
     expected = len(TASK_ANCHORS[task])
     keyframes = tuple(keyframes or ())
     if len(keyframes) != expected:
-        raise ValueError(
+        raise RequestError(
+            "keyframes",
             f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS[task]) or 'none'}), "
-            f"got {len(keyframes)}"
+            f"got {len(keyframes)}",
         )
     return tuple(decode_keyframe(i, k) for i, k in enumerate(keyframes))
 
@@ -256,13 +275,13 @@ def _check_canvas(
     """The canvas given, or the one chosen from the (first) keyframe's aspect ratio (else 16:9), checked."""
     notices = []
     if (width is None) != (height is None):
-        raise ValueError("width and height must be given together, or both left out")
+        raise RequestError("width", "width and height must be given together, or both left out")
     if width is None:
         aspect = images[0].size if images else (16, 9)
         try:
             width, height = resolve_canvas(*aspect, canvas)
         except ValueError as e:
-            raise ValueError(f"keyframes[0]: {e}; give width and height explicitly") from e
+            raise RequestError("keyframes", f"keyframes[0]: {e}; give width and height explicitly") from e
         if not images:
             source = "the default 16:9"
         else:
@@ -278,17 +297,21 @@ def _check_sampling(
 ) -> tuple[int, int]:
     steps = _number("steps", steps, int)
     if not rules.min_steps <= steps <= rules.max_steps:
-        raise ValueError(
-            f"steps must be {rules.min_steps}..{rules.max_steps} (grid points, including the final one), got {steps}"
+        raise RequestError(
+            "steps",
+            f"steps must be {rules.min_steps}..{rules.max_steps} (grid points, including the final one), got {steps}",
         )
     seed = _number("seed", seed, int)
     if not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be 0..{MAX_SEED}, got {seed}")
+        raise RequestError("seed", f"seed must be 0..{MAX_SEED}, got {seed}")
     for name, value in (("video_shift", video_shift), ("audio_shift", audio_shift)):
         value = _number(name, value, float)
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+            raise RequestError(name, f"{name} must be a finite number > 0, got {value!r}")
     # Both schedules must keep one point per step, or video and audio would step out of sync: refuse it here,
     # before anything loads, rather than in the middle of a render.
-    DualSchedule.build(steps, float(video_shift), float(audio_shift))
+    try:
+        DualSchedule.build(steps, float(video_shift), float(audio_shift))
+    except ValueError as e:
+        raise RequestError("steps", str(e)) from e
     return steps, seed

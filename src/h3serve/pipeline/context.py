@@ -1,0 +1,64 @@
+"""The context one render runs in: a cancel flag the stages check, and typed progress events they report.
+
+The engine checks the flag at every stage boundary, after every denoise step and between video-decode windows, so
+a cancelled render stops within one step (or one decode window) and raises `RenderCancelled`. Progress events say
+which stage is running and how far it is (`done` of `total` units: denoise steps, decode windows, or 0/1 for the
+stages that are one piece of work).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class RenderCancelled(Exception):
+    """The render was cancelled (by a client, a timeout or shutdown); nothing was produced."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # one of engine.STAGES
+    done: int
+    total: int
+
+    @property
+    def fraction(self) -> float:
+        return self.done / self.total if self.total else 1.0
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+class RenderContext:
+    """Passed through one render. `cancel()` may be called from any thread; the render stops at its next check."""
+
+    def __init__(self, on_progress: ProgressCallback | None = None):
+        self._cancelled = threading.Event()
+        self._reason = ""
+        self._on_progress = on_progress
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        if not self._cancelled.is_set():
+            self._reason = reason
+            self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
+    def check(self) -> None:
+        """Raise RenderCancelled if `cancel()` was called."""
+        if self._cancelled.is_set():
+            raise RenderCancelled(self._reason)
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        """Report progress, then check the flag (every report is also a cancellation point)."""
+        if self._on_progress is not None:
+            self._on_progress(Progress(stage, done, total))
+        self.check()
