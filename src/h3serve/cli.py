@@ -8,6 +8,7 @@ output file is left behind (the MP4 is written under a temporary name and rename
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -68,13 +69,179 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_render)
 
 
+def _serve_parsers(sub: argparse._SubParsersAction) -> None:
+    from h3serve.settings import add_flags
+
+    p = sub.add_parser(
+        "serve",
+        help="run the HTTP service (vLLM-Omni/OpenAI video API)",
+        description="Serve the video API. Every setting is a flag, an H3_* environment variable or a --config key "
+        "(flags win over the environment, which wins over the file). Without --model the built-in tiny model is "
+        "served. The server answers /health at once and reports ready after its startup warmup render.",
+    )
+    add_flags(p)
+    p.set_defaults(func=cmd_serve)
+    c = sub.add_parser(
+        "check",
+        help="validate the service settings (and the model folder) without loading weights",
+        description="Resolve the settings as `serve` would and print them (the key redacted), or print every "
+        "violation and exit non-zero.",
+    )
+    add_flags(c)
+    c.set_defaults(func=cmd_check)
+
+
+def _accept_parser(sub: argparse._SubParsersAction) -> None:
+    from h3serve.accept import ACCEPT_PROMPT
+
+    p = sub.add_parser(
+        "accept",
+        help="two-render acceptance against a running server",
+        description="Check health and model identity, render the fixed request twice through /v1/videos/sync, "
+        "check each MP4, compare decoded frames byte for byte and audio by PSNR, and write a JSON report. Exit 0 "
+        "only if everything holds. The key comes from H3_API_KEY or --api-key-file.",
+    )
+    p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--expect-model", help="the exact id /v1/models must list (default: exactly one model)")
+    p.add_argument("--api-key-file", type=Path, help="file holding the bearer key (default: $H3_API_KEY)")
+    p.add_argument("--out", type=Path, default=Path("accept"), help="folder for the MP4s and the report (accept/)")
+    p.add_argument("--prompt", default=ACCEPT_PROMPT, help="the prompt (the seed's smoke prompt)")
+    p.add_argument("--width", type=int, default=768, help="canvas width (768)")
+    p.add_argument("--height", type=int, default=448, help="canvas height (448)")
+    p.add_argument("--duration", type=float, default=2.0, help="seconds, as extra_params.duration (2.0: 56 frames)")
+    p.add_argument("--steps", type=int, default=20, help="num_inference_steps (20)")
+    p.add_argument("--seed", type=int, default=42, help="seed (42)")
+    p.add_argument("--min-audio-psnr", type=float, default=math.inf, help="audio PSNR bound in dB (inf: identical)")
+    p.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait for each render (7200)")
+    p.add_argument("--wait-ready", type=float, default=0.0, help="seconds to wait for the server to be ready (0)")
+    p.set_defaults(func=cmd_accept)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3serve", description="MiniMax-H3 inference engine")
     parser.add_argument("--version", action="version", version=f"h3serve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     _render_parser(sub)
+    _serve_parsers(sub)
+    _accept_parser(sub)
     return parser
+
+
+def _load_settings(args: argparse.Namespace):
+    from h3serve.settings import SettingsError, load_settings
+
+    try:
+        return load_settings(args)
+    except SettingsError as err:
+        lines = "\n".join(f"  - {v}" for v in err.violations)
+        raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
+
+
+def _check_model(settings):
+    from h3serve.model.folder import resolve_model_folder
+
+    if settings.model is None:
+        if settings.qkv_layout is not None:
+            raise CliError("H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set")
+        return None
+    try:
+        return resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
+    except (ValueError, OSError) as err:
+        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+
+
+def _check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"H3_OUTPUT_DIR (--output-dir) {path}: cannot create it ({err})") from err
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"H3_OUTPUT_DIR (--output-dir) {path}: not writable")
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise CliError(f"H3_BIND_HOST/H3_API_PORT {host}:{port}: cannot listen there ({err.strerror})") from err
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    settings = _load_settings(args)
+    _check_model(settings)
+    print(json.dumps(settings.resolved(), indent=2))
+    print("h3serve: settings ok", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import json
+
+    import uvicorn
+
+    from h3serve.pipeline.engine import Engine
+    from h3serve.service.app import create_app
+
+    logging.getLogger("h3serve").setLevel(logging.INFO)
+    log = logging.getLogger("h3serve.serve")
+    # Everything is checked before any weight loads: settings, the model folder, the output folder, the port.
+    settings = _load_settings(args)
+    log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
+    folder = _check_model(settings)
+    _check_output_dir(settings.output_dir)
+    _check_port(settings.bind_host, settings.api_port)
+    start = time.perf_counter()
+    try:
+        engine = Engine.load(folder, settings.profile())
+    except (ValueError, OSError) as err:
+        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
+    app = create_app(settings, engine)
+    uvicorn.run(app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
+def cmd_accept(args: argparse.Namespace) -> int:
+    from h3serve.accept import AcceptPlan, run_accept
+
+    key = os.environ.get("H3_API_KEY") or None
+    if args.api_key_file is not None:
+        try:
+            key = args.api_key_file.read_text(encoding="utf-8").strip()
+        except OSError as err:
+            raise CliError(f"--api-key-file {args.api_key_file}: cannot read it ({err})") from err
+    plan = AcceptPlan(
+        url=args.url,
+        out_dir=args.out,
+        key=key,
+        expect_model=args.expect_model,
+        prompt=args.prompt,
+        width=args.width,
+        height=args.height,
+        duration=args.duration,
+        steps=args.steps,
+        seed=args.seed,
+        min_audio_psnr=args.min_audio_psnr,
+        timeout=args.timeout,
+        wait_ready=args.wait_ready,
+    )
+    passed, report = run_accept(plan)
+    path = plan.out_dir / "accept-report.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    for check in report["checks"]:
+        print(f"{'PASS' if check['passed'] else 'FAIL'}  {check['check']}: {check['detail']}", file=sys.stderr)
+    for r in report["renders"]:
+        print(f"render {r['index']}: HTTP {r['status']}, {r['client_seconds']} s client, engine "
+              f"{r['inference_time_s']} s", file=sys.stderr)  # fmt: skip
+    print(f"h3serve accept: {'PASSED' if passed else 'FAILED'} (report: {path})", file=sys.stderr)
+    return 0 if passed else EXIT_ERROR
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

@@ -37,7 +37,7 @@ class RenderContext:
     def __init__(self, on_progress: ProgressCallback | None = None):
         self._cancelled = threading.Event()
         self._reason = ""
-        self._on_progress = on_progress
+        self.on_progress = on_progress
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._cancelled.is_set():
@@ -59,6 +59,6 @@ class RenderContext:
 
     def report(self, stage: str, done: int, total: int) -> None:
         """Report progress, then check the flag (every report is also a cancellation point)."""
-        if self._on_progress is not None:
-            self._on_progress(Progress(stage, done, total))
+        if self.on_progress is not None:
+            self.on_progress(Progress(stage, done, total))
         self.check()

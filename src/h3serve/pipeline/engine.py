@@ -43,23 +43,46 @@ VAE_AUTOCAST = {"float16": torch.float16, "none": None}
 STAGES = ("text", "keyframes", "layout", "denoise", "video", "audio")
 
 
+# What each backend setting may name (the seed's operator names), and what this build runs. A name outside the first
+# set is a typo; a name outside the second is refused rather than run as something else.
+ATTENTION_BACKENDS = ("CUDNN_ATTN", "TORCH_SDPA")
+EXECUTION_MODES = ("compile", "eager")
+LINEAR_BACKENDS = ("BF16", "CUTLASS", "HUMMING")
+BUILT = {"attention": ("TORCH_SDPA",), "execution": ("eager",), "linear": ("BF16",)}
+NOT_BUILT = "not available in this build yet (the acceleration profiles add it)"
+
+
 @dataclass(frozen=True)
 class Profile:
-    """How the engine runs: where, in which precision. Validated before any weight loads.
+    """How the engine runs: where, in which precision, with which backends. Validated before any weight loads.
 
     dtype: the DiT block stack and text encoder (the DiT's fp32 islands stay fp32; the VAEs are always fp32).
     vae_autocast: the video decoder's autocast dtype; the released recipe decodes under float16 autocast on the GPU.
+    attention / execution / linear: the backends, by the seed's names. TORCH_SDPA is torch's own
+    scaled_dot_product_attention dispatch; BF16 means unquantized linears in `dtype`.
     """
 
     device: str = "cpu"
     dtype: str = "float32"
     vae_autocast: str = "none"
+    attention: str = "TORCH_SDPA"
+    execution: str = "eager"
+    linear: str = "BF16"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.vae_autocast not in VAE_AUTOCAST:
             raise ValueError(f"vae_autocast must be one of {', '.join(VAE_AUTOCAST)}, got {self.vae_autocast!r}")
+        for kind, value, names in (
+            ("attention", self.attention, ATTENTION_BACKENDS),
+            ("execution", self.execution, EXECUTION_MODES),
+            ("linear", self.linear, LINEAR_BACKENDS),
+        ):
+            if value not in names:
+                raise ValueError(f"{kind} must be one of {', '.join(names)}, got {value!r}")
+            if value not in BUILT[kind]:
+                raise ValueError(f"{kind} {value} is {NOT_BUILT}; allowed now: {', '.join(BUILT[kind])}")
         try:
             device = torch.device(self.device)
         except RuntimeError as err:
@@ -75,14 +98,25 @@ class Profile:
             raise ValueError("vae_autocast float16 needs a CUDA device (allowed on cpu: none)")
 
     @classmethod
-    def for_device(cls, device: str = "cpu", dtype: str | None = None, vae_autocast: str | None = None) -> Profile:
+    def for_device(
+        cls,
+        device: str = "cpu",
+        dtype: str | None = None,
+        vae_autocast: str | None = None,
+        attention: str | None = None,
+        execution: str | None = None,
+        linear: str | None = None,
+    ) -> Profile:
         """Defaults that fit the device: bfloat16 + float16 VAE autocast (the released recipe) on CUDA, float32 on
-        the CPU. Explicit values are kept as given and validated."""
+        the CPU; the backends this build runs. Explicit values are kept as given and validated."""
         cuda = device.startswith("cuda")
         return cls(
             device=device,
             dtype=dtype or ("bfloat16" if cuda else "float32"),
             vae_autocast=vae_autocast or ("float16" if cuda else "none"),
+            attention=attention or BUILT["attention"][0],
+            execution=execution or BUILT["execution"][0],
+            linear=linear or BUILT["linear"][0],
         )
 
     @property

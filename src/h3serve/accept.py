@@ -1,0 +1,212 @@
+"""`h3serve accept URL`: the seed's two-render acceptance against a running server.
+
+1. `GET /health` answers and reports ready; `GET /v1/models` lists exactly the expected model id.
+2. The fixed request (seed 42, 768x448, duration 2.0 s -> 56 frames, 20 steps unless told otherwise) is rendered
+   twice through `POST /v1/videos/sync`. Each body is written to `NAME.part`; a non-2xx answer is kept as
+   `NAME.error.json` and fails; a body that is not the contract's MP4 (H.264 yuv420p of the right size and frame
+   count at 24 fps, AAC-LC stereo at 32 kHz) is kept as `NAME.invalid` and fails; otherwise it becomes `NAME.mp4`.
+3. The two renders' decoded frames must be byte-identical and their audio must match by PSNR (identical PCM is
+   infinite PSNR).
+
+A JSON report records every check, the render times (client and engine), file hashes and the verdict; the command
+exits 0 only if every check passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from h3serve.config import AUDIO_SHIFT, FPS, SAMPLE_RATE, VIDEO_SHIFT
+from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, verify_mp4
+from h3serve.pipeline.request import FrameRule
+
+ACCEPT_PROMPT = "Macro soldering a PCB under warm bench light, soft room tone."
+
+
+@dataclass
+class AcceptPlan:
+    url: str
+    out_dir: Path
+    key: str | None = None
+    expect_model: str | None = None
+    prompt: str = ACCEPT_PROMPT
+    width: int = 768
+    height: int = 448
+    duration: float = 2.0
+    steps: int = 20
+    seed: int = 42
+    min_audio_psnr: float = math.inf
+    timeout: float = 7200.0
+    wait_ready: float = 0.0  # seconds to wait for /health to report ready
+
+    @property
+    def num_frames(self) -> int:
+        return FrameRule().snap(max(1, round(self.duration * FPS)))
+
+    def form(self) -> dict[str, str]:
+        """The seed's smoke request, field for field."""
+        extra = {"task": "t2va", "duration": self.duration, "audio_flow_shift": AUDIO_SHIFT}
+        return {
+            "prompt": self.prompt,
+            "width": str(self.width),
+            "height": str(self.height),
+            "fps": str(FPS),
+            "num_inference_steps": str(self.steps),
+            "flow_shift": f"{VIDEO_SHIFT:g}",
+            "seed": str(self.seed),
+            "extra_params": json.dumps(extra),
+        }
+
+
+@dataclass
+class Report:
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    renders: list[dict[str, Any]] = field(default_factory=list)
+    comparison: dict[str, Any] = field(default_factory=dict)
+
+    def check(self, name: str, passed: bool, detail: Any = None) -> bool:
+        self.checks.append({"check": name, "passed": bool(passed), "detail": detail})
+        return passed
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c["passed"] for c in self.checks)
+
+
+def run_accept(plan: AcceptPlan) -> tuple[bool, dict[str, Any]]:
+    """Run the acceptance; return (passed, report as a dict). Writes the MP4s (or error bodies) into plan.out_dir."""
+    report = Report()
+    headers = {"Authorization": f"Bearer {plan.key}"} if plan.key else {}
+    plan.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    with httpx.Client(
+        base_url=plan.url.rstrip("/"), headers=headers, timeout=httpx.Timeout(plan.timeout, connect=10)
+    ) as client:
+        if _identity(client, plan, report):
+            outputs = [_render(client, plan, report, i) for i in (1, 2)]
+            if all(outputs):
+                _compare(outputs, plan, report)
+    result = {
+        "passed": report.passed,
+        "url": plan.url,
+        "started_at": started,
+        "request": plan.form(),
+        "expected": {"width": plan.width, "height": plan.height, "num_frames": plan.num_frames, "fps": FPS},
+        "checks": report.checks,
+        "renders": report.renders,
+        "comparison": report.comparison,
+    }
+    return report.passed, result
+
+
+def _identity(client: httpx.Client, plan: AcceptPlan, report: Report) -> bool:
+    deadline = time.monotonic() + plan.wait_ready
+    while True:
+        try:
+            health = client.get("/health")
+            body = health.json() if health.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as err:
+            health, body = None, {"error": f"{type(err).__name__}: {err}"}
+        if body.get("ready") or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    ok = report.check("health", health is not None and health.status_code == 200, body)
+    ok = report.check("ready", bool(body.get("ready")), body.get("readiness")) and ok
+    if not ok:
+        return False
+    try:
+        models = client.get("/v1/models")
+        ids = [m.get("id") for m in models.json().get("data", [])] if models.status_code == 200 else []
+        detail: Any = {"status": models.status_code, "ids": ids}
+    except (httpx.HTTPError, ValueError, AttributeError) as err:
+        ids, detail = [], f"{type(err).__name__}: {err}"
+    if plan.expect_model is not None:
+        return report.check("model identity", ids == [plan.expect_model], detail)
+    return report.check("model identity", len(ids) == 1, detail)
+
+
+def _render(client: httpx.Client, plan: AcceptPlan, report: Report, index: int) -> Path | None:
+    name = plan.out_dir / f"accept-{index}"
+    part = name.with_suffix(".part")
+    start = time.perf_counter()
+    try:
+        with client.stream("POST", "/v1/videos/sync", data=plan.form()) as response, open(part, "wb") as fh:
+            for chunk in response.iter_bytes():
+                fh.write(chunk)
+    except httpx.HTTPError as err:
+        part.unlink(missing_ok=True)
+        report.check(f"render {index}", False, f"{type(err).__name__}: {err}")
+        return None
+    client_s = time.perf_counter() - start
+    record: dict[str, Any] = {
+        "index": index,
+        "status": response.status_code,
+        "client_seconds": round(client_s, 3),
+        "inference_time_s": _float(response.headers.get("x-inference-time-s")),
+        "peak_memory_mb": _float(response.headers.get("x-peak-memory-mb")),
+        "stage_durations": _json(response.headers.get("x-stage-durations")),
+    }
+    report.renders.append(record)
+    if response.status_code != 200:
+        target = name.with_suffix(".error.json")
+        part.replace(target)
+        record["file"] = str(target)
+        report.check(f"render {index}", False, f"HTTP {response.status_code}, body kept in {target}")
+        return None
+    try:
+        info = verify_mp4(part, width=plan.width, height=plan.height, num_frames=plan.num_frames, fps=FPS,
+                          sample_rate=SAMPLE_RATE)  # fmt: skip
+    except ValueError as err:
+        target = name.with_suffix(".invalid")
+        part.replace(target)
+        record["file"] = str(target)
+        report.check(f"render {index}", False, f"{err} (kept as {target})")
+        return None
+    target = name.with_suffix(".mp4")
+    part.replace(target)
+    record.update(file=str(target), sha256=hashlib.sha256(target.read_bytes()).hexdigest(), stream=info.__dict__)
+    report.check(f"render {index}", True, f"{info.frame_count} frames {info.width}x{info.height}, {info.video_codec} + "
+                 f"{info.audio_codec} {info.audio_profile} {info.channels} ch")  # fmt: skip
+    return target
+
+
+def _compare(outputs: list[Path], plan: AcceptPlan, report: Report) -> None:
+    a, b = (decode_frames(p) for p in outputs)
+    same_shape = a.shape == b.shape
+    hashes_a, hashes_b = frame_hashes(a), frame_hashes(b)
+    differing = [i for i, (x, y) in enumerate(zip(hashes_a, hashes_b, strict=False)) if x != y]
+    identical = same_shape and not differing
+    psnr = audio_psnr(decode_audio(outputs[0]), decode_audio(outputs[1]))
+    report.comparison = {
+        "frames_identical": identical,
+        "differing_frames": differing,
+        "frames_sha256": hashlib.sha256("".join(hashes_a).encode()).hexdigest(),
+        "audio_psnr_db": "inf" if math.isinf(psnr) else round(psnr, 3),
+        "files_identical": outputs[0].read_bytes() == outputs[1].read_bytes(),
+    }
+    report.check("decoded frames byte-identical", identical, {"differing_frames": differing[:20]})
+    report.check(
+        f"audio PSNR >= {plan.min_audio_psnr:g} dB", psnr >= plan.min_audio_psnr, report.comparison["audio_psnr_db"]
+    )
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _json(value: str | None) -> Any:
+    try:
+        return json.loads(value) if value else None
+    except json.JSONDecodeError:
+        return value

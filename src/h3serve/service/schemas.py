@@ -1,0 +1,280 @@
+"""What the API accepts and returns: the video request fields mapped onto the engine's request, and the job record.
+
+Accepted fields are OpenAI's video fields (`prompt`, `model`, `seconds`, `size` as WxH, `input_reference`, `user`)
+and vLLM-Omni's extensions (`width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `flow_shift`, `seed`,
+`aspect_ratio`, `short_edge`, `quality`, repeated `input_references`, and `extra_params` as a JSON object with
+`task`, `duration`, `audio_flow_shift`, `frame_indices`). Any other field is refused by name rather than ignored:
+a setting the server would not honour must not look accepted. The mapped values go through the same
+`validate_request` as the CLI, and every refusal names the API field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from h3serve.config import FPS
+from h3serve.pipeline.request import MAX_SEED, RenderRequest, RequestError, resolve_canvas
+from h3serve.service.errors import ApiError, bad_request
+
+FIELDS = (
+    "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
+    "num_frames", "fps", "num_inference_steps", "flow_shift", "seed", "extra_params", "aspect_ratio", "short_edge",
+    "quality",
+)  # fmt: skip
+EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices")
+FILE_FIELDS = ("input_reference", "input_references")
+# Fields other servers take that H3 has no use for: refused with the reason, not silently dropped.
+NOT_USED = {
+    "guidance_scale": "H3 is CFG-distilled and runs without classifier-free guidance",
+    "guidance_scale_2": "H3 is CFG-distilled and runs without classifier-free guidance",
+    "true_cfg_scale": "H3 is CFG-distilled and runs without classifier-free guidance",
+    "negative_prompt": "H3 is CFG-distilled: there is no negative branch to condition",
+    "num_outputs_per_prompt": "one video per request; send several requests",
+}
+ASPECT_RATIOS = {"21:9": (21, 9), "16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1), "3:4": (3, 4), "9:16": (9, 16)}
+QUALITIES = ("lossless", "high")
+TASKS = ("t2va", "fl2va", "i2va", "l2va")  # fl2va with one keyframe is i2va or l2va by frame_indices
+FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
+DEFAULT_STEPS = 50  # the released sampler's default grid
+SIZE = re.compile(r"^(\d{1,5})[xX](\d{1,5})$")
+
+
+@dataclass(frozen=True)
+class Upload:
+    field: str  # input_reference or input_references
+    data: bytes
+    filename: str = ""
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """A request ready for the engine, plus what the job record echoes."""
+
+    request: RenderRequest
+    model: str
+    quality: str | None
+
+
+def _int(param: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise bad_request(param, f"{param} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise bad_request(param, f"{param} must be an integer, got {value!r}")
+
+
+def _float(param: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise bad_request(param, f"{param} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise bad_request(param, f"{param} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise bad_request(param, f"{param} must be a finite number, got {value!r}")
+    return number
+
+
+def _extra_params(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise bad_request(
+                "extra_params", f"extra_params must be a JSON object; it is not valid JSON ({err})"
+            ) from err
+    if not isinstance(value, dict):
+        raise bad_request("extra_params", f"extra_params must be a JSON object, got {type(value).__name__}")
+    for key in value:
+        if key not in EXTRA_PARAMS:
+            raise bad_request(
+                f"extra_params.{key}", f"extra_params.{key} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}"
+            )
+    return value
+
+
+def decode_data_url(param: str, value: Any) -> bytes:
+    """A keyframe in a JSON body: a base64 string, optionally as a data: URL."""
+    if not isinstance(value, str):
+        raise bad_request(param, f"{param} in a JSON body must be a base64 string or data: URL")
+    payload = value.split(",", 1)[1] if value.startswith("data:") else value
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(param, f"{param} is not valid base64") from None
+
+
+def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tuple[str, list[Upload]]:
+    """The engine task and the keyframes in packed order (first before last) from task, frame_indices and files."""
+    if task is not None and task not in TASKS:
+        if task == "ref2va":
+            raise bad_request("extra_params.task", "task ref2va needs the Ref2VA DiT, which this server does not load")
+        raise bad_request("extra_params.task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    n = len(uploads)
+    if task == "t2va" or (task is None and n == 0):
+        if n:
+            raise bad_request("input_reference", f"task t2va takes no keyframes, got {n} file(s)")
+        if indices is not None:
+            raise bad_request("extra_params.frame_indices", "frame_indices applies only with keyframes")
+        return "t2va", []
+    if n == 0:
+        raise bad_request("input_reference", f"task {task} needs one or two keyframe images as input_reference(s)")
+    if n > 2:
+        raise bad_request("input_references", f"at most 2 keyframes (first and last), got {n}")
+    if indices is None:
+        indices = {"i2va": [0], "l2va": [-1]}.get(task or "", [0] if n == 1 else [0, -1])
+    if not (isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
+        raise bad_request("extra_params.frame_indices", f"frame_indices must be a list of integers, got {indices!r}")
+    if len(indices) != n or len(set(indices)) != n or not set(indices) <= {0, -1}:
+        raise bad_request(
+            "extra_params.frame_indices",
+            f"frame_indices must give one distinct index from [0, -1] per keyframe ({n} given), got {indices}",
+        )
+    ordered = [u for _, u in sorted(zip(indices, uploads, strict=True), key=lambda p: p[0] != 0)]
+    resolved = FRAME_INDEX_TASKS[tuple(sorted(indices, key=lambda i: i != 0))]
+    if task in ("i2va", "l2va") and task != resolved:
+        raise bad_request("extra_params.frame_indices", f"task {task} does not match frame_indices {indices}")
+    return resolved, ordered
+
+
+def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_model: str, max_prompt: int) -> Mapped:
+    """Validate the API fields and build the engine's request; ApiError names the field on any refusal."""
+    for name in fields:
+        if name in NOT_USED:
+            raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
+        if name not in FIELDS:
+            raise bad_request(name, f"unknown field {name!r}; accepted: {', '.join(FIELDS)}")
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise bad_request("prompt", "prompt is required and must be a non-empty string")
+    if len(prompt) > max_prompt:
+        raise bad_request("prompt", f"prompt is {len(prompt)} characters; the limit is {max_prompt}")
+    model = fields.get("model")
+    if model is not None and model != served_model:
+        raise ApiError(
+            404, "model_not_found", f"model {model!r} is not served here; this server serves {served_model!r}", "model"
+        )
+    extra = _extra_params(fields["extra_params"]) if "extra_params" in fields else {}
+
+    # Canvas: size or width+height, else aspect_ratio (+ short_edge), else the model's default.
+    width = _int("width", fields["width"]) if "width" in fields else None
+    height = _int("height", fields["height"]) if "height" in fields else None
+    size_param = "width"
+    if "size" in fields:
+        match = SIZE.fullmatch(str(fields["size"]).strip())
+        if not match:
+            raise bad_request("size", f"size must be WIDTHxHEIGHT, e.g. 768x448, got {fields['size']!r}")
+        sw, sh = int(match[1]), int(match[2])
+        if (width is not None and width != sw) or (height is not None and height != sh):
+            raise bad_request("size", f"size {sw}x{sh} disagrees with width/height {width}x{height}")
+        width, height, size_param = sw, sh, "size"
+    canvas = engine.rules.canvas
+    if "aspect_ratio" in fields and fields["aspect_ratio"] not in ASPECT_RATIOS:
+        raise bad_request(
+            "aspect_ratio", f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {fields['aspect_ratio']!r}"
+        )
+    if "short_edge" in fields and _int("short_edge", fields["short_edge"]) != canvas.default_short_edge:
+        raise bad_request(
+            "short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {fields['short_edge']!r}"
+        )
+    if width is None and height is None and "aspect_ratio" in fields:
+        width, height = resolve_canvas(*ASPECT_RATIOS[fields["aspect_ratio"]], canvas)
+        size_param = "aspect_ratio"
+
+    # Length: one of num_frames, seconds, extra_params.duration.
+    given = [p for p in ("num_frames", "seconds", "duration") if p in (extra if p == "duration" else fields)]
+    if len(given) > 1:
+        raise bad_request(given[1], f"give one of num_frames, seconds, extra_params.duration; got {', '.join(given)}")
+    num_frames, frames_param = None, "num_frames"
+    if "num_frames" in fields:
+        num_frames = _int("num_frames", fields["num_frames"])
+    elif given:
+        param = "seconds" if "seconds" in fields else "extra_params.duration"
+        seconds = _float(param, fields["seconds"] if "seconds" in fields else extra["duration"])
+        if seconds <= 0:
+            raise bad_request(param, f"{param} must be > 0, got {seconds:g}")
+        num_frames, frames_param = max(1, round(seconds * FPS)), param
+    if "fps" in fields and _int("fps", fields["fps"]) != FPS:
+        raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {fields['fps']!r}")
+
+    quality = fields.get("quality")
+    if quality is not None and quality not in QUALITIES:
+        raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
+    seed = _int("seed", fields["seed"]) if "seed" in fields else secrets.randbelow(2**31)
+    if not 0 <= seed <= MAX_SEED:
+        raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {seed}")
+    task, ordered = _task_and_order(extra.get("task"), extra.get("frame_indices"), uploads)
+
+    names = {
+        "task": "extra_params.task",
+        "prompt": "prompt",
+        "keyframes": "input_reference",
+        "width": size_param,
+        "height": size_param,
+        "num_frames": frames_param,
+        "steps": "num_inference_steps",
+        "seed": "seed",
+        "video_shift": "flow_shift",
+        "audio_shift": "extra_params.audio_flow_shift",
+    }
+    kwargs: dict[str, Any] = {"task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed}
+    kwargs["steps"] = (
+        _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else DEFAULT_STEPS
+    )
+    if "flow_shift" in fields:
+        kwargs["video_shift"] = _float("flow_shift", fields["flow_shift"])
+    if "audio_flow_shift" in extra:
+        kwargs["audio_shift"] = _float("extra_params.audio_flow_shift", extra["audio_flow_shift"])
+    try:
+        request = engine.validate(prompt, keyframes=[u.data for u in ordered], **kwargs)
+    except RequestError as err:
+        param = names.get(err.field, err.field)
+        if err.field == "keyframes" and ordered:
+            param = ordered[0].field
+        raise bad_request(param, f"{param}: {err}") from err
+    return Mapped(request, served_model, quality)
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+
+
+class VideoJob(BaseModel):
+    """A job record, with the fields of vLLM-Omni's VideoResponse (and the request's shape and seed)."""
+
+    id: str
+    object: str = "video"
+    status: str
+    progress: int = 0
+    model: str
+    prompt: str
+    size: str
+    seconds: str
+    quality: str | None = None
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: JobError | None = None
+    media_type: str = "video/mp4"
+    file_name: str | None = None
+    inference_time_s: float | None = None
+    stage_durations: dict[str, float] | None = None
+    peak_memory_mb: float | None = None
+    task: str
+    num_frames: int
+    num_inference_steps: int
+    seed: int

@@ -1,0 +1,346 @@
+"""The one schema for every service setting, and the fail-closed rules between them.
+
+Each setting is a field of `Settings` with a description and bounds. It is filled, in rising priority, from its
+default, an optional config file (JSON or TOML, keys are the field names), its `H3_<FIELD>` environment variable and
+its generated CLI flag (`--field-name`). The names and values of the seed's operator contract are kept:
+H3_DIFFUSION_ATTENTION_BACKEND, H3_EXECUTION_MODE, H3_LINEAR_BACKEND, H3_CACHE_BACKEND, H3_CACHE_CONFIG,
+H3_STARTUP_WARMUP, H3_BIND_HOST, H3_API_PORT, H3_ALLOW_REMOTE_API, H3_API_KEY, H3_VIDEO_SYNC_TIMEOUT.
+
+`load_settings` collects every violation (a bad value, an unknown key or H3_ variable, a forbidden combination)
+and raises one SettingsError listing them all, each naming the environment variable and flag and what is allowed.
+Nothing here loads weights or imports torch-heavy modules beyond the profile check, so `h3serve check` is quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import stat
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+ENV_PREFIX = "H3_"
+# H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
+NOT_SETTINGS = frozenset({"H3_REQUIRE_ORACLE"})
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
+KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
+REDACTED = "<redacted>"
+# The engine Profile's words for the settings it checks.
+PROFILE_FIELDS = {
+    "attention": "diffusion_attention_backend",
+    "execution": "execution_mode",
+    "linear": "linear_backend",
+    "dtype": "dtype",
+    "vae_autocast": "vae_autocast",
+    "device": "device",
+}
+
+
+class Settings(BaseModel):
+    """Every setting of `h3serve serve` (and `check`). Field names are the config-file keys; `H3_` + the upper-cased
+    name is the environment variable; `--` + the name with dashes is the flag."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+
+    # The model -------------------------------------------------------------------------------------------------
+    model: Path | None = Field(
+        None, description="released checkpoint folder (FL2VA/ or diffusers layout); unset: the built-in tiny model"
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
+    )
+    qkv_layout: Literal["stacked", "interleaved"] | None = Field(
+        None, description="QKV row order of a single-file DiT with original key names (stacked unless told)"
+    )
+    # The profile -----------------------------------------------------------------------------------------------
+    device: str | None = Field(None, description="cpu or cuda[:N]; unset: cuda when available, else cpu")
+    dtype: Literal["bfloat16", "float32"] | None = Field(
+        None, description="DiT and text-encoder precision; unset: bfloat16 on cuda, float32 on cpu"
+    )
+    vae_autocast: Literal["float16", "none"] | None = Field(
+        None, description="video-decode autocast; unset: float16 on cuda, none on cpu"
+    )
+    diffusion_attention_backend: Literal["CUDNN_ATTN", "TORCH_SDPA"] | None = Field(
+        None, description="attention kernel; unset: the device's default profile"
+    )
+    execution_mode: Literal["compile", "eager"] | None = Field(
+        None, description="eager, or regional torch.compile of the DiT block; unset: the device's default profile"
+    )
+    linear_backend: Literal["BF16", "CUTLASS", "HUMMING"] | None = Field(
+        None,
+        description="DiT linears: BF16 (unquantized), CUTLASS (FP8), HUMMING (FP8, batch-invariant; eager and no "
+        "cache only); unset: the device's default profile",
+    )
+    cache_backend: Literal["none", "cache_dit"] = Field(
+        "none", description="step caching (lossy): none, or cache_dit with cache_config"
+    )
+    cache_config: str | None = Field(
+        None, description="Cache-DiT settings as a JSON object; required with cache_dit, refused without it"
+    )
+    startup_warmup: bool = Field(
+        True, description="render a 2-step clip at the production shape before reporting ready"
+    )
+    encoder_threads: int = Field(4, ge=1, le=64, description="H.264 encoder threads (pinned: repeatable bytes)")
+    # The network -----------------------------------------------------------------------------------------------
+    bind_host: str = Field("127.0.0.1", description="address to listen on; non-loopback needs allow_remote_api + key")
+    api_port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    allow_remote_api: bool = Field(False, description="allow a non-loopback bind_host (requires an API key)")
+    api_key: SecretStr | None = Field(
+        None, description="bearer key, 32+ characters of [A-Za-z0-9._~-] (environment or config file only)"
+    )
+    api_key_file: Path | None = Field(None, description="read the bearer key from this file (instead of api_key)")
+    video_sync_timeout: int = Field(
+        7200, ge=600, le=14400, description="seconds a /v1/videos/sync render may take before it is cancelled (504)"
+    )
+    # Jobs and limits -------------------------------------------------------------------------------------------
+    output_dir: Path = Field(Path("output"), description="folder for the job database and the async jobs' MP4s")
+    max_queue: int = Field(8, ge=1, le=1024, description="renders that may wait; more are answered 429")
+    max_prompt_chars: int = Field(7000, ge=1, le=100_000, description="longest prompt accepted, in characters")
+    max_upload_mb: int = Field(20, ge=1, le=512, description="largest keyframe upload accepted, in MiB")
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def key(self) -> str | None:
+        """The bearer key in effect (from api_key or api_key_file), or None. Valid once load_settings returned."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_file is not None:
+            return _read_key_file(self.api_key_file)
+        return None
+
+    @property
+    def model_id(self) -> str:
+        """The id /v1/models lists: the served name, else the model path exactly as given, else the tiny model's."""
+        if self.served_model_name:
+            return self.served_model_name
+        return str(self.model) if self.model is not None else "h3serve-tiny"
+
+    def profile(self):
+        """The engine profile these settings select (raises ValueError naming what cannot run)."""
+        import torch
+
+        from h3serve.pipeline.engine import Profile
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return Profile.for_device(
+            device,
+            self.dtype,
+            self.vae_autocast,
+            self.diffusion_attention_backend,
+            self.execution_mode,
+            self.linear_backend,
+        )
+
+    def resolved(self) -> dict[str, Any]:
+        """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`
+        logs at start."""
+        values = self.model_dump(mode="json")
+        if values["api_key"] is not None:
+            values["api_key"] = REDACTED
+        values["api_auth"] = self.api_key is not None or self.api_key_file is not None
+        values["model_id"] = self.model_id
+        try:
+            values["profile"] = self.profile().__dict__
+        except ValueError as err:
+            values["profile"] = f"invalid: {err}"
+        return values
+
+
+class SettingsError(ValueError):
+    """Every violation found, one per line."""
+
+    def __init__(self, violations: list[str]):
+        super().__init__("\n".join(violations))
+        self.violations = violations
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _label(field: str) -> str:
+    return f"{env_name(field)} ({flag_name(field)})" if field in CLI_FIELDS else env_name(field)
+
+
+# The key is never a flag: a command line is visible to every user of the host (ps).
+CLI_FIELDS = tuple(f for f in Settings.model_fields if f != "api_key")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, generated from the schema (values are parsed and checked by `load_settings`)."""
+    parser.add_argument("--config", type=Path, help="settings file (JSON or TOML; keys are the setting names)")
+    for name in CLI_FIELDS:
+        info = Settings.model_fields[name]
+        default = "unset" if info.default is None else info.default
+        help_text = f"{info.description} (env {env_name(name)}; default {default})"
+        if info.annotation is bool:
+            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag_name(name), default=None, metavar=name.upper(), help=help_text)
+
+
+def load_settings(
+    args: argparse.Namespace | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+) -> Settings:
+    """Merge defaults < config file < environment < flags; validate every value and rule; raise SettingsError."""
+    env = os.environ if env is None else env
+    raw: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    violations: list[str] = []
+
+    config_file = config_file or (getattr(args, "config", None) if args is not None else None)
+    if config_file is not None:
+        for key, value in _read_config(config_file, violations).items():
+            if key not in Settings.model_fields:
+                violations.append(
+                    f"{config_file}: unknown setting {key!r}; allowed: {', '.join(Settings.model_fields)}"
+                )
+                continue
+            raw[key], source[key] = value, f"{config_file}:{key}"
+    for var, value in env.items():
+        if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name not in Settings.model_fields:
+            violations.append(
+                f"{var}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
+            )
+            continue
+        if value == "":  # compose passes unset variables as empty strings
+            continue
+        raw[name], source[name] = value, var
+    if args is not None:
+        for name in CLI_FIELDS:
+            value = getattr(args, name, None)
+            if value is not None:
+                raw[name], source[name] = value, flag_name(name)
+
+    failed: set[str] = set()
+    try:
+        Settings.model_validate(raw)
+    except ValidationError as err:
+        for e in err.errors():
+            field = str(e["loc"][0]) if e["loc"] else ""
+            failed.add(field)
+            got = raw.get(field)
+            shown = REDACTED if field == "api_key" else repr(got)
+            violations.append(f"{_label(field)}: {e['msg']}, got {shown} (from {source.get(field, 'default')})")
+    settings = Settings.model_validate({k: v for k, v in raw.items() if k not in failed})
+    violations += _rules(settings, failed)
+    if violations:
+        raise SettingsError(violations)
+    return settings
+
+
+def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        violations.append(f"--config {path}: cannot read it ({err})")
+        return {}
+    try:
+        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
+        violations.append(f"--config {path}: not valid {kind} ({err})")
+        return {}
+    if not isinstance(data, dict):
+        violations.append(f"--config {path}: must hold a table/object of settings, got {type(data).__name__}")
+        return {}
+    return data
+
+
+def _rules(s: Settings, failed: set[str]) -> list[str]:
+    """The rules between settings (each one only when the settings it reads are themselves valid)."""
+    out: list[str] = []
+    ok = lambda *names: not failed.intersection(names)  # noqa: E731
+
+    # Step caching: an explicit, tested config or nothing; the cache itself is not built yet.
+    if ok("cache_backend", "cache_config"):
+        if s.cache_config is not None:
+            try:
+                parsed = json.loads(s.cache_config)
+            except json.JSONDecodeError as err:
+                out.append(f"{_label('cache_config')}: not valid JSON ({err}); expected a JSON object")
+            else:
+                if not isinstance(parsed, dict):
+                    out.append(f"{_label('cache_config')}: must be a JSON object, got {type(parsed).__name__}")
+            if s.cache_backend == "none":
+                out.append(f"{_label('cache_config')}: given, but H3_CACHE_BACKEND is none; set cache_dit or remove it")
+        if s.cache_backend == "cache_dit":
+            if s.cache_config is None:
+                out.append(f"{_label('cache_backend')}: cache_dit requires an explicit, tested H3_CACHE_CONFIG")
+            out.append(f"{_label('cache_backend')}: cache_dit is not available in this build yet; allowed: none")
+    # HUMMING is the deterministic profile: eager and no cache only.
+    if ok("linear_backend", "execution_mode", "cache_backend") and s.linear_backend == "HUMMING":
+        from h3serve.pipeline.engine import BUILT
+
+        execution = s.execution_mode or BUILT["execution"][0]  # unset: the default profile's mode
+        if execution != "eager":
+            out.append(f"{_label('linear_backend')}: HUMMING requires H3_EXECUTION_MODE=eager, got {execution}")
+        if s.cache_backend != "none":
+            out.append(f"{_label('linear_backend')}: HUMMING requires H3_CACHE_BACKEND=none, got {s.cache_backend}")
+    # The network: loopback unless remote access is asked for, and then only behind a strong key.
+    key_ok = True
+    if ok("api_key", "api_key_file"):
+        if s.api_key is not None and s.api_key_file is not None:
+            out.append(f"{env_name('api_key')} and {_label('api_key_file')}: give the key one way, not both")
+            key_ok = False
+        else:
+            try:
+                key = s.key
+            except ValueError as err:
+                out.append(f"{_label('api_key_file')}: {err}")
+                key, key_ok = None, False
+            if key is not None and not KEY_PATTERN.fullmatch(key):
+                where = env_name("api_key") if s.api_key is not None else _label("api_key_file")
+                out.append(
+                    f"{where}: the key must be 32 or more characters of [A-Za-z0-9._~-] "
+                    f"(got {len(key)} characters; e.g. `openssl rand -hex 32`)"
+                )
+                key_ok = False
+    if ok("bind_host"):
+        if not HOST_PATTERN.fullmatch(s.bind_host):
+            out.append(f"{_label('bind_host')}: must match [A-Za-z0-9.:-]+, got {s.bind_host!r}")
+        elif s.bind_host not in LOOPBACK_HOSTS and ok("allow_remote_api"):
+            if not s.allow_remote_api:
+                out.append(
+                    f"{_label('bind_host')}: {s.bind_host} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); "
+                    f"a remote bind requires H3_ALLOW_REMOTE_API=true and an API key"
+                )
+            elif s.api_key is None and s.api_key_file is None and key_ok:
+                out.append(
+                    f"{_label('bind_host')}: a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE"
+                )
+    # The profile: what this device and build can run.
+    if ok("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode", "linear_backend"):
+        try:
+            s.profile()
+        except ValueError as err:
+            setting = PROFILE_FIELDS.get(str(err).split()[0], "device")
+            out.append(f"{_label(setting)}: {err}")
+    return out
+
+
+def _read_key_file(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the key file {path} ({err})") from err
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"the key file {path} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+    return text.strip()
