@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3serve.config import FPS
 from h3serve.media.mp4 import encode_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine, RenderResult, WarmupResult
@@ -188,7 +189,7 @@ def job_record(job_id: str, request: RenderRequest, model: str, quality: str | N
         model=model,
         prompt=request.prompt,
         size=f"{request.width}x{request.height}",
-        seconds=f"{request.num_frames / 24:.3f}".rstrip("0").rstrip("."),
+        seconds=f"{request.num_frames / FPS:.3f}".rstrip("0").rstrip("."),
         quality=quality,
         created_at=int(time.time()),
         task=request.task,
