@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from h3serve import __version__
 from h3serve.config import AUDIO_SHIFT, FPS, SAMPLE_RATE, VIDEO_SHIFT
+from h3serve.media.mp4 import DEFAULT_THREADS
 
 if TYPE_CHECKING:
     from h3serve.model.folder import ModelFolder
@@ -64,7 +65,12 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="DiT/text-encoder precision (cuda: bf16)")
     p.add_argument("--vae-autocast", choices=("float16", "none"), help="video decode autocast (cuda: float16)")
-    p.add_argument("--threads", type=int, default=4, help="H.264 encoder threads, pinned for reproducible bytes (4)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
+        help=f"H.264 encoder threads, pinned for reproducible bytes ({DEFAULT_THREADS})",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_render)
 

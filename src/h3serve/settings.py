@@ -8,7 +8,7 @@ H3_STARTUP_WARMUP, H3_BIND_HOST, H3_API_PORT, H3_ALLOW_REMOTE_API, H3_API_KEY, H
 
 `load_settings` collects every violation (a bad value, an unknown key or H3_ variable, a forbidden combination)
 and raises one SettingsError listing them all, each naming the environment variable and flag and what is allowed.
-Nothing here loads weights or imports torch-heavy modules beyond the profile check, so `h3serve check` is quick.
+Nothing here loads weights, so `h3serve check` is quick.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
+from h3serve.media.mp4 import DEFAULT_THREADS, MAX_THREADS
 
 ENV_PREFIX = "H3_"
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
@@ -87,7 +89,9 @@ class Settings(BaseModel):
     startup_warmup: bool = Field(
         True, description="render a 2-step clip at the production shape before reporting ready"
     )
-    encoder_threads: int = Field(4, ge=1, le=64, description="H.264 encoder threads (pinned: repeatable bytes)")
+    encoder_threads: int = Field(
+        DEFAULT_THREADS, ge=1, le=MAX_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
+    )
     # The network -----------------------------------------------------------------------------------------------
     bind_host: str = Field("127.0.0.1", description="address to listen on; non-loopback needs allow_remote_api + key")
     api_port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
