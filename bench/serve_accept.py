@@ -1,0 +1,134 @@
+"""The service at full size on one GPU: every component at the released configuration with random weights (the
+real ones cannot reach the GPU machine), served over loopback with a key, then checked the way an operator would.
+
+1. Time from app start to ready: the startup warmup at the production shape (768x448, 56 frames, one forward),
+   encoded and verified.
+2. `h3serve accept`'s procedure: health, model identity, the seed's fixed request (seed 42, 768x448, duration 2.0,
+   20 steps) twice through /v1/videos/sync; decoded frames byte for byte, audio PSNR.
+3. The same request as an async job: its decoded frames against the sync renders' (one engine, one answer).
+4. A running 50-step async job cancelled by DELETE: time until it stopped, and GPU memory back to the idle level.
+
+Random weights say nothing about picture quality; this measures the service path and its timings, not the model.
+
+    PYTHONPATH=src python bench/serve_accept.py --out bench/results/serve_accept.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from full_size_smoke import build
+
+from h3serve.accept import AcceptPlan, run_accept
+from h3serve.media.mp4 import decode_frames
+from h3serve.pipeline.engine import Engine, Profile
+from h3serve.service.app import create_app
+from h3serve.settings import Settings
+
+MODEL_ID = "/models/MiniMax-H3/FL2VA"
+KEY = "bench-" + "0123456789abcdef" * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tiny", action="store_true", help="a dry run of the script with the tiny model on the CPU")
+    args = parser.parse_args()
+    work = args.out.parent / "serve_accept"
+    device = torch.device("cpu" if args.tiny else "cuda")
+    t0 = time.perf_counter()
+    engine = Engine.load(None, Profile()) if args.tiny else Engine(build(device), Profile.for_device("cuda"))
+    shape = dict(width=224, height=128, duration=0.9, steps=3) if args.tiny else {}
+    build_s = time.perf_counter() - t0
+    idle_mib = _allocated_mib(device)
+    settings = Settings(served_model_name=MODEL_ID, api_key=KEY, output_dir=work / "output")
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    app = create_app(settings, engine)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    start = time.perf_counter()
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    result: dict = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU dry run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "profile": engine.profile.__dict__,
+        "build_random_weights_s": round(build_s, 2),
+        "idle_allocated_gib": round(idle_mib / 1024, 2),
+    }
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=600) as c:
+        while True:
+            try:
+                health = c.get("/health").json()
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if health["readiness"] != "warming":
+                break
+            time.sleep(0.05)
+        result["ready_after_s"] = round(time.perf_counter() - start, 2)
+        result["warmup"] = health["warmup"]
+        result["anonymous_models_status"] = httpx.get(f"{url}/v1/models").status_code
+
+        plan = AcceptPlan(url=url, out_dir=work / "accept", key=KEY, expect_model=MODEL_ID, **shape)
+        passed, report = run_accept(plan)
+        result["accept"] = {"passed": passed, **report}
+
+        form = AcceptPlan(url=url, out_dir=work, **shape).form()
+        job = c.post("/v1/videos", data=form).json()
+        while (record := c.get(f"/v1/videos/{job['id']}").json())["status"] in ("queued", "in_progress"):
+            time.sleep(0.2)
+        async_mp4 = work / "async.mp4"
+        async_mp4.write_bytes(c.get(f"/v1/videos/{job['id']}/content").content)
+        same = passed and np.array_equal(decode_frames(async_mp4), decode_frames(work / "accept" / "accept-1.mp4"))
+        result["async_job"] = {"record": record, "frames_equal_to_sync": bool(same)}
+
+        long = c.post("/v1/videos", data={**form, "num_inference_steps": "50"}).json()
+        while c.get(f"/v1/videos/{long['id']}").json()["progress"] < 10:
+            time.sleep(0.05)
+        t = time.perf_counter()
+        cancelled = c.delete(f"/v1/videos/{long['id']}").json()
+        stop_s = time.perf_counter() - t
+        result["cancel"] = {
+            "status": cancelled["status"],
+            "delete_returned_after_s": round(stop_s, 3),
+            "allocated_after_gib": round(_allocated_mib(device) / 1024, 2),
+            "idle_allocated_gib": round(idle_mib / 1024, 2),
+        }
+        result["metrics_tail"] = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("h3serve_")][-12:]
+    server.should_exit = True
+    thread.join(60)
+    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps({k: result[k] for k in ("ready_after_s", "warmup", "cancel")}, indent=2, default=str))
+    print("accept passed:", passed, "| async frames equal to sync:", same)
+
+
+def _allocated_mib(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device) / 2**20
+
+
+if __name__ == "__main__":
+    main()
