@@ -287,3 +287,21 @@ def test_a_restart_keeps_completed_jobs_and_fails_the_interrupted_ones(tmp_path)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_clean_shutdown_fails_the_running_and_queued_jobs_with_the_reason(tmp_path):
+    from h3serve.service.jobs import JobStore
+
+    with live_server(settings(tmp_path)) as s, s.client() as c:
+        running = c.post("/v1/videos", data=LONG).json()
+        queued = c.post("/v1/videos", data={**LONG, "prompt": "queued"}).json()
+        wait_status(c, running["id"], {"in_progress"})
+    # live_server has stopped the server (uvicorn's shutdown runs the app's): nothing is left active.
+    store = JobStore(tmp_path)
+    try:
+        assert store.recovered == 0
+        for job_id in (running["id"], queued["id"]):
+            job = store.get(job_id)
+            assert job.status == "failed" and job.error.code == "server_stopped", job
+    finally:
+        store.close()

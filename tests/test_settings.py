@@ -447,3 +447,8 @@ def test_check_refuses_a_missing_model_folder(capsys, tmp_path):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "H3_MODEL (--model)" in captured.err and str(missing) in captured.err
+
+
+def test_model_id_is_the_model_string_exactly_as_given():
+    """The seed's identity gate compares /v1/models to the path as the operator wrote it, trailing slash and all."""
+    assert load_settings(env={"H3_MODEL": "./models/x/"}).model_id == "./models/x/"

@@ -78,8 +78,10 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
 def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     from h3serve.settings import add_flags
 
+    # allow_abbrev off: a prefix such as --api-key must not silently become --api-key-file (the key has no flag).
     p = sub.add_parser(
         "serve",
+        allow_abbrev=False,
         help="run the HTTP service (vLLM-Omni/OpenAI video API)",
         description="Serve the video API. Every setting is a flag, an H3_* environment variable or a --config key "
         "(flags win over the environment, which wins over the file). Without --model the built-in tiny model is "
@@ -89,6 +91,7 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
     c = sub.add_parser(
         "check",
+        allow_abbrev=False,
         help="validate the service settings (and the model folder) without loading weights",
         description="Resolve the settings as `serve` would and print them (the key redacted), or print every "
         "violation and exit non-zero.",

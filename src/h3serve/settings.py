@@ -52,8 +52,11 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
     # The model -------------------------------------------------------------------------------------------------
-    model: Path | None = Field(
-        None, description="released checkpoint folder (FL2VA/ or diffusers layout); unset: the built-in tiny model"
+    # A string, not a Path: /v1/models lists it exactly as given (the seed's identity gate compares it verbatim).
+    model: str | None = Field(
+        None,
+        min_length=1,
+        description="released checkpoint folder (FL2VA/ or diffusers layout); unset: the built-in tiny model",
     )
     served_model_name: str | None = Field(
         None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
@@ -124,7 +127,7 @@ class Settings(BaseModel):
         """The id /v1/models lists: the served name, else the model path exactly as given, else the tiny model's."""
         if self.served_model_name:
             return self.served_model_name
-        return str(self.model) if self.model is not None else "h3serve-tiny"
+        return self.model if self.model is not None else "h3serve-tiny"
 
     def profile(self):
         """The engine profile these settings select (raises ValueError naming what cannot run)."""

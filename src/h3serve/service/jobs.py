@@ -351,7 +351,9 @@ class Scheduler:
                 payload = buffer.getvalue()
         except RenderCancelled as err:
             self.metrics.render_finished("cancelled", None)
-            self._finish_cancelled(work, str(err) or "cancelled", JobStatus.CANCELLED)
+            # Stopped by shutdown, the job failed; stopped by its client, it was cancelled.
+            status = JobStatus.FAILED if self._stopping else JobStatus.CANCELLED
+            self._finish_cancelled(work, str(err) or "cancelled", status)
             return
         except Exception as err:
             log.exception("render %s failed", work.id)
