@@ -61,6 +61,8 @@ class CanvasRule:
         """
         m = self.multiple
         for name, value in (("width", width), ("height", height)):
+            if value > self.max_pixels // m:  # over the area cap whatever the other side; also keeps the ratio finite
+                raise RequestError(name, f"{name} {value} is above the canvas area cap of {self.max_pixels} pixels")
             if value < m or value % m:
                 raise RequestError(name, f"{name} must be a positive multiple of {m}, got {value}")
         if not self.min_aspect <= width / height <= self.max_aspect:

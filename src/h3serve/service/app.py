@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -83,6 +84,13 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
         body = {"error": {"code": code, "message": str(err.detail), "param": None}}
         return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def query_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        param = str(first.get("loc", ["", ""])[-1]) or None
+        message = f"{param}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}"
+        return JSONResponse(bad_request(param, message).body(), status_code=400)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -270,8 +278,8 @@ async def read_body(request: Request, upload_cap: int) -> tuple[dict[str, Any], 
             raise ApiError(413, "too_large", f"the request body is {len(body)} bytes; the limit is {body_cap}")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise bad_request(None, f"the body is not valid JSON ({err})") from err
+        except (ValueError, RecursionError) as err:  # malformed, not UTF-8, too deep, or a number too long to parse
+            raise bad_request(None, f"the body is not valid JSON ({type(err).__name__}: {err})") from err
         if not isinstance(data, dict):
             raise bad_request(None, f"the JSON body must be an object, got {type(data).__name__}")
         uploads = []
@@ -291,6 +299,9 @@ async def _read_form(request: Request, upload_cap: int) -> tuple[dict[str, Any],
     try:
         form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_FIELD_BYTES)
     except StarletteHTTPException as err:  # malformed multipart, too many files or fields
+        if "files" in str(err.detail).lower():
+            message = f"input_references: at most {MAX_FILES} keyframes ({err.detail})"
+            raise bad_request("input_references", message) from err
         raise bad_request(None, f"the form could not be read: {err.detail}") from err
     fields: dict[str, Any] = {}
     uploads: list[Upload] = []

@@ -44,6 +44,7 @@ ASPECT_RATIOS = {"21:9": (21, 9), "16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1),
 QUALITIES = ("lossless", "high")
 TASKS = ("t2va", "fl2va", "i2va", "l2va")  # fl2va with one keyframe is i2va or l2va by frame_indices
 FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
+MAX_SECONDS = 3600.0
 DEFAULT_STEPS = 50  # the released sampler's default grid
 SIZE = re.compile(r"^(\d{1,5})[xX](\d{1,5})$")
 
@@ -126,14 +127,14 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
     n = len(uploads)
     if task == "t2va" or (task is None and n == 0):
         if n:
-            raise bad_request("input_reference", f"task t2va takes no keyframes, got {n} file(s)")
+            raise bad_request("input_reference", f"input_reference: task t2va takes no keyframes, got {n} file(s)")
         if indices is not None:
             raise bad_request("extra_params.frame_indices", "frame_indices applies only with keyframes")
         return "t2va", []
     if n == 0:
         raise bad_request("input_reference", f"task {task} needs one or two keyframe images as input_reference(s)")
     if n > 2:
-        raise bad_request("input_references", f"at most 2 keyframes (first and last), got {n}")
+        raise bad_request("input_references", f"input_references: at most 2 keyframes (first and last), got {n}")
     if indices is None:
         indices = {"i2va": [0], "l2va": [-1]}.get(task or "", [0] if n == 1 else [0, -1])
     if not (isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
@@ -182,20 +183,18 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
             raise bad_request("size", f"size {sw}x{sh} disagrees with width/height {width}x{height}")
         width, height, size_param = sw, sh, "size"
     canvas = engine.rules.canvas
-    if "aspect_ratio" in fields and fields["aspect_ratio"] not in ASPECT_RATIOS:
-        raise bad_request(
-            "aspect_ratio", f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {fields['aspect_ratio']!r}"
-        )
-    if "short_edge" in fields and _int("short_edge", fields["short_edge"]) != canvas.default_short_edge:
-        raise bad_request(
-            "short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {fields['short_edge']!r}"
-        )
+    aspect = fields.get("aspect_ratio")
+    if aspect is not None and (not isinstance(aspect, str) or aspect not in ASPECT_RATIOS):
+        raise bad_request("aspect_ratio", f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {aspect!r}")
+    if "short_edge" in fields and (edge := _int("short_edge", fields["short_edge"])) != canvas.default_short_edge:
+        raise bad_request("short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {edge}")
     if width is None and height is None and "aspect_ratio" in fields:
         width, height = resolve_canvas(*ASPECT_RATIOS[fields["aspect_ratio"]], canvas)
         size_param = "aspect_ratio"
 
     # Length: one of num_frames, seconds, extra_params.duration.
     given = [p for p in ("num_frames", "seconds", "duration") if p in (extra if p == "duration" else fields)]
+    given = [("extra_params." + p if p == "duration" else p) for p in given]
     if len(given) > 1:
         raise bad_request(given[1], f"give one of num_frames, seconds, extra_params.duration; got {', '.join(given)}")
     num_frames, frames_param = None, "num_frames"
@@ -204,8 +203,11 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     elif given:
         param = "seconds" if "seconds" in fields else "extra_params.duration"
         seconds = _float(param, fields["seconds"] if "seconds" in fields else extra["duration"])
-        if seconds <= 0:
-            raise bad_request(param, f"{param} must be > 0, got {seconds:g}")
+        # Past an hour the frame rule would refuse it anyway; refusing here keeps seconds * FPS finite.
+        if not 0 < seconds <= MAX_SECONDS:
+            frames = engine.rules.frames
+            allowed = f"{frames.min_frames / FPS:.2f}-{frames.max_frames / FPS:.2f} s"
+            raise bad_request(param, f"{param} must be > 0 (the model takes {allowed}), got {seconds:g}")
         num_frames, frames_param = max(1, round(seconds * FPS)), param
     if "fps" in fields and _int("fps", fields["fps"]) != FPS:
         raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {fields['fps']!r}")
@@ -223,7 +225,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         "prompt": "prompt",
         "keyframes": "input_reference",
         "width": size_param,
-        "height": size_param,
+        "height": "height" if size_param == "width" else size_param,
         "num_frames": frames_param,
         "steps": "num_inference_steps",
         "seed": "seed",
