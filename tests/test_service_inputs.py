@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import socket
 import time
 
 import pytest
@@ -576,3 +577,23 @@ def test_sync_timeout_cancels_the_render(tight):
         assert (health["ready"], health["queue_depth"]) == (True, 0)
         metrics = c.get("/metrics").text
         assert 'h3serve_renders_total{outcome="cancelled"} 1.0' in metrics, metrics
+
+
+def test_a_chunked_body_without_content_length_is_capped_while_it_streams(tight):
+    """No Content-Length to check up front: the server counts the bytes as they arrive and answers 413 at the cap,
+    before the body has ended (a server that first read the whole body would still be waiting for the rest)."""
+    cap = 2 * (TIGHT_UPLOAD_MB << 20) + (1 << 20)
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=10) as sock:
+        head = b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b'{"prompt": "x", "user": "' + b"u" * (1 << 16)
+        for _ in range(2 * cap // len(chunk)):  # twice the cap, and the body never ends
+            sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+        answer = b""
+        while b"}}" not in answer:  # the status line, the headers, then the JSON error body
+            data = sock.recv(4096)
+            assert data, f"the connection closed before a full answer: {answer!r}"
+            answer += data
+    head, _, body = answer.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413"), head
+    assert json.loads(body)["error"]["code"] == "too_large"

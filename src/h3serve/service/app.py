@@ -263,6 +263,22 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     return app
 
 
+def _capped(request: Request, cap: int) -> Request:
+    """The request with its body stream counted: past `cap` bytes reading it raises 413, whatever Content-Length
+    claimed (a chunked upload has none), so no upload is spooled to disk or memory beyond the cap."""
+    receive, seen = request.receive, 0
+
+    async def counted() -> dict:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > cap:
+            raise ApiError(413, "too_large", f"the request body is over the limit of {cap} bytes")
+        return message
+
+    return Request(request.scope, counted)
+
+
 async def read_body(request: Request, upload_cap: int) -> tuple[dict[str, Any], list[Upload]]:
     """The request's fields and keyframe uploads, from a multipart/urlencoded form or a JSON object, size-capped."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -270,6 +286,7 @@ async def read_body(request: Request, upload_cap: int) -> tuple[dict[str, Any], 
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > body_cap:
         raise ApiError(413, "too_large", f"the request body is {int(length)} bytes; the limit is {body_cap}")
+    request = _capped(request, body_cap)
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
         return await _read_form(request, upload_cap)
     if kind == "application/json":
