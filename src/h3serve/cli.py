@@ -85,7 +85,8 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
         help="run the HTTP service (vLLM-Omni/OpenAI video API)",
         description="Serve the video API. Every setting is a flag, an H3_* environment variable or a --config key "
         "(flags win over the environment, which wins over the file). Without --model the built-in tiny model is "
-        "served. The server answers /health at once and reports ready after its startup warmup render.",
+        "served. Settings, the model folder and the port are checked first, then the weights load, then the port "
+        "opens: /health answers from then on and reports ready once the startup warmup render has passed.",
     )
     add_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -429,7 +430,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    # A server's log needs times; a one-shot command's does not.
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if args.command == "serve" else "%(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=fmt)
     try:
         return args.func(args)
     except CliError as err:
