@@ -26,6 +26,8 @@ class Modality(IntEnum):
 NUM_MODALITIES = len(Modality)
 # Six modulation vectors per block: shift/scale/gate before attention and before the MLP.
 NUM_BLOCK_MODULATIONS = 6
+# Distinct timesteps one forward can see: the video clock, the audio clock and the keyframes' (layout.timestep_plan).
+MAX_TIMESTEPS = 3
 
 # --- the released recipe --------------------------------------------------------------------------------------
 FPS = 24  # video frame rate

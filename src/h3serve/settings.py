@@ -293,9 +293,13 @@ def _rules(s: Settings, failed: set[str]) -> list[str]:
             out.append(f"{_label('cache_backend')}: cache_dit is not available in this build yet; allowed: none")
     # HUMMING is the deterministic profile: eager and no cache only.
     if ok("linear_backend", "execution_mode", "cache_backend") and s.linear_backend == "HUMMING":
-        from h3serve.pipeline.engine import BUILT
+        import torch
 
-        execution = s.execution_mode or BUILT["execution"][0]  # unset: the default profile's mode
+        from h3serve.pipeline.engine import DEFAULTS
+
+        device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        # unset: the device's default profile's mode
+        execution = s.execution_mode or DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]["execution"]
         if execution != "eager":
             out.append(f"{_label('linear_backend')}: HUMMING requires H3_EXECUTION_MODE=eager, got {execution}")
         if s.cache_backend != "none":

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
-from h3serve.model.ops import apply_rotary, attention, rotary_table
+from h3serve.config import MAX_TIMESTEPS, NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
+from h3serve.model.ops import apply_rotary, attention, gated_residual, modulate, rotary_table
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (S, rotary_dim), float32
 
@@ -99,7 +99,7 @@ class SwiGLU(nn.Module):
 
 
 class AdaLNProjection(nn.Module):
-    """temb (M, time_embed_dim) -> `chunks` modulation tables of (M * rows_per_t, hidden) each.
+    """temb (M, time_embed_dim) -> a modulation table of (M * rows_per_t, chunks * hidden) rows.
 
     Blocks use rows_per_t = 3 (one row per modality, addressed by `t_index * 3 + tag`) and 6 chunks; the final layer
     uses one row per timestep and 2 chunks (shift, scale).
@@ -111,15 +111,10 @@ class AdaLNProjection(nn.Module):
         self.chunks = chunks
         self.linear = nn.Linear(cfg.time_embed_dim, chunks * rows_per_t * cfg.hidden_size)
 
-    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # SiLU runs at temb's precision (fp32) and only its result is cast: a rounding before the activation would
-        # shift every block's modulation the same way at every step and accumulate over the trajectory.
-        mods = self.linear(F.silu(temb).to(self.linear.weight.dtype))
-        return mods.view(-1, self.chunks * self.hidden).chunk(self.chunks, dim=-1)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1.0 + scale) + shift
+    def forward(self, temb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # SiLU runs at temb's precision (fp32) and only its result is cast to the compute dtype: a rounding before
+        # the activation would shift every block's modulation the same way at every step and accumulate.
+        return self.linear(F.silu(temb).to(dtype)).view(-1, self.chunks * self.hidden)
 
 
 class RefinerBlock(nn.Module):
@@ -149,21 +144,32 @@ class TokenRefiner(nn.Module):
         return self.final_norm(x)
 
 
+TABLE_ROWS = MAX_TIMESTEPS * NUM_MODALITIES  # a block's modulation table, padded to a shape fixed for every forward
+
+
 class Block(RefinerBlock):
     """Single-stream block: the refiner block's layers plus AdaLN, whose parameters are picked per row from the
-    (timestep, modality) table, and RoPE."""
+    (timestep, modality) table, and RoPE.
+
+    The table is an input: `modulation(temb)` makes it (it depends on the timesteps only, so it can be made ahead of
+    time for a whole schedule), padded to `TABLE_ROWS` rows so that `forward` sees the same shapes at every step.
+    """
 
     def __init__(self, cfg: DiTConfig):
         super().__init__(cfg)
         self.adaln_proj = AdaLNProjection(cfg, NUM_BLOCK_MODULATIONS, NUM_MODALITIES)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:
-        # x (S, hidden); temb (M, time_embed_dim); adaln_indices (S,) = t_index * 3 + tag
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            m.index_select(0, adaln_indices) for m in self.adaln_proj(temb)
-        )
-        x = x + gate_msa * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
-        return x + gate_mlp * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+    def modulation(self, temb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # temb (M, time_embed_dim) -> (TABLE_ROWS, 6 * hidden); rows past M * 3 are zero and never indexed
+        table = self.adaln_proj(temb, dtype)
+        return F.pad(table, (0, 0, 0, TABLE_ROWS - table.shape[0]))
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:
+        # x (S, hidden); table (TABLE_ROWS, 6 * hidden); adaln_indices (S,) = t_index * 3 + tag
+        mods = table.index_select(0, adaln_indices)  # (S, 6 * hidden)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(NUM_BLOCK_MODULATIONS, dim=-1)
+        x = gated_residual(x, gate_msa, self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope))
+        return gated_residual(x, gate_mlp, self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))
 
 
 class FinalLayer(nn.Module):
@@ -184,7 +190,7 @@ class FinalLayer(nn.Module):
         video_indices: torch.Tensor,
         audio_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        shift, scale = (m.index_select(0, timestep_indices) for m in self.adaln_proj(temb))
+        shift, scale = self.adaln_proj(temb, x.dtype).index_select(0, timestep_indices).chunk(2, dim=-1)
         # Modulate at the block stack's precision, then cast to the heads' (fp32) precision.
         h = modulate(self.norm(x), shift, scale).to(self.video_out.weight.dtype)
         return self.video_out(h.index_select(0, video_indices)), self.audio_out(h.index_select(0, audio_indices))
@@ -209,9 +215,15 @@ class H3DiT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layer = FinalLayer(cfg)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype outside the fp32 islands: the block stack's norm weights', which no weight
+        transform (quantization) touches, so an FP8 linear never turns activations into FP8."""
+        return self.token_refiner.final_norm.weight.dtype
+
     def refine_text(self, text_states: torch.Tensor) -> torch.Tensor:
         """(L, text_dim) text-encoder states -> (L, hidden) text rows. Independent of t: run once per request."""
-        return self.token_refiner(self.condition_proj(text_states.to(self.condition_proj.weight.dtype)))
+        return self.token_refiner(self.condition_proj(text_states.to(self.compute_dtype)))
 
     def forward(
         self,
@@ -238,7 +250,7 @@ class H3DiT(nn.Module):
         temb = self.time_embedder(timesteps)  # (M, time_embed_dim), fp32
         adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
         for block in self.blocks:
-            x = block(x, temb, adaln_indices, rope)
+            x = block(x, block.modulation(temb, x.dtype), adaln_indices, rope)
         return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)
 
 

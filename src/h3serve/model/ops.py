@@ -1,14 +1,33 @@
-"""The small ops every model file shares: attention over (S, H, D) rows and rotate-half rotary embedding.
+"""The small ops every model file shares: attention over (S, H, D) rows, rotate-half rotary embedding, AdaLN
+modulation and the gated residual.
 
 The DiT and both VAEs call these instead of `scaled_dot_product_attention` and their own RoPE, so an outside
-layer (an attention backend, a fused kernel) has one place to act on. Plain PyTorch here: which SDPA kernel runs is
-steered from outside (an `sdpa_kernel` context).
+layer has one place to act on: the attention kernel is set once at start (`use_attention_kernel`, from the
+registry in `h3serve.accel.attention`); the rest are the plain references that fused kernels are checked against.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The reference kernel: torch's scaled_dot_product_attention with its own backend choice. (B, H, S, D)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+_kernel: AttentionKernel = sdpa
+
+
+def use_attention_kernel(kernel: AttentionKernel) -> None:
+    """Set the kernel every `attention` call runs (chosen once at start, by `h3serve.accel.attention`)."""
+    global _kernel
+    _kernel = kernel
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
@@ -21,7 +40,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     single = q.ndim == 3
     if single:
         q, k, v = q[None], k[None], v[None]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    out = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
     out = out.transpose(1, 2)  # (B, S, H, D)
     return out[0] if single else out
 
@@ -44,3 +63,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = rot.chunk(2, dim=-1)
     rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rot, rest), dim=-1)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """AdaLN modulation of a normalised activation: x * (1 + scale) + shift, per row."""
+    return x * (1.0 + scale) + shift
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The gated residual add of an AdaLN block: x + gate * y."""
+    return x + gate * y

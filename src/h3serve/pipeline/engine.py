@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from h3serve.accel import apply_profile
+from h3serve.accel.compile import GraphCounter
 from h3serve.config import FPS
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
@@ -48,8 +50,14 @@ STAGES = ("text", "keyframes", "layout", "denoise", "video", "audio")
 ATTENTION_BACKENDS = ("CUDNN_ATTN", "TORCH_SDPA")
 EXECUTION_MODES = ("compile", "eager")
 LINEAR_BACKENDS = ("BF16", "CUTLASS", "HUMMING")
-BUILT = {"attention": ("TORCH_SDPA",), "execution": ("eager",), "linear": ("BF16",)}
+BUILT = {"attention": ("TORCH_SDPA", "CUDNN_ATTN"), "execution": ("eager", "compile"), "linear": ("BF16",)}
 NOT_BUILT = "not available in this build yet (the acceleration profiles add it)"
+# The defaults per device. On CUDA the seed's profile (cuDNN attention, regional compile; its CUTLASS FP8 linears are
+# not built yet); on the CPU the only one that runs there.
+DEFAULTS = {
+    "cuda": {"attention": "CUDNN_ATTN", "execution": "compile", "linear": "BF16"},
+    "cpu": {"attention": "TORCH_SDPA", "execution": "eager", "linear": "BF16"},
+}
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,15 @@ class Profile:
                 raise ValueError(f"device {self.device!r}: CUDA is not available on this machine (allowed: cpu)")
             if device.index is not None and device.index >= torch.cuda.device_count():
                 raise ValueError(f"device {self.device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-        if device.type == "cpu" and self.vae_autocast == "float16":
-            raise ValueError("vae_autocast float16 needs a CUDA device (allowed on cpu: none)")
+        if device.type == "cpu":
+            if self.vae_autocast == "float16":
+                raise ValueError("vae_autocast float16 needs a CUDA device (allowed on cpu: none)")
+            for kind, allowed in DEFAULTS["cpu"].items():
+                if getattr(self, kind) != allowed:
+                    raise ValueError(f"{kind} {getattr(self, kind)} needs a CUDA device (allowed on cpu: {allowed})")
+        from h3serve.accel.attention import check
+
+        check(self.attention, device)
 
     @classmethod
     def for_device(
@@ -110,13 +125,14 @@ class Profile:
         """Defaults that fit the device: bfloat16 + float16 VAE autocast (the released recipe) on CUDA, float32 on
         the CPU; the backends this build runs. Explicit values are kept as given and validated."""
         cuda = device.startswith("cuda")
+        defaults = DEFAULTS["cuda" if cuda else "cpu"]
         return cls(
             device=device,
             dtype=dtype or ("bfloat16" if cuda else "float32"),
             vae_autocast=vae_autocast or ("float16" if cuda else "none"),
-            attention=attention or BUILT["attention"][0],
-            execution=execution or BUILT["execution"][0],
-            linear=linear or BUILT["linear"][0],
+            attention=attention or defaults["attention"],
+            execution=execution or defaults["execution"],
+            linear=linear or defaults["linear"],
         )
 
     @property
@@ -165,6 +181,7 @@ class Engine:
         self.profile = profile
         self.rules = rules
         self.lock = threading.Lock()
+        self.compiled: GraphCounter | None = apply_profile(components, profile)
 
     @classmethod
     def load(cls, model: str | Path | ModelFolder | None, profile: Profile) -> Engine:

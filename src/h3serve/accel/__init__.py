@@ -1,0 +1,21 @@
+"""Acceleration applied from outside the model files: attention kernels, compilation, linear layers. Each is chosen
+once at start from a registry that refuses what it cannot run (the engine's `Profile` validates the names)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from h3serve.accel import attention
+from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
+
+if TYPE_CHECKING:
+    from h3serve.model.folder import Components
+    from h3serve.pipeline.engine import Profile
+
+
+def apply_profile(components: Components, profile: Profile) -> GraphCounter | None:
+    """Set the attention kernel and, for `compile`, compile the DiT's repeated blocks (returns their graph counter)."""
+    attention.use(profile.attention)
+    if profile.execution == "compile":
+        return compile_repeated_blocks(components.dit)
+    return None
