@@ -56,7 +56,8 @@ def fill_random(module: torch.nn.Module, *, skip: tuple[str, ...] = ()) -> None:
             t.normal_(0.0, t[0].numel() ** -0.5)
 
 
-def build(device: torch.device) -> Components:
+def build_dit(device: torch.device) -> H3DiT:
+    """The DiT at the released configuration, bf16 with its fp32 islands, random weights."""
     dit_cfg = DiTConfig.from_json(REFERENCE / "transformer" / "config.json")
     with torch.device("meta"):
         dit = H3DiT(dit_cfg)
@@ -65,6 +66,11 @@ def build(device: torch.device) -> Components:
     dit = dit.to_empty(device=device)
     fill_random(dit, skip=("rope.inv_freq",))
     dit.rope.inv_freq.copy_(inv_freq(dit_cfg.rope_inv_freq_len, dit_cfg.rope_theta))
+    return dit.eval().requires_grad_(False)
+
+
+def build(device: torch.device) -> Components:
+    dit = build_dit(device)
 
     qwen_cfg = Qwen3VLConfig.from_pretrained(str(REFERENCE / "text_encoder"))
     qwen = truncated_qwen3vl(qwen_cfg, TEXT_ENCODER_LAYER, vision=True)

@@ -166,8 +166,11 @@ class Block(RefinerBlock):
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:
         # x (S, hidden); table (TABLE_ROWS, 6 * hidden); adaln_indices (S,) = t_index * 3 + tag
-        mods = table.index_select(0, adaln_indices)  # (S, 6 * hidden)
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(NUM_BLOCK_MODULATIONS, dim=-1)
+        # One gather per modulation vector, each next to its use: a compiler fuses each into its consumer instead of
+        # writing all six (S, hidden) gathers out first.
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            m.index_select(0, adaln_indices) for m in table.chunk(NUM_BLOCK_MODULATIONS, dim=-1)
+        )
         x = gated_residual(x, gate_msa, self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope))
         return gated_residual(x, gate_mlp, self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp)))
 

@@ -1,0 +1,316 @@
+"""One DiT forward at the reference shape, every profile of ours and the peer, in one process on one GPU.
+
+The full-size DiT from the released config with random weights (fixed seed, never zeros), the reference packed
+shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), then:
+
+1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
+   compile): median of `--iters` forwards after warm-up (CUDA events), the first compiled call's time, peak memory,
+   two further forwards compared bit for bit, and for compile the graphs compiled and recompiles after a second
+   input of another length (300 text rows);
+2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel
+   (the peer; ours is freed first: the peer alone peaks at 134 GB), eager and with `compile_repeated_blocks`;
+3. each profile's output against the peer's eager output (relative error, video and audio rows).
+
+Results go to `--out` as JSON after every step, so a run cut short keeps what it measured.
+
+    PYTHONPATH=src:tests python bench/dit_step.py --out bench/results/dit_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from full_size_smoke import REFERENCE, build_dit
+
+from h3serve.accel import attention
+from h3serve.accel.compile import compile_repeated_blocks
+from h3serve.accel.linear import quantize_blocks, restore
+from h3serve.config import Modality
+from h3serve.model.dit import REPEATED_BLOCKS
+from h3serve.pipeline.layout import MediaGeometry, build_layout
+
+
+class Record:
+    def __init__(self, path: Path):
+        self.path = path
+        self.data: dict = {
+            "date": datetime.date.today().isoformat(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "command": " ".join(sys.argv),
+            "profiles": {},
+        }
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+
+SHAPE = {"height": 448, "width": 768, "frames": 56, "text": 537, "other_text": 300}
+TINY_SHAPE = {"height": 128, "width": 224, "frames": 22, "text": 20, "other_text": 12}
+
+
+def inputs(dit, n_text: int, shape: dict, dev: str, seed: int = 0) -> dict:
+    """A real T2VA layout with `n_text` text rows; random latents and text states."""
+    cfg = dit.config
+    geometry = MediaGeometry.from_pixels(shape["height"], shape["width"], shape["frames"])
+    layout = build_layout([int(Modality.TEXT)] * n_text, geometry, ())
+    timesteps, t_index = layout.timestep_plan(0.6, 0.3)
+    with torch.no_grad():
+        text = dit.refine_text(text_states(n_text, cfg.text_dim, seed).to(dev))
+        rope = dit.rope(layout.rope_positions().to(dev))
+    return {
+        "video": torch.randn(
+            layout.num_video_rows, cfg.video_patch_dim, generator=torch.Generator().manual_seed(seed + 100)
+        ).to(dev),
+        "audio": torch.randn(
+            layout.num_audio_rows, cfg.audio_latents_dim, generator=torch.Generator().manual_seed(seed + 200)
+        ).to(dev),
+        "text": text,
+        "timesteps": timesteps.to(dev),
+        "timestep_indices": t_index.to(dev),
+        "token_tags": layout.token_tags.to(dev),
+        "rope": rope,
+        "video_indices": layout.video_indices.to(dev),
+        "audio_indices": layout.audio_indices.to(dev),
+        "text_indices": layout.text_indices.to(dev),
+        "text_states_seed": seed,
+        "layout": layout,
+    }
+
+
+def text_states(n: int, dim: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def forward(dit, x: dict):
+    return dit(
+        x["video"], x["audio"], x["text"], x["timesteps"], x["timestep_indices"], x["token_tags"], x["rope"],
+        x["video_indices"], x["audio_indices"], x["text_indices"],
+    )  # fmt: skip
+
+
+def time_ms(fn, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    if not torch.cuda.is_available():  # the --tiny dry run on a CPU: wall time, not a benchmark
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def uncompile(model) -> None:
+    for m in model.modules():
+        if isinstance(m, REPEATED_BLOCKS):
+            m._compiled_call_impl = None
+
+
+@torch.no_grad()
+def run_ours(rec: Record, args) -> tuple[dict, dict]:
+    torch.manual_seed(0)
+    dev = "cpu" if args.tiny else "cuda"
+    shape = TINY_SHAPE if args.tiny else SHAPE
+    dit = tiny_dit() if args.tiny else build_dit(torch.device("cuda"))
+    rec.data["weights_gib"] = round(_allocated() / 2**30, 2)
+    x = inputs(dit, shape["text"], shape, dev)
+    other = inputs(dit, shape["other_text"], shape, dev, seed=1)
+    rec.data["sequence_length"] = int(x["token_tags"].shape[0])
+    outputs = {}
+    for linear in ("BF16", "CUTLASS"):
+        replaced = quantize_blocks(dit) if linear == "CUTLASS" else None
+        for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
+            attention.use(attn)
+            for execution in ("eager", "compile"):
+                name = f"{attn}+{execution}+{linear}"
+                entry: dict = {}
+                try:
+                    uncompile(dit)
+                    torch._dynamo.reset()
+                    counter = compile_repeated_blocks(dit) if execution == "compile" else None
+                    _reset_peak()
+                    start = time.perf_counter()
+                    forward(dit, x)
+                    _sync()
+                    entry["first_call_s"] = round(time.perf_counter() - start, 2)
+                    ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
+                    entry["ms_median"] = round(statistics.median(ms), 2)
+                    entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
+                    a, b = forward(dit, x), forward(dit, x)
+                    entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                    entry["peak_gib"] = round(_peak() / 2**30, 2)
+                    outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
+                    if counter is not None:
+                        forward(dit, other)  # another sequence length: must not recompile
+                        entry["graphs"] = counter.graphs
+                        entry["recompiles"] = counter.recompiles
+                except Exception as err:  # record and go on: one failing profile must not lose the others
+                    entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+                rec.data["profiles"][name] = entry
+                rec.save()
+                print(name, entry, flush=True)
+        uncompile(dit)
+        if replaced is not None:
+            restore(dit, replaced)
+    attention.use("TORCH_SDPA")
+    # Keep the weights for the peer on the host, in diffusers' layout, and free the GPU.
+    from dit_fixtures import export_state_dict
+
+    start = time.perf_counter()
+    state = export_state_dict(dit, "diffusers")
+    rec.data["export_s"] = round(time.perf_counter() - start, 1)
+    host_inputs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in x.items() if k not in ("rope", "text")}
+    host_inputs["position_ids"] = x["layout"].rope_positions()
+    host_inputs["text_states"] = text_states(shape["text"], dit.config.text_dim, 0)  # what ours refined
+    inv_freq = dit.rope.inv_freq.cpu()
+    del dit, x, other
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return outputs, {"state": state, "inputs": host_inputs, "inv_freq": inv_freq, "dev": dev}
+
+
+@torch.no_grad()
+def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    if args.tiny:
+        from e2e_fixtures import TINY_DIT_DIFFUSERS
+
+        cfg = dict(TINY_DIT_DIFFUSERS)
+    else:
+        cfg = json.loads((REFERENCE.parent / "transformer" / "config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    dev = handoff["dev"]
+    with torch.device("meta"):
+        peer = MiniMaxH3Transformer3DModel(**cfg)
+    peer.load_state_dict(handoff.pop("state"), strict=True, assign=True)
+    peer.rope.inv_freq = handoff["inv_freq"]  # the one non-persistent buffer, left on meta by the meta build
+    peer = peer.to(dev).eval().requires_grad_(False)
+    h = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in handoff["inputs"].items()}
+    # The peer refines the text itself: the same states that went into ours' refine_text.
+
+    def run():
+        return peer(
+            hidden_states=h["video"][None],
+            audio_hidden_states=h["audio"][None],
+            encoder_hidden_states=h["text_states"][None],
+            timestep=h["timesteps"],
+            timestep_indices=h["timestep_indices"],
+            token_tags=h["token_tags"],
+            position_ids=h["position_ids"],
+            video_indices=h["video_indices"],
+            audio_indices=h["audio_indices"],
+            text_indices=h["text_indices"],
+            return_dict=False,
+        )
+
+    for execution in ("eager", "compile"):
+        name = f"diffusers+{execution}"
+        entry: dict = {}
+        try:
+            if execution == "compile":
+                peer.compile_repeated_blocks(fullgraph=True)
+            _reset_peak()
+            start = time.perf_counter()
+            run()
+            _sync()
+            entry["first_call_s"] = round(time.perf_counter() - start, 2)
+            ms = time_ms(run, args.warmup, args.iters)
+            entry["ms_median"] = round(statistics.median(ms), 2)
+            entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
+            a, b = run(), run()
+            entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+            entry["peak_gib"] = round(_peak() / 2**30, 2)
+            outputs[name] = (a[0][0].float().cpu(), a[1][0].float().cpu())
+        except Exception as err:
+            entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+        rec.data["profiles"][name] = entry
+        rec.save()
+        print(name, entry, flush=True)
+
+
+def tiny_dit():
+    from h3serve.model.dit import H3DiT, is_fp32_name
+    from h3serve.model.tiny import TINY_DIT, randomize
+
+    dit = randomize(H3DiT(TINY_DIT), seed=0, keep=("rope.inv_freq",))
+    for name, t in dit.state_dict(keep_vars=True).items():
+        if name != "rope.inv_freq":
+            t.data = t.data.to(torch.float32 if is_fp32_name(name) else torch.bfloat16)
+    return dit.eval().requires_grad_(False)
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
+    args = parser.parse_args()
+    rec = Record(args.out)
+    outputs, handoff = run_ours(rec, args)
+    run_peer(rec, args, handoff, outputs)
+    reference = outputs.get("diffusers+eager")
+    peer_ms = {k: rec.data["profiles"][k].get("ms_median") for k in ("diffusers+eager", "diffusers+compile")}
+    for name, (video, audio) in outputs.items():
+        entry = rec.data["profiles"][name]
+        if reference is not None:
+            entry["rel_err_video_vs_peer_eager"] = rel(video, reference[0])
+            entry["rel_err_audio_vs_peer_eager"] = rel(audio, reference[1])
+        for peer, ms in peer_ms.items():
+            if ms and entry.get("ms_median"):
+                entry[f"speedup_vs_{peer}"] = round(ms / entry["ms_median"], 3)
+    rec.save()
+    print(json.dumps(rec.data, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Linear-layer backends, applied to the DiT's block linears from outside the model.
+
+    BF16     the model's own nn.Linear in the compute dtype (the exact profile)
+    CUTLASS  FP8 e4m3 weights with one scale per output channel, made once from the weights; activations quantized
+             per row at run time (dynamic scales); torch._scaled_mm's rowwise-scaled FP8 GEMM (a CUTLASS kernel on
+             sm90), output in the compute dtype. 1.6x the bf16 GEMM rate at the reference shape (PERFORMANCE.md).
+
+Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2): 248 of the
+forward's ~250 TFLOP. The fp32 islands (patch projections, timestep MLP, output heads) are never quantized; the
+AdaLN projections (M <= 3 rows, so matrix-vector work) and the condition projection (once per request) stay in
+the compute dtype here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from h3serve.model.dit import REPEATED_BLOCKS
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+QUANTIZED = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weight -> (N, K) e4m3 and (1, N) float32 scales, one per output channel (row): w ~= q * scale."""
+    amax = weight.detach().abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12)  # (N, 1)
+    scale = amax / FP8_MAX
+    q = (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.t().contiguous()
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) activations -> (M, K) e4m3 and (M, 1) float32 scales, one per row (dynamic: from this call's values)."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T (+ b) with W stored in e4m3; see the module docstring."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.register_buffer("weight", weight)  # (N, K) e4m3, row-major: weight.t() is the column-major B
+        self.register_buffer("scale", scale)  # (1, N) float32
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        q, scale = quantize_weight(linear.weight)
+        return cls(q, scale, None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # (M, K)
+        q, scale = quantize_rows(rows)
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same arithmetic in float32 (dequantized operands, exact products): what `forward` approximates with
+        its FP8 GEMM. Runs anywhere; tests and checks only."""
+        rows = x.reshape(-1, self.in_features)
+        q, scale = quantize_rows(rows)
+        y = (q.float() * scale) @ (self.weight.float() * self.scale.t()).t()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def quantize_blocks(model: nn.Module) -> dict[str, nn.Linear]:
+    """Replace the block linears of `model` by Fp8Linear in place; returns the replaced modules by name (a caller
+    that wants them back, such as a benchmark switching profiles, passes them to `restore`)."""
+    replaced: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, REPEATED_BLOCKS):
+            continue
+        for path in QUANTIZED:
+            parent_path, leaf = path.rsplit(".", 1)
+            parent = module.get_submodule(parent_path)
+            linear = getattr(parent, leaf)
+            if isinstance(linear, nn.Linear):
+                replaced[f"{name}.{path}"] = linear
+                setattr(parent, leaf, Fp8Linear.from_linear(linear))
+    if not replaced:
+        raise ValueError(f"{type(model).__name__} has no block linears to quantize")
+    return replaced
+
+
+def restore(model: nn.Module, replaced: dict[str, nn.Linear]) -> None:
+    for full, linear in replaced.items():
+        parent_path, leaf = full.rsplit(".", 1)
+        setattr(model.get_submodule(parent_path), leaf, linear)
