@@ -4,9 +4,10 @@ The full-size DiT from the released config with random weights (fixed seed, neve
 shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), then:
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
-   compile): median of `--iters` forwards after warm-up (CUDA events), the first compiled call's time, peak memory,
-   two further forwards compared bit for bit, and for compile the graphs compiled and recompiles after a second
-   input of another length (300 text rows);
+   compile), plus compile with static shapes (which recompiles for every new row count; here to measure what
+   the symbolic row count of `compile` costs): median of `--iters` forwards after warm-up (CUDA events), the first
+   compiled call's time, peak memory, two further forwards compared bit for bit, and for compile the graphs
+   compiled and recompiles after a second input of another length (300 text rows);
 2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel
    (the peer; ours is freed first: the peer alone peaks at 134 GB), eager and with `compile_repeated_blocks`;
 3. each profile's output against the peer's eager output (relative error, video and audio rows).
@@ -149,13 +150,17 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
         replaced = quantize_blocks(dit) if linear == "CUTLASS" else None
         for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
             attention.use(attn)
-            for execution in ("eager", "compile"):
+            for execution in ("eager", "compile", "compile-static"):
+                if execution == "compile-static" and attn != "CUDNN_ATTN":
+                    continue
                 name = f"{attn}+{execution}+{linear}"
                 entry: dict = {}
                 try:
                     uncompile(dit)
                     torch._dynamo.reset()
-                    counter = compile_repeated_blocks(dit) if execution == "compile" else None
+                    counter = None
+                    if execution != "eager":
+                        counter = compile_repeated_blocks(dit, dynamic=execution == "compile")
                     _reset_peak()
                     start = time.perf_counter()
                     forward(dit, x)

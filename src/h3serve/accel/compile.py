@@ -44,13 +44,14 @@ class GraphCounter:
         return lookup_backend(self.backend)(gm, example_inputs)
 
 
-def compile_repeated_blocks(model: nn.Module, backend: str = "inductor") -> GraphCounter:
-    """Compile every repeated block of `model` in place; returns the counter of compiled graphs."""
+def compile_repeated_blocks(model: nn.Module, backend: str = "inductor", dynamic: bool = True) -> GraphCounter:
+    """Compile every repeated block of `model` in place; returns the counter of compiled graphs. `dynamic=False`
+    (static shapes: a recompile for every new row count) exists to measure what symbolic shapes cost."""
     counter = GraphCounter(backend)
     found = 0
     for module in model.modules():
         if isinstance(module, REPEATED_BLOCKS):
-            module.compile(fullgraph=True, dynamic=True, backend=counter)
+            module.compile(fullgraph=True, dynamic=dynamic, backend=counter)
             found += 1
     if not found:
         raise ValueError(

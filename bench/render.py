@@ -1,0 +1,82 @@
+"""A whole render through the engine at the reference shape with full-size random weights, per profile: T2VA
+768x448, 56 frames, 20 grid points (19 forwards), seed 42, the prompt guide's T2VA case prompt. For each profile one
+render to warm up (compile happens there), then one timed: per-stage times, total, resident peak.
+
+    PYTHONPATH=src python bench/render.py --out bench/results/render.json
+
+Profiles in order: eager BF16, compile BF16 (cuDNN attention both), then compile with CUTLASS FP8 block linears
+(the BF16 block weights are dropped once quantized, so it runs last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from full_size_smoke import build, t2va_prompt
+
+from h3serve.accel.linear import quantize_blocks
+from h3serve.model.dit import REPEATED_BLOCKS
+from h3serve.pipeline.engine import Engine, Profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    components = build(torch.device("cuda"))
+    record: dict = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+        "runs": {},
+    }
+    base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN", linear="BF16")
+    for name, execution, linear in (("eager", "eager", "BF16"), ("compile", "compile", "BF16"),
+                                    ("compile+CUTLASS", "compile", "CUTLASS")):  # fmt: skip
+        for m in components.dit.modules():
+            if isinstance(m, REPEATED_BLOCKS):
+                m._compiled_call_impl = None
+        torch._dynamo.reset()
+        if linear == "CUTLASS":
+            replaced = quantize_blocks(components.dit)
+            del replaced  # the BF16 block weights go: FP8 is what stays resident
+            torch.cuda.empty_cache()
+        engine = Engine(components, Profile(**base | {"execution": execution}))
+        request = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
+        entry: dict = {"resident_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
+        try:
+            start = time.perf_counter()
+            first = engine.render(request)
+            entry["first_render_s"] = round(time.perf_counter() - start, 2)
+            torch.cuda.reset_peak_memory_stats()
+            second = engine.render(request)
+            entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
+            entry["per_forward_s"] = round(second.timings["denoise"] / (request.steps - 1), 4)
+            entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            entry["identical_to_first"] = bool(
+                (first.frames == second.frames).all() and (first.audio == second.audio).all()
+            )
+            if engine.compiled is not None:
+                entry["graphs"], entry["recompiles"] = engine.compiled.graphs, engine.compiled.recompiles
+        except Exception as err:
+            entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+        record["runs"][name] = entry
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        print(name, entry, flush=True)
+
+
+if __name__ == "__main__":
+    main()
