@@ -116,3 +116,85 @@ def test_compute_dtype_is_the_norms_not_a_linear_weights(engine):
     with torch.no_grad():
         dit.blocks[0].attn.qkv_proj.weight.data = dit.blocks[0].attn.qkv_proj.weight.data.to(torch.float64)
     assert dit.compute_dtype == torch.float32  # a linear layer's storage does not decide the activations' dtype
+
+
+# ---- FP8 block linears (CUTLASS) ----------------------------------------------------------------------------------
+
+
+def test_fp8_linear_matches_its_dequantized_reference_and_stays_close_to_bf16():
+    from h3serve.accel.linear import FP8, Fp8Linear, quantize_weight
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 64, bias=False)
+    fp8 = Fp8Linear.from_linear(linear)
+    q, _ = quantize_weight(linear.weight)
+    assert fp8.weight.dtype == FP8 and fp8.scale.shape == (1, 64)
+    # One scale per output channel: each row's largest magnitude lands on e4m3's largest value.
+    assert torch.all(q.float().abs().amax(dim=1) == 448.0)
+    x = torch.randn(7, 3, 96)
+    reference = fp8.reference(x)
+    error = ((reference - linear(x)).norm() / linear(x).norm()).item()
+    assert 1e-3 < error < 5e-2, error  # FP8 rounding: visible, small
+    try:
+        out = fp8(x)
+    except (RuntimeError, NotImplementedError) as err:  # the CPU build may lack a scaled-mm kernel
+        pytest.skip(f"torch._scaled_mm does not run on this CPU build: {err}")
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_the_load_hook_quantizes_block_linears_as_they_are_read(tmp_path):
+    """Loading with Fp8LoadHook gives, for every block linear, exactly the FP8 weight and scales that quantizing the
+    plainly loaded BF16 weight gives, and every other tensor unchanged."""
+    import json
+
+    from oracle import oracle
+
+    oracle("diffusers")
+    from safetensors.torch import save_file
+
+    from dit_fixtures import reference_dit, reference_state_dict
+    from h3serve.accel.linear import Fp8Linear, Fp8LoadHook, quantize_weight
+    from h3serve.model.loading import load_dit
+
+    ref = reference_dit(0)
+    save_file(reference_state_dict(ref), tmp_path / "diffusion_pytorch_model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(dict(ref.config)))
+    plain = load_dit(tmp_path, dtype=torch.bfloat16)
+    hooked = load_dit(tmp_path, dtype=torch.bfloat16, hook=Fp8LoadHook())
+
+    quantized = {n for n, m in hooked.named_modules() if isinstance(m, Fp8Linear)}
+    expected = {
+        f"{prefix}.{i}.{path}"
+        for prefix, blocks in (("blocks", plain.blocks), ("token_refiner.blocks", plain.token_refiner.blocks))
+        for i in range(len(blocks))
+        for path in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+    }
+    assert quantized == expected
+    plain_state, hooked_state = plain.state_dict(), hooked.state_dict()
+    for name in expected:
+        q, scale = quantize_weight(plain_state[f"{name}.weight"])
+        assert torch.equal(hooked_state[f"{name}.weight"].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(hooked_state[f"{name}.scale"], scale), name
+    others = {k for k in plain_state if k.removesuffix(".weight") not in expected}
+    assert others == {k for k in hooked_state if k.rsplit(".", 1)[0] not in expected}
+    for k in others:
+        assert torch.equal(plain_state[k], hooked_state[k]), k
+
+
+def test_quantize_blocks_can_restore_and_apply_profile_quantizes_once(engine):
+    from h3serve.accel.linear import Fp8Linear, is_quantized, quantize_blocks, restore
+
+    dit = engine.components.dit
+    before = {k: v.clone() for k, v in dit.state_dict().items()}
+    replaced = quantize_blocks(dit, keep=True)
+    assert is_quantized(dit) and len(replaced) == 4 * (len(dit.blocks) + len(dit.token_refiner.blocks))
+    restore(dit, replaced)
+    assert not is_quantized(dit)
+    assert all(torch.equal(before[k], v) for k, v in dit.state_dict().items())
+    quantize_blocks(dit)
+    assert isinstance(dit.blocks[0].mlp.fc2, Fp8Linear)
+
+
+def test_cutlass_is_refused_on_the_cpu():
+    with pytest.raises(ValueError, match="linear CUTLASS needs a CUDA device"):
+        Profile(linear="CUTLASS")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from h3serve.accel import attention
+from h3serve.accel import attention, linear
 from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
 
 if TYPE_CHECKING:
@@ -14,8 +14,11 @@ if TYPE_CHECKING:
 
 
 def apply_profile(components: Components, profile: Profile) -> GraphCounter | None:
-    """Set the attention kernel and, for `compile`, compile the DiT's repeated blocks (returns their graph counter)."""
+    """Set the attention kernel; for CUTLASS, quantize the DiT's block linears unless the loader already did
+    (`Fp8LoadHook`); for `compile`, compile the repeated blocks (returns their graph counter)."""
     attention.use(profile.attention)
+    if profile.linear == "CUTLASS" and not linear.is_quantized(components.dit):
+        linear.quantize_blocks(components.dit)
     if profile.execution == "compile":
         return compile_repeated_blocks(components.dit)
     return None

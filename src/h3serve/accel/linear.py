@@ -71,23 +71,75 @@ class Fp8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def quantize_blocks(model: nn.Module) -> dict[str, nn.Linear]:
-    """Replace the block linears of `model` by Fp8Linear in place; returns the replaced modules by name (a caller
-    that wants them back, such as a benchmark switching profiles, passes them to `restore`)."""
-    replaced: dict[str, nn.Linear] = {}
+def _block_linears(model: nn.Module):
+    """(full name, parent module, attribute) of every block linear of `model` that the FP8 backend replaces."""
     for name, module in model.named_modules():
-        if not isinstance(module, REPEATED_BLOCKS):
-            continue
-        for path in QUANTIZED:
-            parent_path, leaf = path.rsplit(".", 1)
-            parent = module.get_submodule(parent_path)
-            linear = getattr(parent, leaf)
-            if isinstance(linear, nn.Linear):
-                replaced[f"{name}.{path}"] = linear
-                setattr(parent, leaf, Fp8Linear.from_linear(linear))
-    if not replaced:
+        if isinstance(module, REPEATED_BLOCKS):
+            for path in QUANTIZED:
+                parent_path, leaf = path.rsplit(".", 1)
+                yield f"{name}.{path}", module.get_submodule(parent_path), leaf
+
+
+def quantize_blocks(model: nn.Module, keep: bool = False) -> dict[str, nn.Linear]:
+    """Replace the block linears of an already loaded `model` by Fp8Linear in place, one at a time (each BF16 weight
+    is released as soon as its FP8 copy exists, unless `keep`). With `keep`, returns the replaced modules by name for
+    `restore` (a benchmark switching profiles); a checkpoint load quantizes through `Fp8LoadHook` instead."""
+    replaced: dict[str, nn.Linear] = {}
+    for full, parent, leaf in _block_linears(model):
+        linear = getattr(parent, leaf)
+        if isinstance(linear, nn.Linear):
+            setattr(parent, leaf, Fp8Linear.from_linear(linear))
+            if keep:
+                replaced[full] = linear
+            del linear
+    if not keep and not any(isinstance(getattr(p, leaf), Fp8Linear) for _, p, leaf in _block_linears(model)):
+        raise ValueError(f"{type(model).__name__} has no block linears to quantize")
+    if keep and not replaced:
         raise ValueError(f"{type(model).__name__} has no block linears to quantize")
     return replaced
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(getattr(p, leaf), Fp8Linear) for _, p, leaf in _block_linears(model))
+
+
+class Fp8LoadHook:
+    """Quantizes the block linears while the DiT loads (`load_dit(hook=...)`): each BF16 weight is turned into its
+    e4m3 weight and scales as it is read, so the BF16 block weights never exist together (no 38 GiB detour)."""
+
+    def transform(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not (name.endswith(".weight") and _is_block_linear(name.removesuffix(".weight"))):
+            return {name: tensor}
+        q, scale = quantize_weight(tensor)
+        return {name: q, name.removesuffix(".weight") + ".scale": scale}
+
+    def prepare(self, module: nn.Module) -> None:
+        """On the meta module: the block linears become Fp8Linear placeholders of the same shapes."""
+        for _, parent, leaf in _block_linears(module):
+            linear = getattr(parent, leaf)
+            n, k = linear.weight.shape
+            with torch.device("meta"):
+                placeholder = Fp8Linear(torch.empty(n, k, dtype=FP8), torch.empty(1, n, dtype=torch.float32), None)
+            if linear.bias is not None:
+                raise ValueError(f"{leaf}: block linears have no bias in H3; refusing to quantize one that has")
+            setattr(parent, leaf, placeholder)
+
+
+_SUFFIXES = tuple("." + q for q in QUANTIZED)
+
+
+def _is_block_linear(module_name: str) -> bool:
+    return module_name.startswith(("blocks.", "token_refiner.blocks.")) and module_name.endswith(_SUFFIXES)
+
+
+def check(name: str, device: torch.device) -> None:
+    """Refuse a linear backend this device cannot run (ValueError naming what is allowed)."""
+    if name == "CUTLASS":
+        if device.type != "cuda":
+            raise ValueError(f"linear CUTLASS needs a CUDA device (allowed on {device.type}: BF16)")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"linear CUTLASS needs FP8 tensor cores (sm89 or newer), this GPU is sm{major}{minor}")
 
 
 def restore(model: nn.Module, replaced: dict[str, nn.Linear]) -> None:

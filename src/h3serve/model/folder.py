@@ -19,7 +19,7 @@ import torch
 from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, PATCH_SIZE, SPATIAL_RATIO, TEMPORAL_RATIO, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT
-from h3serve.model.loading import load_dit, load_text_encoder, open_checkpoint, resolve_dit_layout
+from h3serve.model.loading import LoadHook, load_dit, load_text_encoder, open_checkpoint, resolve_dit_layout
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, TextEncoder
 from h3serve.model.vae_loading import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
@@ -163,12 +163,19 @@ def _fmt(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def load_components(folder: ModelFolder, *, device: torch.device | str, dtype: torch.dtype) -> Components:
+def load_components(
+    folder: ModelFolder, *, device: torch.device | str, dtype: torch.dtype, dit_hook: LoadHook | None = None
+) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
-    islands and both VAEs stay float32)."""
+    islands and both VAEs stay float32). `dit_hook`: a per-tensor transform for the DiT's weights as they load."""
     return Components(
         dit=load_dit(
-            folder.transformer, device=device, dtype=dtype, config=folder.dit, qkv_layout=folder.dit_qkv_layout
+            folder.transformer,
+            device=device,
+            dtype=dtype,
+            config=folder.dit,
+            qkv_layout=folder.dit_qkv_layout,
+            hook=dit_hook,
         ),
         text_encoder=load_text_encoder(
             folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -158,6 +159,14 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(index, files)
 
 
+class LoadHook(Protocol):
+    """Transforms tensors while a checkpoint loads (see `assign_from_checkpoint`)."""
+
+    def transform(self, name: str, tensor: torch.Tensor) -> Mapping[str, torch.Tensor]: ...
+
+    def prepare(self, module: nn.Module) -> None: ...
+
+
 def _identity(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0]
 
@@ -179,12 +188,17 @@ def assign_from_checkpoint(
     dtype_of: Callable[[str], torch.dtype],
     ckpt_dtype_of: Callable[[str], torch.dtype],
     unused: frozenset[str] = frozenset(),
+    hook: LoadHook | None = None,
 ) -> None:
     """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source).
 
     The checkpoint's key set must equal the plan's (plus `unused`: keys known to be there and deliberately not read,
     such as the text encoder's layers past the one H3 reads), each stored tensor must have the expected dtype, and
     each built tensor the module's shape. Tensors are read with mmap and placed once at their target device and dtype.
+
+    `hook` transforms tensors as they are read (`hook.transform(name, tensor)` returns the entries to keep in its
+    place, e.g. an FP8 weight and its scales), so a transformed layer never exists whole in its stored precision;
+    `hook.prepare(module)` then gives the meta module the matching structure before the tensors are assigned.
     """
     expected = dict(module.state_dict(keep_vars=True))
     if set(plan) != set(expected):
@@ -217,7 +231,14 @@ def assign_from_checkpoint(
             raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
         if tensor.shape != target.shape:
             raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
-        state[name] = tensor.to(device=device, dtype=dtype_of(name))
+        tensor = tensor.to(device=device, dtype=dtype_of(name))
+        if hook is None:
+            state[name] = tensor
+        else:
+            state.update(hook.transform(name, tensor))
+            del tensor  # a transformed tensor's stored form is dropped here, one tensor at a time
+    if hook is not None:
+        hook.prepare(module)
     module.load_state_dict(state, strict=True, assign=True)
 
 
@@ -377,6 +398,7 @@ def load_dit(
     dtype: torch.dtype = torch.bfloat16,
     config: DiTConfig | None = None,
     qkv_layout: str | None = None,
+    hook: LoadHook | None = None,
 ) -> H3DiT:
     """Load the H3 DiT from any published layout (see the module docstring; `qkv_layout` as in
     `resolve_dit_layout`).
@@ -384,7 +406,8 @@ def load_dit(
     `dtype` is the compute dtype of the block stack; the fp32 islands stay float32. The checkpoint must store the
     released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
     `config.json` in the folder (required for a folder), else, for a single community file (they ship none), the
-    released H3 configuration, with a warning.
+    released H3 configuration, with a warning. `hook`: a per-tensor transform applied as the weights are read (the
+    FP8 linear backend quantizes the block linears this way).
     """
     path = Path(path)
     if config is None:
@@ -410,6 +433,7 @@ def load_dit(
         device=device,
         dtype_of=lambda name: torch.float32 if is_fp32_name(name) else dtype,
         ckpt_dtype_of=lambda key: torch.float32 if key in island_keys else torch.bfloat16,
+        hook=hook,
     )
     log.info("loaded H3 DiT from %s (%s, %s, %s)", path, layout, dtype, device)
     return model.eval().requires_grad_(False)

@@ -26,6 +26,7 @@ import torch
 
 from h3serve.accel import apply_profile
 from h3serve.accel.compile import GraphCounter
+from h3serve.accel.linear import Fp8LoadHook
 from h3serve.config import FPS
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
@@ -50,12 +51,12 @@ STAGES = ("text", "keyframes", "layout", "denoise", "video", "audio")
 ATTENTION_BACKENDS = ("CUDNN_ATTN", "TORCH_SDPA")
 EXECUTION_MODES = ("compile", "eager")
 LINEAR_BACKENDS = ("BF16", "CUTLASS", "HUMMING")
-BUILT = {"attention": ("TORCH_SDPA", "CUDNN_ATTN"), "execution": ("eager", "compile"), "linear": ("BF16",)}
+BUILT = {"attention": ("TORCH_SDPA", "CUDNN_ATTN"), "execution": ("eager", "compile"), "linear": ("BF16", "CUTLASS")}
 NOT_BUILT = "not available in this build yet (the acceleration profiles add it)"
-# The defaults per device. On CUDA the seed's profile (cuDNN attention, regional compile; its CUTLASS FP8 linears are
-# not built yet); on the CPU the only one that runs there.
+# The defaults per device. On CUDA the seed's profile (cuDNN attention, regional compile, CUTLASS FP8 block
+# linears); BF16 is the exact profile. On the CPU the only one that runs there.
 DEFAULTS = {
-    "cuda": {"attention": "CUDNN_ATTN", "execution": "compile", "linear": "BF16"},
+    "cuda": {"attention": "CUDNN_ATTN", "execution": "compile", "linear": "CUTLASS"},
     "cpu": {"attention": "TORCH_SDPA", "execution": "eager", "linear": "BF16"},
 }
 
@@ -108,9 +109,10 @@ class Profile:
             for kind, allowed in DEFAULTS["cpu"].items():
                 if getattr(self, kind) != allowed:
                     raise ValueError(f"{kind} {getattr(self, kind)} needs a CUDA device (allowed on cpu: {allowed})")
-        from h3serve.accel.attention import check
+        from h3serve.accel import attention, linear
 
-        check(self.attention, device)
+        attention.check(self.attention, device)
+        linear.check(self.linear, device)
 
     @classmethod
     def for_device(
@@ -190,7 +192,10 @@ class Engine:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype)
             return cls(components, profile, TINY_RULES)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
-        return cls(load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype), profile)
+        # FP8 block linears are made as the DiT's weights are read, never after a whole BF16 load.
+        hook = Fp8LoadHook() if profile.linear == "CUTLASS" else None
+        components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype, dit_hook=hook)
+        return cls(components, profile)
 
     @property
     def name(self) -> str:
