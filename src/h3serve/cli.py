@@ -66,6 +66,17 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="DiT/text-encoder precision (cuda: bf16)")
     p.add_argument("--vae-autocast", choices=("float16", "none"), help="video decode autocast (cuda: float16)")
     p.add_argument(
+        "--attention", choices=("CUDNN_ATTN", "TORCH_SDPA"), help="attention kernel (cuda: CUDNN_ATTN; cpu: TORCH_SDPA)"
+    )
+    p.add_argument(
+        "--execution", choices=("compile", "eager"), help="regional torch.compile or eager (cuda: compile; cpu: eager)"
+    )
+    p.add_argument(
+        "--linear",
+        choices=("BF16", "CUTLASS"),
+        help="DiT block linears: BF16 (exact) or CUTLASS FP8 (cuda default; cpu: BF16)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
@@ -337,7 +348,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        profile = Profile.for_device(device, args.dtype, args.vae_autocast)
+        profile = Profile.for_device(device, args.dtype, args.vae_autocast, args.attention, args.execution, args.linear)
         # Every config read and cross-checked, every weight header opened; no weights yet.
         folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
         request = validate_request(
@@ -389,7 +400,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps - 1} "
         f"steps, seed {request.seed} | {model_name} | {profile.device} {profile.dtype} vae-autocast "
-        f"{profile.vae_autocast}",
+        f"{profile.vae_autocast} {profile.attention} {profile.execution} {profile.linear}",
         file=sys.stderr,
     )
 
