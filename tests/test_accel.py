@@ -3,6 +3,8 @@ compilation with no recompiles across steps and requests (counted, not assumed).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -198,3 +200,32 @@ def test_quantize_blocks_can_restore_and_apply_profile_quantizes_once(engine):
 def test_cutlass_is_refused_on_the_cpu():
     with pytest.raises(ValueError, match="linear CUTLASS needs a CUDA device"):
         Profile(linear="CUTLASS")
+
+
+# ---- persistent kernel caches -----------------------------------------------------------------------------------
+
+
+def test_cache_dir_points_inductor_and_triton_at_one_folder(tmp_path, monkeypatch):
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    from h3serve.accel.caches import CACHES, use_cache_dir
+
+    for var in CACHES:
+        monkeypatch.delenv(var, raising=False)
+    chosen = use_cache_dir(tmp_path / "kernels")
+    assert chosen == {var: str((tmp_path / "kernels" / sub).resolve()) for var, sub in CACHES.items()}
+    assert all(Path(p).is_dir() for p in chosen.values())
+    assert cache_dir() == chosen["TORCHINDUCTOR_CACHE_DIR"]  # what Inductor itself will use
+    assert use_cache_dir(tmp_path / "kernels") == chosen  # idempotent
+
+
+def test_a_conflicting_cache_variable_is_refused(tmp_path):
+    from h3serve.accel.caches import use_cache_dir
+    from h3serve.settings import SettingsError, load_settings
+
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "elsewhere")}
+    with pytest.raises(ValueError, match="TRITON_CACHE_DIR is already set"):
+        use_cache_dir(tmp_path / "kernels", environ=env)
+    with pytest.raises(SettingsError, match="H3_CACHE_DIR"):
+        load_settings(env={**env, "H3_CACHE_DIR": str(tmp_path / "kernels")})
+    assert load_settings(env={"H3_CACHE_DIR": str(tmp_path / "kernels")}).cache_dir == tmp_path / "kernels"

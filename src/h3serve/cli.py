@@ -82,6 +82,9 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_THREADS,
         help=f"H.264 encoder threads, pinned for reproducible bytes ({DEFAULT_THREADS})",
     )
+    p.add_argument(
+        "--cache-dir", type=Path, help="persistent kernel caches (Inductor, Triton) for compile; env H3_CACHE_DIR"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_render)
 
@@ -216,6 +219,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = _load_settings(args)
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
     folder = _check_model(settings)
+    if settings.cache_dir is not None:
+        from h3serve.accel.caches import use_cache_dir
+
+        log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
     _check_output_dir(settings.output_dir)
     _check_port(settings.bind_host, settings.api_port)
     start = time.perf_counter()
@@ -405,6 +412,14 @@ def cmd_render(args: argparse.Namespace) -> int:
     )
 
     # 2. Load and render.
+    cache_dir = args.cache_dir or os.environ.get("H3_CACHE_DIR")
+    if cache_dir:
+        from h3serve.accel.caches import use_cache_dir
+
+        try:
+            use_cache_dir(cache_dir)
+        except (OSError, ValueError) as err:
+            raise CliError(f"--cache-dir {cache_dir}: {err}") from err
     start = time.perf_counter()
     try:
         engine = Engine.load(plan.folder, profile)

@@ -92,6 +92,9 @@ class Settings(BaseModel):
     startup_warmup: bool = Field(
         True, description="render a 2-step clip at the production shape before reporting ready"
     )
+    cache_dir: Path | None = Field(
+        None, description="folder for persistent kernel caches (Inductor, Triton) reused across restarts"
+    )
     encoder_threads: int = Field(
         DEFAULT_THREADS, ge=1, le=MAX_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
     )
@@ -246,7 +249,7 @@ def load_settings(
             shown = REDACTED if field == "api_key" else repr(got)
             violations.append(f"{_label(field)}: {e['msg']}, got {shown} (from {source.get(field, 'default')})")
     settings = Settings.model_validate({k: v for k, v in raw.items() if k not in failed})
-    violations += _rules(settings, failed)
+    violations += _rules(settings, failed, env)
     if violations:
         raise SettingsError(violations)
     return settings
@@ -270,7 +273,7 @@ def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
     return data
 
 
-def _rules(s: Settings, failed: set[str]) -> list[str]:
+def _rules(s: Settings, failed: set[str], env: Mapping[str, str]) -> list[str]:
     """The rules between settings (each one only when the settings it reads are themselves valid)."""
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
@@ -336,6 +339,16 @@ def _rules(s: Settings, failed: set[str]) -> list[str]:
                 out.append(
                     f"{_label('bind_host')}: a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE"
                 )
+    # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
+    if ok("cache_dir") and s.cache_dir is not None:
+        try:
+            from h3serve.accel.caches import use_cache_dir
+
+            use_cache_dir(s.cache_dir, environ=dict(env))  # a dry run on a copy of the environment
+            if not os.access(s.cache_dir, os.W_OK | os.X_OK):
+                out.append(f"{_label('cache_dir')}: {s.cache_dir} is not writable")
+        except (OSError, ValueError) as err:
+            out.append(f"{_label('cache_dir')}: {err}")
     # The profile: what this device and build can run.
     if ok("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode", "linear_backend"):
         try:

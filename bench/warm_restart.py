@@ -1,0 +1,93 @@
+"""Cold against warm start with `H3_CACHE_DIR`: the time from launching a process to its first compiled DiT forward.
+
+Two fresh processes, one after the other, each building the full-size DiT (random weights), compiling its repeated
+blocks (the CUDA default profile: cuDNN attention, compile, CUTLASS FP8 block linears) and running one forward at the
+reference shape. The first starts with an empty cache folder (cold); the second finds the first one's kernels (warm).
+
+    PYTHONPATH=src python bench/warm_restart.py --out bench/results/warm_restart.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def child(cache: Path) -> None:
+    from h3serve.accel.caches import use_cache_dir
+
+    use_cache_dir(cache)
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dit_step import SHAPE, forward, inputs
+    from full_size_smoke import build_dit
+
+    from h3serve.accel import attention
+    from h3serve.accel.compile import compile_repeated_blocks
+    from h3serve.accel.linear import quantize_blocks
+
+    t0 = time.perf_counter()
+    dit = build_dit(torch.device("cuda"))
+    attention.use("CUDNN_ATTN")
+    quantize_blocks(dit)
+    counter = compile_repeated_blocks(dit)
+    x = inputs(dit, SHAPE["text"], SHAPE, "cuda")
+    built = time.perf_counter() - t0
+    with torch.no_grad():
+        forward(dit, x)
+    torch.cuda.synchronize()
+    print(json.dumps({"build_s": round(built, 2), "first_forward_s": round(time.perf_counter() - t0 - built, 2),
+                      "graphs": counter.graphs}))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    record: dict = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
+                    "command": " ".join(sys.argv), "runs": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as cache:
+        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        for name in ("cold", "warm"):
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, __file__, "--child", cache], env=env, capture_output=True, text=True)
+            wall = time.perf_counter() - start
+            if done.returncode:
+                record["runs"][name] = {"error": done.stderr[-3000:]}
+                break
+            record["runs"][name] = {
+                "launch_to_first_forward_s": round(wall, 2),
+                **json.loads(done.stdout.splitlines()[-1]),
+            }
+            print(name, record["runs"][name], flush=True)
+    runs = record["runs"]
+    if "warm" in runs and "error" not in runs["warm"]:
+        record["warm_speedup_launch_to_first_forward"] = round(
+            runs["cold"]["launch_to_first_forward_s"] / runs["warm"]["launch_to_first_forward_s"], 2
+        )
+        record["warm_speedup_first_forward"] = round(
+            runs["cold"]["first_forward_s"] / runs["warm"]["first_forward_s"], 2
+        )
+    import torch
+
+    record["gpu"], record["torch"] = torch.cuda.get_device_name(), torch.__version__
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+
+
+if __name__ == "__main__":
+    main()

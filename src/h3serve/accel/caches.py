@@ -1,0 +1,33 @@
+"""Persistent kernel caches: one folder (`H3_CACHE_DIR`) holding Inductor's compiled graphs and Triton's kernels
+(and, when a Humming backend exists, its JIT cubins), so a restarted process, or a recreated container with the
+folder mounted, reuses compiled kernels instead of compiling again. Their contents are keyed by content hashes,
+so sharing one folder across versions is safe; a new torch simply adds entries.
+
+Set once, at start, before anything compiles: the variables are read when the first kernel is compiled.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Each cache's environment variable, and its subfolder of the cache directory.
+CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "HUMMING_CACHE_DIR": "humming"}
+
+
+def use_cache_dir(root: str | os.PathLike[str], environ: dict | None = None) -> dict[str, str]:
+    """Point every kernel cache at a subfolder of `root` (created if needed); returns the variables set.
+
+    A cache variable the operator already set to another folder is a conflict, refused rather than overridden or
+    ignored (ValueError naming both)."""
+    environ = os.environ if environ is None else environ
+    root = Path(root).expanduser().resolve()
+    wanted = {var: str(root / sub) for var, sub in CACHES.items()}
+    for var, path in wanted.items():
+        current = environ.get(var)
+        if current and Path(current).expanduser().resolve() != Path(path):
+            raise ValueError(f"H3_CACHE_DIR puts {var} at {path}, but {var} is already set to {current}; unset one")
+    for path in wanted.values():
+        Path(path).mkdir(parents=True, exist_ok=True)
+    environ.update(wanted)
+    return wanted
