@@ -141,6 +141,35 @@ def _accept_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_accept)
 
 
+BENCHES = ("dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check")
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a GPU benchmark script from a checkout's bench/ folder",
+        description="Run bench/<NAME>.py of the repository checkout (the scripts and their fixtures are not part of "
+        "the installed package), with src/ and tests/ importable. Arguments after NAME go to the script, e.g. "
+        "`h3serve bench dit-step --out bench/results/dit_step.json`. Results are recorded in bench/results/.",
+    )
+    p.add_argument("name", choices=BENCHES, help="which benchmark")
+    p.add_argument("--repo", type=Path, default=Path("."), help="the repository checkout (default: here)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import subprocess
+
+    script = args.repo / "bench" / f"{args.name.replace('-', '_')}.py"
+    if not script.is_file():
+        raise CliError(f"{script}: not found; run `h3serve bench` from the repository checkout or give --repo")
+    env = dict(os.environ)
+    paths = [str((args.repo / "src").resolve()), str((args.repo / "tests").resolve())]
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return subprocess.run([sys.executable, str(script), *args.script_args], env=env).returncode
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3serve", description="MiniMax-H3 inference engine")
     parser.add_argument("--version", action="version", version=f"h3serve {__version__}")
@@ -149,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _render_parser(sub)
     _serve_parsers(sub)
     _accept_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
