@@ -77,6 +77,11 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
         help="DiT block linears: BF16 (exact) or CUTLASS FP8 (cuda default; cpu: BF16)",
     )
     p.add_argument(
+        "--text-encoder-linear",
+        choices=("BF16", "CUTLASS"),
+        help="text-encoder decoder-layer linears: BF16 (default, exact) or CUTLASS FP8 (cuda only)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=DEFAULT_THREADS,
@@ -385,7 +390,9 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        profile = Profile.for_device(device, args.dtype, args.vae_autocast, args.attention, args.execution, args.linear)
+        profile = Profile.for_device(
+            device, args.dtype, args.vae_autocast, args.attention, args.execution, args.linear, args.text_encoder_linear
+        )
         # Every config read and cross-checked, every weight header opened; no weights yet.
         folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
         request = validate_request(

@@ -39,6 +39,7 @@ PROFILE_FIELDS = {
     "attention": "diffusion_attention_backend",
     "execution": "execution_mode",
     "linear": "linear_backend",
+    "text_linear": "text_encoder_linear",
     "dtype": "dtype",
     "vae_autocast": "vae_autocast",
     "device": "device",
@@ -82,6 +83,10 @@ class Settings(BaseModel):
         None,
         description="DiT linears: BF16 (unquantized), CUTLASS (FP8), HUMMING (FP8, batch-invariant; eager and no "
         "cache only); unset: the device's default profile",
+    )
+    text_encoder_linear: Literal["BF16", "CUTLASS"] | None = Field(
+        None,
+        description="text-encoder decoder-layer linears: BF16 (exact, default) or CUTLASS (FP8: -24 GB, lossy)",
     )
     cache_backend: Literal["none", "cache_dit"] = Field(
         "none", description="step caching (lossy): none, or cache_dit with cache_config"
@@ -146,6 +151,7 @@ class Settings(BaseModel):
             self.diffusion_attention_backend,
             self.execution_mode,
             self.linear_backend,
+            self.text_encoder_linear,
         )
 
     def resolved(self) -> dict[str, Any]:
@@ -350,7 +356,8 @@ def _rules(s: Settings, failed: set[str], env: Mapping[str, str]) -> list[str]:
         except (OSError, ValueError) as err:
             out.append(f"{_label('cache_dir')}: {err}")
     # The profile: what this device and build can run.
-    if ok("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode", "linear_backend"):
+    profile_fields = ("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode")
+    if ok(*profile_fields, "linear_backend", "text_encoder_linear"):
         try:
             s.profile()
         except ValueError as err:

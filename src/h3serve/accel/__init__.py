@@ -19,6 +19,8 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     attention.use(profile.attention)
     if profile.linear == "CUTLASS" and not linear.is_quantized(components.dit):
         linear.quantize_blocks(components.dit)
+    if profile.text_linear == "CUTLASS":
+        linear.quantize_text_encoder(components.text_encoder)
     if profile.execution == "compile":
         return compile_repeated_blocks(components.dit)
     return None

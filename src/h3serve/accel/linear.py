@@ -132,17 +132,38 @@ def _is_block_linear(module_name: str) -> bool:
     return module_name.startswith(("blocks.", "token_refiner.blocks.")) and module_name.endswith(_SUFFIXES)
 
 
-def check(name: str, device: torch.device) -> None:
-    """Refuse a linear backend this device cannot run (ValueError naming what is allowed)."""
+TEXT_LAYERS = "model.language_model.layers."
+
+
+def quantize_text_encoder(text_encoder: nn.Module) -> int:
+    """The seed's FP8 text encoder: every linear of the Qwen3-VL decoder layers (q, k, v, o, gate, up, down) becomes
+    an Fp8Linear, one at a time (each BF16 weight released as its FP8 copy is made). The vision tower, the embedding
+    and the norms stay as loaded. Returns the number of layers quantized."""
+    count = 0
+    for name, module in list(text_encoder.named_modules()):
+        if not name.startswith(TEXT_LAYERS):
+            continue
+        for leaf, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, leaf, Fp8Linear.from_linear(child))
+                count += 1
+    if not count:
+        raise ValueError(f"no decoder-layer linears under {TEXT_LAYERS!r} to quantize")
+    return count
+
+
+def check(name: str, device: torch.device, kind: str = "linear") -> None:
+    """Refuse a linear backend this device cannot run (ValueError naming `kind` and what is allowed)."""
     if name == "CUTLASS":
         if device.type != "cuda":
-            raise ValueError(f"linear CUTLASS needs a CUDA device (allowed on {device.type}: BF16)")
+            raise ValueError(f"{kind} CUTLASS needs a CUDA device (allowed on {device.type}: BF16)")
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
-            raise ValueError(f"linear CUTLASS needs FP8 tensor cores (sm89 or newer), this GPU is sm{major}{minor}")
+            raise ValueError(f"{kind} CUTLASS needs FP8 tensor cores (sm89 or newer), this GPU is sm{major}{minor}")
 
 
 def restore(model: nn.Module, replaced: dict[str, nn.Linear]) -> None:
+    """Put back the modules `quantize_blocks(keep=True)` replaced."""
     for full, linear in replaced.items():
         parent_path, leaf = full.rsplit(".", 1)
         setattr(model.get_submodule(parent_path), leaf, linear)

@@ -77,6 +77,7 @@ class Profile:
     attention: str = "TORCH_SDPA"
     execution: str = "eager"
     linear: str = "BF16"
+    text_linear: str = "BF16"  # the text encoder's decoder-layer linears: BF16, or CUTLASS (FP8; opt-in)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -113,6 +114,9 @@ class Profile:
 
         attention.check(self.attention, device)
         linear.check(self.linear, device)
+        if self.text_linear not in ("BF16", "CUTLASS"):
+            raise ValueError(f"text_linear must be one of BF16, CUTLASS, got {self.text_linear!r}")
+        linear.check(self.text_linear, device, kind="text_linear")
 
     @classmethod
     def for_device(
@@ -123,6 +127,7 @@ class Profile:
         attention: str | None = None,
         execution: str | None = None,
         linear: str | None = None,
+        text_linear: str | None = None,
     ) -> Profile:
         """Defaults that fit the device: bfloat16 + float16 VAE autocast (the released recipe) on CUDA, float32 on
         the CPU; the backends this build runs. Explicit values are kept as given and validated."""
@@ -135,6 +140,7 @@ class Profile:
             attention=attention or defaults["attention"],
             execution=execution or defaults["execution"],
             linear=linear or defaults["linear"],
+            text_linear=text_linear or "BF16",
         )
 
     @property
