@@ -139,14 +139,17 @@ def quantize_text_encoder(text_encoder: nn.Module) -> int:
     """The seed's FP8 text encoder: every linear of the Qwen3-VL decoder layers (q, k, v, o, gate, up, down) becomes
     an Fp8Linear, one at a time (each BF16 weight released as its FP8 copy is made). The vision tower, the embedding
     and the norms stay as loaded. Returns the number of layers quantized."""
+    # Hold the parents only: a list of the linears themselves would keep every BF16 weight alive to the end.
+    parents = [
+        m
+        for n, m in text_encoder.named_modules()
+        if n.startswith(TEXT_LAYERS) and any(isinstance(c, nn.Linear) for c in m.children())
+    ]
     count = 0
-    for name, module in list(text_encoder.named_modules()):
-        if not name.startswith(TEXT_LAYERS):
-            continue
-        for leaf, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, leaf, Fp8Linear.from_linear(child))
-                count += 1
+    for module in parents:
+        for leaf in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
+            setattr(module, leaf, Fp8Linear.from_linear(getattr(module, leaf)))
+            count += 1
     if not count:
         raise ValueError(f"no decoder-layer linears under {TEXT_LAYERS!r} to quantize")
     return count
