@@ -252,3 +252,66 @@ def test_text_encoder_fp8_quantizes_the_decoder_layers_only_and_stays_close(engi
     # against its exact dequantized reference above; the full-size effect is measured on the GPU.)
     error = ((after - before).norm() / before.norm()).item()
     assert 0 < error < 0.2, error
+
+
+# ---- AdaLN tables -------------------------------------------------------------------------------------------------
+
+
+def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
+    """A table made ahead of time is bitwise the one the block makes inside a forward (same projection on the same
+    rows); a render through tables equals the render without them; a second request of the schedule reuses them."""
+    from h3serve.accel.adaln import AdalnTables
+    from h3serve.pipeline.layout import MediaGeometry, build_layout
+    from h3serve.pipeline.sampling import step_timesteps
+    from h3serve.pipeline.schedule import DualSchedule
+
+    dit = engine.components.dit
+    layout = build_layout([1] * 9, MediaGeometry.from_pixels(128, 224, 22), ("first",))
+    schedule = DualSchedule.build(5, 12.0, 3.0)
+    steps = step_timesteps(layout, schedule)
+    maker = AdalnTables(dit, resident=True)
+    tables = maker.for_steps(steps)
+    assert len(tables) == 4 and all(len(t) == len(dit.blocks) for t in tables)
+    for step, timesteps in enumerate(steps):
+        temb = dit.time_embedder(timesteps)
+        for b, block in enumerate(dit.blocks):
+            assert torch.equal(tables[step][b], block.modulation(temb, dit.compute_dtype)), (step, b)
+    assert maker.for_steps(steps) is tables  # cached
+    # The off-device path (weights copied in per block, the module's own forward on the copies) gives the same.
+    offloaded = AdalnTables(dit, resident=True)
+    offloaded.offloaded = True  # as on a GPU with the weights in host memory; here both sides are the CPU
+    again_tables = offloaded.for_steps(steps)
+    assert all(
+        torch.equal(a, b) for sa, sb in zip(tables, again_tables, strict=True) for a, b in zip(sa, sb, strict=True)
+    )
+
+    request = engine.validate("a fox", steps=5, seed=4)
+    with_tables = engine.render(request)
+    engine.tables = AdalnTables(dit, resident=True, cache_size=0)  # nothing kept: made again every time
+    again = engine.render(request)
+    np.testing.assert_array_equal(with_tables.frames, again.frames)
+    np.testing.assert_array_equal(with_tables.audio, again.audio)
+    assert "tables" in with_tables.timings
+
+
+def test_a_forward_with_tables_is_bitwise_the_forward_without(engine):
+    from h3serve.accel.adaln import AdalnTables
+    from h3serve.pipeline.sampling import bind_model, step_timesteps
+
+    c = engine.components
+    request = engine.validate("a fox", steps=3, seed=5)
+    from h3serve.pipeline.conditioning import encode_text
+    from h3serve.pipeline.layout import MediaGeometry, build_layout
+    from h3serve.pipeline.schedule import DualSchedule
+
+    text = encode_text(c.text_encoder, request.prompt)
+    layout = build_layout(text.token_tags, MediaGeometry.from_pixels(request.height, request.width, 22), ())
+    schedule = DualSchedule.build(3, 12.0, 3.0)
+    tables = AdalnTables(c.dit, resident=True).for_steps(step_timesteps(layout, schedule))
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(layout.num_video_rows, c.dit.config.video_patch_dim, generator=g)
+    audio = torch.randn(layout.num_audio_rows, c.dit.config.audio_latents_dim, generator=g)
+    ts, idx = layout.timestep_plan(schedule.video.timesteps[1], schedule.audio.timesteps[1])
+    plain = bind_model(c.dit, layout, text.states)(video, audio, ts, idx, 1)
+    tabled = bind_model(c.dit, layout, text.states, tables)(video, audio, ts, idx, 1)
+    assert torch.equal(plain[0], tabled[0]) and torch.equal(plain[1], tabled[1])

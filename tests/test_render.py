@@ -94,7 +94,7 @@ def test_engine_render_is_deterministic_before_encoding():
     assert one.audio.shape == (2, round(22 / 24 * 40) * 800) and np.abs(one.audio).max() <= 1.0
     # Off the clamp: equal samples are then a real comparison, not two saturated waveforms.
     assert (np.abs(one.audio) >= 0.999).mean() < 0.01 and one.audio.std() > 1e-3
-    assert set(one.timings) == {"text", "keyframes", "layout", "denoise", "video", "audio", "total"}
+    assert set(one.timings) == {"text", "keyframes", "layout", "tables", "denoise", "video", "audio", "total"}
     other = engine.render(engine.validate("waves on a pebble beach", num_frames=22, steps=4, seed=12))
     assert not np.array_equal(one.frames, other.frames) and not np.array_equal(one.audio, other.audio)
 

@@ -262,7 +262,7 @@ def test_denoise_lands_on_the_data_with_an_exact_velocity():
     schedule = DualSchedule.build(6, video_shift=12.0, audio_shift=3.0)
     seen = []
 
-    def model(video, audio, timesteps, timestep_indices):
+    def model(video, audio, timesteps, timestep_indices, step):
         # Recover each row's own t from the plan, as the DiT does, and return (x0 - x_t) / sigma.
         t_rows = timesteps[timestep_indices]
         t_video, t_audio = t_rows[layout.video_indices], t_rows[layout.audio_indices]

@@ -38,7 +38,7 @@ def test_seed_smoke_request_verbatim_gives_56_frames(server, tmp_path):
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "video/mp4"
     stages = json.loads(r.headers["X-Stage-Durations"])
-    assert set(stages) == {"text", "keyframes", "layout", "denoise", "video", "audio"}
+    assert set(stages) == {"text", "keyframes", "layout", "tables", "denoise", "video", "audio"}
     assert float(r.headers["x-inference-time-s"]) > 0 and float(r.headers["x-peak-memory-mb"]) > 0
     path = tmp_path / "smoke.mp4"
     path.write_bytes(r.content)
@@ -66,7 +66,7 @@ def test_async_job_lifecycle_list_and_download(server):
         done = wait_status(c, job["id"], {"completed", "failed"})
         assert done["status"] == "completed" and done["progress"] == 100, done
         assert done["completed_at"] >= done["created_at"] and done["inference_time_s"] > 0
-        assert set(done["stage_durations"]) == {"text", "keyframes", "layout", "denoise", "video", "audio"}
+        assert set(done["stage_durations"]) == {"text", "keyframes", "layout", "tables", "denoise", "video", "audio"}
         content = c.get(f"/v1/videos/{job['id']}/content")
         assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
         listed = c.get("/v1/videos").json()

@@ -14,6 +14,7 @@ Nothing here loads weights, so `h3serve check` is quick.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -88,6 +89,10 @@ class Settings(BaseModel):
         None,
         description="text-encoder decoder-layer linears: BF16 (exact, default) or CUTLASS (FP8: -24 GB, lossy)",
     )
+    adaln_resident: bool = Field(
+        False,
+        description="keep the DiT's AdaLN weights (13 B parameters) on the GPU; default: only per-schedule tables",
+    )
     cache_backend: Literal["none", "cache_dit"] = Field(
         "none", description="step caching (lossy): none, or cache_dit with cache_config"
     )
@@ -144,7 +149,7 @@ class Settings(BaseModel):
         from h3serve.pipeline.engine import Profile
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return Profile.for_device(
+        profile = Profile.for_device(
             device,
             self.dtype,
             self.vae_autocast,
@@ -153,6 +158,7 @@ class Settings(BaseModel):
             self.linear_backend,
             self.text_encoder_linear,
         )
+        return dataclasses.replace(profile, adaln_resident=self.adaln_resident)
 
     def resolved(self) -> dict[str, Any]:
         """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`

@@ -11,6 +11,7 @@ Shapes are unbatched: one request is one packed sequence of S rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -147,6 +148,11 @@ class TokenRefiner(nn.Module):
 TABLE_ROWS = MAX_TIMESTEPS * NUM_MODALITIES  # a block's modulation table, padded to a shape fixed for every forward
 
 
+def pad_table(table: torch.Tensor) -> torch.Tensor:
+    """(M * 3, 6 * hidden) -> (TABLE_ROWS, 6 * hidden), the extra rows zero."""
+    return F.pad(table, (0, 0, 0, TABLE_ROWS - table.shape[0]))
+
+
 class Block(RefinerBlock):
     """Single-stream block: the refiner block's layers plus AdaLN, whose parameters are picked per row from the
     (timestep, modality) table, and RoPE.
@@ -161,8 +167,7 @@ class Block(RefinerBlock):
 
     def modulation(self, temb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # temb (M, time_embed_dim) -> (TABLE_ROWS, 6 * hidden); rows past M * 3 are zero and never indexed
-        table = self.adaln_proj(temb, dtype)
-        return F.pad(table, (0, 0, 0, TABLE_ROWS - table.shape[0]))
+        return pad_table(self.adaln_proj(temb, dtype))
 
     def forward(self, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope) -> torch.Tensor:
         # x (S, hidden); table (TABLE_ROWS, 6 * hidden); adaln_indices (S,) = t_index * 3 + tag
@@ -240,10 +245,12 @@ class H3DiT(nn.Module):
         video_indices: torch.Tensor,
         audio_indices: torch.Tensor,
         text_indices: torch.Tensor,
+        tables: Sequence[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """video (Nv, C*pt*ph*pw), audio (Na, C_a), text (L, hidden) from `refine_text`, timesteps (M,) distinct,
         timestep_indices / token_tags (S,), rope from `self.rope(position_ids)`, index tensors into the S rows.
-        Returns velocities (Nv, C*pt*ph*pw) and (Na, C_a) at the heads' dtype."""
+        `tables`: each block's modulation table for these timesteps, made ahead of time (else each block makes
+        its own from `timesteps`). Returns velocities (Nv, C*pt*ph*pw) and (Na, C_a) at the heads' dtype."""
         v = self.video_patch_proj(video.to(self.video_patch_proj.weight.dtype))
         a = self.audio_patch_proj(audio.to(self.audio_patch_proj.weight.dtype))
         x = text.new_zeros(timestep_indices.shape[0], text.shape[-1])  # (S, hidden) at the stack's dtype
@@ -252,8 +259,9 @@ class H3DiT(nn.Module):
         x = x.index_copy(0, audio_indices, a.to(x.dtype))
         temb = self.time_embedder(timesteps)  # (M, time_embed_dim), fp32
         adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
-        for block in self.blocks:
-            x = block(x, block.modulation(temb, x.dtype), adaln_indices, rope)
+        for i, block in enumerate(self.blocks):
+            table = block.modulation(temb, x.dtype) if tables is None else tables[i]
+            x = block(x, table, adaln_indices, rope)
         return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)
 
 

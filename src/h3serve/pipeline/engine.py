@@ -4,6 +4,7 @@ renders requests by running the stages of the data flow in order and timing each
     text       prompt + fitted keyframes -> Qwen3-VL layer-50 rows and tags       (pipeline.conditioning)
     keyframes  fitted keyframes -> video VAE posterior samples, normalised         (pipeline.conditioning)
     layout     packed rows, tags, positions, indices; the request's noise          (pipeline.layout, .sampling)
+    tables     every block's AdaLN modulation table for every step (cached)        (accel.adaln)
     denoise    N-1 DiT forwards (text refiner, RoPE and indices bound once)        (pipeline.sampling)
     video      generated rows -> frames (uint8)                                    (pipeline.decode)
     audio      audio rows -> stereo waveform (float32 at the model's sample rate)  (pipeline.decode)
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from h3serve.accel import apply_profile
+from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
 from h3serve.accel.linear import Fp8LoadHook
 from h3serve.config import FPS
@@ -36,14 +38,21 @@ from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, RenderRequest, RequestRules, validate_request
-from h3serve.pipeline.sampling import bind_model, denoise, draw_layout_noise, initial_rows, request_generator
+from h3serve.pipeline.sampling import (
+    bind_model,
+    denoise,
+    draw_layout_noise,
+    initial_rows,
+    request_generator,
+    step_timesteps,
+)
 from h3serve.pipeline.schedule import DualSchedule
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VAE_AUTOCAST = {"float16": torch.float16, "none": None}
-STAGES = ("text", "keyframes", "layout", "denoise", "video", "audio")
+STAGES = ("text", "keyframes", "layout", "tables", "denoise", "video", "audio")
 
 
 # What each backend setting may name (the seed's operator names), and what this build runs. A name outside the first
@@ -78,6 +87,7 @@ class Profile:
     execution: str = "eager"
     linear: str = "BF16"
     text_linear: str = "BF16"  # the text encoder's decoder-layer linears: BF16, or CUTLASS (FP8; opt-in)
+    adaln_resident: bool = False  # keep the DiT's AdaLN weights on the device instead of only its tables
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -190,6 +200,7 @@ class Engine:
         self.rules = rules
         self.lock = threading.Lock()
         self.compiled: GraphCounter | None = apply_profile(components, profile)
+        self.tables = AdalnTables(components.dit, resident=profile.adaln_resident)
 
     @classmethod
     def load(cls, model: str | Path | ModelFolder | None, profile: Profile) -> Engine:
@@ -270,9 +281,12 @@ class Engine:
             noise = draw_layout_noise(request_generator(request.seed), layout, cfg.latents_dim, cfg.audio_latents_dim)
             video_rows, audio_rows = initial_rows(layout, noise, keyframe_latents)
             schedule = DualSchedule.build(request.steps, request.video_shift, request.audio_shift)
-            model = bind_model(c.dit, layout, text.states)
+
+        with self._stage(timings, "tables", ctx):
+            tables = self.tables.for_steps(step_timesteps(layout, schedule))
 
         with self._stage(timings, "denoise", ctx):
+            model = bind_model(c.dit, layout, text.states, tables)
             video_rows, audio_rows = denoise(
                 model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
             )

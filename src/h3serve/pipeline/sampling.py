@@ -20,7 +20,8 @@ from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_v
 from h3serve.pipeline.schedule import DualSchedule, euler_step
 
 # (video rows, audio rows, timesteps (M,), timestep indices (S,)) -> (video velocity, audio velocity), row for row.
-ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (video rows, audio rows, timesteps, timestep indices, step index) -> (video velocity, audio velocity)
+ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 StepCallback = Callable[[int, int], None]
 
 
@@ -96,10 +97,22 @@ def initial_rows(
     return video, noise.audio
 
 
-def bind_model(dit: torch.nn.Module, layout: PackedLayout, text_states: torch.Tensor) -> ModelFn:
+def step_timesteps(layout: PackedLayout, schedule: DualSchedule) -> list[torch.Tensor]:
+    """Each step's distinct timesteps, as the denoise loop will hand them to the DiT ((M_i,) float32)."""
+    sv, sa = schedule.video, schedule.audio
+    return [layout.timestep_plan(sv.timesteps[i], sa.timesteps[i])[0] for i in range(schedule.num_steps)]
+
+
+def bind_model(
+    dit: torch.nn.Module,
+    layout: PackedLayout,
+    text_states: torch.Tensor,
+    tables: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> ModelFn:
     """Fix a request's text rows, RoPE table, tags and indices on an H3DiT; return the per-step callable.
 
     text_states: (L, text_dim) text-encoder output. The token refiner runs here, once per request.
+    tables: every block's modulation table per step, made ahead of time (`h3serve.accel.adaln`), or None.
     """
     if text_states.shape[0] != layout.num_text:
         raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
@@ -112,10 +125,11 @@ def bind_model(dit: torch.nn.Module, layout: PackedLayout, text_states: torch.Te
     audio_indices = layout.audio_indices.to(device)
     text_indices = layout.text_indices.to(device)
 
-    def model(video, audio, timesteps, timestep_indices):
+    def model(video, audio, timesteps, timestep_indices, step):
         return dit(
-            video, audio, text, timesteps, timestep_indices, tags, rope, video_indices, audio_indices, text_indices
-        )
+            video, audio, text, timesteps, timestep_indices, tags, rope, video_indices, audio_indices, text_indices,
+            None if tables is None else tables[step],
+        )  # fmt: skip
 
     return model
 
@@ -143,7 +157,7 @@ def denoise(
     num_steps = schedule.num_steps
     for i in range(num_steps):
         timesteps, timestep_indices = layout.timestep_plan(sv.timesteps[i], sa.timesteps[i])
-        v_video, v_audio = model(torch.cat([cond, video]), audio, timesteps.to(device), timestep_indices.to(device))
+        v_video, v_audio = model(torch.cat([cond, video]), audio, timesteps.to(device), timestep_indices.to(device), i)
         video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
         audio = euler_step(audio, v_audio, sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
         if on_step is not None:

@@ -46,7 +46,7 @@ class JobStatus(enum.StrEnum):
 
 ACTIVE = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
 # Progress shares of each stage (percent); denoise is spread over its steps, video over its decode windows.
-STAGE_SHARE = {"text": 4, "keyframes": 2, "layout": 1, "denoise": 80, "video": 11, "audio": 2}
+STAGE_SHARE = {"text": 4, "keyframes": 2, "layout": 1, "tables": 1, "denoise": 79, "video": 11, "audio": 2}
 INTERRUPTED = "the server stopped before this job finished (restart or crash); submit it again"
 
 _COLUMNS = (
