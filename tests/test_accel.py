@@ -315,3 +315,15 @@ def test_a_forward_with_tables_is_bitwise_the_forward_without(engine):
     plain = bind_model(c.dit, layout, text.states)(video, audio, ts, idx, 1)
     tabled = bind_model(c.dit, layout, text.states, tables)(video, audio, ts, idx, 1)
     assert torch.equal(plain[0], tabled[0]) and torch.equal(plain[1], tabled[1])
+
+
+def test_memory_budget_counts_the_weights_and_sizes_the_largest_request(engine):
+    budget = engine.memory_budget(text_rows=100)
+    c = engine.components
+    weights = sum(t.numel() * t.element_size() for m in (c.dit, c.text_encoder, c.video_vae, c.audio_vae)
+                  for t in (*m.parameters(), *m.buffers())) / 2**30  # fmt: skip
+    assert budget["weights_total"] == pytest.approx(weights, abs=5e-3)
+    assert budget["adaln_in_host_memory"] == 0  # a CPU engine: nothing is moved off the device
+    # The largest request the tiny rules allow: FL2VA (two keyframes), the 16:9 canvas at the area cap, 362 frames.
+    assert budget["largest_request_rows"] > engine.memory_budget(text_rows=10)["largest_request_rows"]
+    assert budget["dit_activations_at_largest"] > 0

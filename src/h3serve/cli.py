@@ -266,6 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
+    log.info("memory budget (GiB): %s", json.dumps(engine.memory_budget()))
     app = create_app(settings, engine)
     uvicorn.run(app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30)
     return 0
