@@ -1,5 +1,6 @@
 """The text encoder's FP8 option at full size (random weights): what it does to the text states and to memory, and
-a whole render with both FP8 options (DiT block linears and text encoder) for the resident peak.
+a whole render with both FP8 options (DiT block linears and text encoder; AdaLN tables, the weights off the GPU)
+for the resident peak, and the engine's memory budget.
 
     PYTHONPATH=src python bench/text_encoder_fp8.py --out bench/results/text_encoder_fp8.json
 """
@@ -55,6 +56,7 @@ def main() -> None:
     engine = Engine(components, profile)  # text_linear BF16 here: it is quantized already, above
     torch.cuda.empty_cache()
     record["resident_both_fp8_gib"] = gib()
+    record["memory_budget_gib"] = engine.memory_budget()
     request = engine.validate(prompt, width=768, height=448, num_frames=56, steps=20, seed=42)
     start = time.perf_counter()
     engine.render(request)
