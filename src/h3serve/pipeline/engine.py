@@ -318,7 +318,7 @@ class Engine:
         )
 
     def memory_budget(self, text_rows: int = 1024) -> dict[str, float]:
-        """GiB: the weights on the device per component, the AdaLN weights held in host memory, and an estimate of
+        """GiB: the weights on the device per component (a one-device engine: "on the device" is by device type), the AdaLN weights held in host memory, and an estimate of
         the DiT's activations at the largest request the rules allow (FL2VA, largest 16:9 canvas, most frames,
         `text_rows` prompt rows): per row about 2 bytes x (3 hidden + 6 attention width + 3 ffn), which is what one
         block holds at once (its input, QKV, the normed and rotated q and k, the attention output, fc1's output and
@@ -328,14 +328,14 @@ class Engine:
 
         def on_device(module: torch.nn.Module) -> float:
             tensors = [*module.parameters(), *module.buffers()]
-            return sum(t.numel() * t.element_size() for t in tensors if t.device == device) / gib
+            return sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type) / gib
 
         c = self.components
         report = {
             name: round(on_device(getattr(c, name)), 3) for name in ("dit", "text_encoder", "video_vae", "audio_vae")
         }
         report["weights_total"] = round(sum(report.values()), 3)
-        host = [p for b in c.dit.blocks for p in b.adaln_proj.parameters() if p.device != device]
+        host = [p for b in c.dit.blocks for p in b.adaln_proj.parameters() if p.device.type != device.type]
         report["adaln_in_host_memory"] = round(sum(p.numel() * p.element_size() for p in host) / gib, 3)
         width, height = resolve_canvas(16, 9, self.rules.canvas)
         geometry = MediaGeometry.from_pixels(height, width, self.rules.frames.max_frames)
