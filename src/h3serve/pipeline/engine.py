@@ -318,11 +318,12 @@ class Engine:
         )
 
     def memory_budget(self, text_rows: int = 1024) -> dict[str, float]:
-        """GiB: the weights on the device per component (a one-device engine: "on the device" is by device type), the AdaLN weights held in host memory, and an estimate of
-        the DiT's activations at the largest request the rules allow (FL2VA, largest 16:9 canvas, most frames,
-        `text_rows` prompt rows): per row about 2 bytes x (3 hidden + 6 attention width + 3 ffn), which is what one
-        block holds at once (its input, QKV, the normed and rotated q and k, the attention output, fc1's output and
-        the gated product); the reference shape measured 1.4 GiB at 6435 rows against 1.2 estimated."""
+        """GiB: the weights on the device per component (one device per engine, so matched by device type), the
+        AdaLN weights held in host memory, and an estimate of the DiT's activations at the largest request the rules
+        allow (FL2VA, largest 16:9 canvas, most frames, `text_rows` prompt rows): per row about 2 bytes x (3 hidden +
+        6 attention width + 3 ffn), what one block holds at once (its input, QKV, the normed and rotated q and k, the
+        attention output, fc1's output and the gated product); the reference shape measured 1.4 GiB at 6435 rows
+        against 1.2 estimated."""
         gib = 2**30
         device = self.profile.torch_device
 
