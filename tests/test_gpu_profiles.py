@@ -1,0 +1,49 @@
+"""Every profile on the GPU with the tiny model: deterministic, and close to the exact profile (BF16 eager).
+
+Marked `gpu`: skipped without CUDA (the CPU machines and CI), run on the GPU machine with `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from h3serve.pipeline.engine import Engine, Profile
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROFILES = list(itertools.product(("TORCH_SDPA", "CUDNN_ATTN"), ("eager", "compile"), ("BF16", "CUTLASS")))
+# Relative difference to the exact profile's float output the tiny random model may show: compile reorders bf16
+# arithmetic; FP8 rounds every block GEMM's operands.
+TOLERANCE = {"BF16": 5e-2, "CUTLASS": 2e-1}
+
+
+def _render(profile: Profile):
+    torch._dynamo.reset()
+    engine = Engine.load(None, profile)
+    request = engine.validate("a red fox runs through fresh snow", num_frames=39, steps=6, seed=42)
+    return engine.render(request), engine.render(request), engine
+
+
+@pytest.fixture(scope="module")
+def exact():
+    return _render(Profile.for_device("cuda", attention="TORCH_SDPA", execution="eager", linear="BF16"))[0]
+
+
+@pytest.mark.parametrize(("attention", "execution", "linear"), PROFILES)
+def test_profile_is_deterministic_and_close_to_the_exact_profile(exact, attention, execution, linear):
+    one, two, engine = _render(Profile.for_device("cuda", attention=attention, execution=execution, linear=linear))
+    np.testing.assert_array_equal(one.frames, two.frames)
+    np.testing.assert_array_equal(one.audio, two.audio)
+    if execution == "compile":
+        assert engine.compiled.recompiles == 0
+    audio_err = np.linalg.norm(one.audio - exact.audio) / np.linalg.norm(exact.audio)
+    frames_err = np.abs(one.frames.astype(np.float32) - exact.frames.astype(np.float32)).mean() / 255
+    assert audio_err < TOLERANCE[linear], audio_err
+    assert frames_err < TOLERANCE[linear], frames_err
