@@ -59,6 +59,3 @@ class AdalnTables:
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return tables
-
-    def clear(self) -> None:
-        self._cache.clear()

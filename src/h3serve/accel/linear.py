@@ -85,16 +85,16 @@ def quantize_blocks(model: nn.Module, keep: bool = False) -> dict[str, nn.Linear
     is released as soon as its FP8 copy exists, unless `keep`). With `keep`, returns the replaced modules by name for
     `restore` (a benchmark switching profiles); a checkpoint load quantizes through `Fp8LoadHook` instead."""
     replaced: dict[str, nn.Linear] = {}
+    found = 0
     for full, parent, leaf in _block_linears(model):
+        found += 1
         linear = getattr(parent, leaf)
         if isinstance(linear, nn.Linear):
             setattr(parent, leaf, Fp8Linear.from_linear(linear))
             if keep:
                 replaced[full] = linear
             del linear
-    if not keep and not any(isinstance(getattr(p, leaf), Fp8Linear) for _, p, leaf in _block_linears(model)):
-        raise ValueError(f"{type(model).__name__} has no block linears to quantize")
-    if keep and not replaced:
+    if not found:
         raise ValueError(f"{type(model).__name__} has no block linears to quantize")
     return replaced
 
@@ -117,11 +117,11 @@ class Fp8LoadHook:
         """On the meta module: the block linears become Fp8Linear placeholders of the same shapes."""
         for _, parent, leaf in _block_linears(module):
             linear = getattr(parent, leaf)
+            if linear.bias is not None:
+                raise ValueError(f"{leaf}: block linears have no bias in H3; refusing to quantize one that has")
             n, k = linear.weight.shape
             with torch.device("meta"):
                 placeholder = Fp8Linear(torch.empty(n, k, dtype=FP8), torch.empty(1, n, dtype=torch.float32), None)
-            if linear.bias is not None:
-                raise ValueError(f"{leaf}: block linears have no bias in H3; refusing to quantize one that has")
             setattr(parent, leaf, placeholder)
 
 

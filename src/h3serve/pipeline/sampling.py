@@ -19,8 +19,8 @@ import torch
 from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
 from h3serve.pipeline.schedule import DualSchedule, euler_step
 
-# (video rows, audio rows, timesteps (M,), timestep indices (S,)) -> (video velocity, audio velocity), row for row.
-# (video rows, audio rows, timesteps, timestep indices, step index) -> (video velocity, audio velocity)
+# (video rows, audio rows, timesteps (M,), timestep indices (S,), step index) -> (video velocity, audio velocity),
+# row for row.
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 StepCallback = Callable[[int, int], None]
 

@@ -299,7 +299,7 @@ class Scheduler:
     # ---- the worker -----------------------------------------------------------------------------------------
     def _run(self) -> None:
         if self._warmup_enabled:
-            log.info("warmup: rendering %s", "the production shape")
+            log.info("warmup: rendering the production shape")
             self.warmup_result = self.engine.warmup(threads=self.encoder_threads)
             if self.warmup_result.passed:
                 log.info("warmup passed in %.2f s (%s); ready", self.warmup_result.seconds, self.warmup_result.request)

@@ -61,7 +61,6 @@ class Mapped:
     """A request ready for the engine, plus what the job record echoes."""
 
     request: RenderRequest
-    model: str
     quality: str | None
 
 
@@ -247,7 +246,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         if err.field == "keyframes" and ordered:
             param = ordered[0].field
         raise bad_request(param, f"{param}: {err}") from err
-    return Mapped(request, served_model, quality)
+    return Mapped(request, quality)
 
 
 class JobError(BaseModel):
