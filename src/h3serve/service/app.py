@@ -175,6 +175,9 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         work = Work(new_job_id(), mapped.request, persist=False)
         submit(work)
         future = asyncio.wrap_future(work.future)
+        # A render abandoned below (timeout, disconnect) still ends, with RenderCancelled: retrieve it, or asyncio
+        # logs "exception was never retrieved" for every abandoned render.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + settings.video_sync_timeout
         while not future.done():
