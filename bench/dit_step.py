@@ -4,10 +4,11 @@ The full-size DiT from the released config with random weights (fixed seed, neve
 shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), then:
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
-   compile), plus compile with static shapes (which recompiles for every new row count; here to measure what
-   the symbolic row count of `compile` costs): median of `--iters` forwards after warm-up (CUDA events), the first
-   compiled call's time, peak memory, two further forwards compared bit for bit, and for compile the graphs
-   compiled and recompiles after a second input of another length (300 text rows);
+   compile), HUMMING eager, plus compile with static shapes (which recompiles for every new row count; here to
+   measure what the symbolic row count of `compile` costs) and other compile variants (`EXECUTIONS`): median of
+   `--iters` forwards after warm-up (CUDA events), the first compiled call's time, peak memory, two further
+   forwards compared bit for bit, and for compile the graphs compiled and recompiles after a second input of
+   another length (300 text rows);
 2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel
    (the peer; ours is freed first: the peer alone peaks at 134 GB), eager and with `compile_repeated_blocks`;
 3. each profile's output against the peer's eager output (relative error, video and audio rows).
@@ -23,6 +24,7 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -138,6 +140,102 @@ def uncompile(model) -> None:
     for m in model.modules():
         if isinstance(m, REPEATED_BLOCKS):
             m._compiled_call_impl = None
+            m.__dict__.pop("forward", None)  # compile-rows' wrapper
+
+
+LINEARS = ("BF16", "CUTLASS", "HUMMING")
+# compile: the engine's (symbolic shapes from the first call). compile-static: static shapes (a recompile for every
+# new row count; what symbolic shapes cost). The rest are candidate ways to close that gap, measured here:
+# compile-rows: only the row count symbolic (mark_dynamic), every other size static; compile-32bit: Inductor told
+# that 32-bit indexing is safe; compile-pipelined: software pipelining kept on for dynamic shapes.
+EXECUTIONS = ("eager", "compile", "compile-static", "compile-rows", "compile-32bit", "compile-pipelined")
+KERNEL_TABLES = ("CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+compile-static+BF16")
+
+
+def wanted(linear: str, attn: str, execution: str) -> bool:
+    if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
+        return execution == "eager"
+    if execution in ("eager", "compile"):
+        return True
+    if execution == "compile-static":
+        return attn == "CUDNN_ATTN"
+    return attn == "CUDNN_ATTN" and linear == "BF16"
+
+
+def swap_linears(dit, linear: str) -> dict | None:
+    if linear == "CUTLASS":
+        return quantize_blocks(dit, keep=True)
+    if linear == "HUMMING":
+        from h3serve.accel.humming import quantize_blocks as humming_blocks
+
+        return humming_blocks(dit, keep=True)
+    return None
+
+
+@contextlib.contextmanager
+def variant(execution: str):
+    """The Inductor settings a compile variant changes, for as long as it runs (it compiles on its first call)."""
+    import torch._inductor.config as inductor
+
+    patch = {
+        "compile-32bit": {"assume_32bit_indexing": True},
+        "compile-pipelined": {"triton.dynamic_disable_pipelining": False},
+    }.get(execution, {})
+    with inductor.patch(patch):
+        yield
+
+
+def compile_variant(dit, execution: str):
+    if execution == "eager":
+        return None
+    if execution == "compile-rows":
+        return compile_rows_dynamic(dit)
+    return compile_repeated_blocks(dit, dynamic=execution != "compile-static")
+
+
+def compile_rows_dynamic(dit):
+    """Each block class compiled once (default dynamic=None: sizes static unless marked); every call marks dim 0 of
+    its tensors that have the row count as dynamic, so a new row count reuses the graph and nothing else is symbolic."""
+    from h3serve.accel.compile import GraphCounter
+
+    counter = GraphCounter()
+    compiled: dict[type, object] = {}
+    for module in dit.modules():
+        if isinstance(module, REPEATED_BLOCKS):
+            cls = type(module)
+            if cls not in compiled:
+                compiled[cls] = torch.compile(cls.forward, fullgraph=True, backend=counter)
+            module.forward = functools.partial(_marked_call, compiled[cls], module)
+    return counter
+
+
+def _marked_call(fn, module, x, *args):
+    rows = x.shape[0]
+
+    def mark(t):
+        if torch.is_tensor(t) and t.ndim and t.shape[0] == rows:
+            torch._dynamo.mark_dynamic(t, 0)
+        elif isinstance(t, (tuple, list)):
+            for u in t:
+                mark(u)
+
+    mark((x, *args))
+    return fn(module, x, *args)
+
+
+def kernel_table(fn, top: int = 30) -> list[dict]:
+    """The GPU kernels of one call by total time (torch.profiler), to see where two variants differ."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]:
+        rows.append({"name": e.key[:160], "calls": e.count, "ms": round(e.device_time_total / 1e3, 3)})
+    return rows
 
 
 @torch.no_grad()
@@ -154,42 +252,45 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     x["tables"] = other["tables"] = AdalnTables(dit, resident=True).for_steps([x["timesteps"]])[0]
     rec.data["sequence_length"] = int(x["token_tags"].shape[0])
     outputs = {}
-    for linear in ("BF16", "CUTLASS"):
-        replaced = quantize_blocks(dit, keep=True) if linear == "CUTLASS" else None
+    for linear in LINEARS:
+        if linear == "HUMMING" and args.tiny:
+            continue  # a CUDA-only kernel library
+        replaced = swap_linears(dit, linear)
         for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
             attention.use(attn)
-            for execution in ("eager", "compile", "compile-static"):
-                if execution == "compile-static" and attn != "CUDNN_ATTN":
+            for execution in EXECUTIONS:
+                if not wanted(linear, attn, execution):
                     continue
                 name = f"{attn}+{execution}+{linear}"
                 entry: dict = {}
                 try:
                     uncompile(dit)
                     torch._dynamo.reset()
-                    counter = None
-                    if execution != "eager":
-                        counter = compile_repeated_blocks(dit, dynamic=execution == "compile")
-                    _reset_peak()
-                    start = time.perf_counter()
-                    forward(dit, x)
-                    _sync()
-                    entry["first_call_s"] = round(time.perf_counter() - start, 2)
-                    ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
-                    entry["ms_median"] = round(statistics.median(ms), 2)
-                    entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
-                    a, b = forward(dit, x), forward(dit, x)
-                    entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-                    entry["peak_gib"] = round(_peak() / 2**30, 2)
-                    outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
-                    if counter is not None:
-                        forward(dit, other)  # another sequence length: must not recompile
-                        entry["graphs"] = counter.graphs
-                        entry["recompiles"] = counter.recompiles
+                    with variant(execution):
+                        counter = compile_variant(dit, execution)
+                        _reset_peak()
+                        start = time.perf_counter()
+                        forward(dit, x)
+                        _sync()
+                        entry["first_call_s"] = round(time.perf_counter() - start, 2)
+                        ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
+                        entry["ms_median"] = round(statistics.median(ms), 2)
+                        entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
+                        a, b = forward(dit, x), forward(dit, x)
+                        entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                        entry["peak_gib"] = round(_peak() / 2**30, 2)
+                        outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
+                        if args.kernels and name in KERNEL_TABLES:
+                            entry["kernels"] = kernel_table(functools.partial(forward, dit, x))
+                        if counter is not None:
+                            forward(dit, other)  # another sequence length: must not recompile
+                            entry["graphs"] = counter.graphs
+                            entry["recompiles"] = counter.recompiles
                 except Exception as err:  # record and go on: one failing profile must not lose the others
                     entry["error"] = f"{type(err).__name__}: {err}"[:2000]
                 rec.data["profiles"][name] = entry
                 rec.save()
-                print(name, entry, flush=True)
+                print(name, {k: v for k, v in entry.items() if k != "kernels"}, flush=True)
         uncompile(dit)
         if replaced is not None:
             restore(dit, replaced)
@@ -309,6 +410,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
+    parser.add_argument("--kernels", action="store_true", help="add a per-kernel time table for compile and static")
     args = parser.parse_args()
     rec = Record(args.out)
     outputs, handoff = run_ours(rec, args)

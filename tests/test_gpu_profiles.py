@@ -47,3 +47,15 @@ def test_profile_is_deterministic_and_close_to_the_exact_profile(exact, attentio
     frames_err = np.abs(one.frames.astype(np.float32) - exact.frames.astype(np.float32)).mean() / 255
     assert audio_err < TOLERANCE[linear], audio_err
     assert frames_err < TOLERANCE[linear], frames_err
+
+
+def test_decoder_weights_in_float16_decode_bitwise_as_float32_weights_under_cuda_autocast():
+    from h3serve.accel.vae import decoder_weights_to
+    from h3serve.model.tiny import TINY_SEED, TINY_VIDEO_VAE, randomize
+    from h3serve.model.video_vae import VideoVAE
+
+    vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).cuda()
+    z = torch.randn(1, TINY_VIDEO_VAE.latent_channels, 3, 4, 6, generator=torch.Generator().manual_seed(0)).cuda()
+    expected = vae.decode(z, autocast_dtype=torch.float16)
+    assert decoder_weights_to(vae, torch.float16) > 0
+    assert torch.equal(vae.decode(z, autocast_dtype=torch.float16), expected)

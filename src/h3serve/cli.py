@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3serve import __version__
-from h3serve.config import AUDIO_SHIFT, FPS, SAMPLE_RATE, VIDEO_SHIFT
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, SAMPLE_RATE, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS
 
 if TYPE_CHECKING:
@@ -58,7 +58,12 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
     length.add_argument("--seconds", type=float, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
-    p.add_argument("--steps", type=int, default=50, help="schedule grid points; N points run N-1 forwards (50)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"schedule grid points; N points run N-1 forwards ({DEFAULT_STEPS})",
+    )
     p.add_argument("--video-shift", type=float, default=VIDEO_SHIFT, help=f"video schedule shift ({VIDEO_SHIFT:g})")
     p.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT, help=f"audio schedule shift ({AUDIO_SHIFT:g})")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")

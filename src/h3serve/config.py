@@ -35,6 +35,7 @@ SAMPLE_RATE = 32_000  # audio sample rate (Hz); stereo travels as two mono chann
 AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz; also the RoPE time clock
 VIDEO_SHIFT = 12.0  # schedule shift of the video sigmas
 AUDIO_SHIFT = 3.0  # schedule shift of the audio sigmas
+DEFAULT_STEPS = 50  # the released sampler's default grid (num_inference_steps): 49 DiT forwards
 SPATIAL_RATIO = 16  # video VAE: pixels per latent, each side
 TEMPORAL_RATIO = 4  # video VAE: pixel frames per latent frame
 CLIP_FRAMES = 17  # video VAE: pixel frames per encoded clip; frame counts are CLIP_FRAMES * n + LATENTS_PER_CLIP

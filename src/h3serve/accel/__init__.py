@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from h3serve.accel import attention, linear
 from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
+from h3serve.accel.vae import decoder_weights_to
 
 if TYPE_CHECKING:
     from h3serve.model.folder import Components
@@ -14,9 +15,12 @@ if TYPE_CHECKING:
 
 
 def apply_profile(components: Components, profile: Profile) -> GraphCounter | None:
-    """Set the attention kernel; for CUTLASS, quantize the DiT's block linears unless the loader already did
-    (`Fp8LoadHook`); for `compile`, compile the repeated blocks (returns their graph counter)."""
+    """Set the attention kernel; store the video decoder's weights in its autocast dtype (bitwise the same decode);
+    for CUTLASS, quantize the DiT's block linears unless the loader already did (`Fp8LoadHook`); for `compile`,
+    compile the repeated blocks (returns their graph counter)."""
     attention.use(profile.attention)
+    if profile.vae_autocast_dtype is not None:
+        decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
     if profile.linear == "CUTLASS" and not linear.is_quantized(components.dit):
         linear.quantize_blocks(components.dit)
     if profile.text_linear == "CUTLASS":

@@ -716,6 +716,9 @@ class VideoVAE(nn.Module):
         cfg = self.cfg
         if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
             raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
+        weights = self.decoder.proj_out.weight.dtype
+        if weights != torch.float32 and autocast_dtype != weights:
+            raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
         tiled = cfg.decoder_tiling if tiled is None else tiled
         z = z.float()
         pad, windows, num_frames = cfg.decode_plan(z.shape[2])

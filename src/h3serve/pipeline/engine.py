@@ -29,14 +29,14 @@ from h3serve.accel import apply_profile
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
 from h3serve.accel.linear import Fp8LoadHook
-from h3serve.config import FPS
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.conditioning import encode_keyframes, encode_text, fit_keyframes
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
-from h3serve.pipeline.layout import MediaGeometry, build_layout
+from h3serve.pipeline.layout import TASK_ANCHORS, MediaGeometry, build_layout
 from h3serve.pipeline.request import (
     RELEASED_RULES,
     TINY_RULES,
@@ -167,6 +167,10 @@ class Profile:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def vae_autocast_dtype(self) -> torch.dtype | None:
+        return VAE_AUTOCAST[self.vae_autocast]
 
 
 @dataclass
@@ -300,8 +304,9 @@ class Engine:
         check_finite(video_rows, audio_rows)
 
         with self._stage(timings, "video", ctx):
-            autocast = VAE_AUTOCAST[self.profile.vae_autocast]
-            frames = decode_video(c.video_vae, video_rows, layout, autocast, lambda i, n: ctx.report("video", i, n))
+            frames = decode_video(
+                c.video_vae, video_rows, layout, self.profile.vae_autocast_dtype, lambda i, n: ctx.report("video", i, n)
+            )
 
         with self._stage(timings, "audio", ctx):
             audio = decode_audio(c.audio_vae, audio_rows, layout)
@@ -351,6 +356,20 @@ class Engine:
             report["device_free"], report["device_total"] = round(free / gib, 3), round(total / gib, 3)
         return report
 
+    def prepare_tables(self) -> float:
+        """Make the AdaLN tables of the default schedule (`DEFAULT_STEPS` grid points, the default shifts) for every
+        task, so that requests with the defaults find them made (a start-up step; other schedules are made on
+        demand). Only each step's distinct timesteps matter, so a one-row prompt on the warmup's canvas stands in for
+        the requests. Returns the seconds it took."""
+        start = time.perf_counter()
+        schedule = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT)
+        shape = self.warmup_request()
+        geometry = MediaGeometry.from_pixels(shape.height, shape.width, shape.num_frames)
+        for anchors in dict.fromkeys(TASK_ANCHORS.values()):
+            layout = build_layout([1], geometry, anchors, patch_size=self.components.dit.config.patch_size)
+            self.tables.for_steps(step_timesteps(layout, schedule))
+        return time.perf_counter() - start
+
     def warmup_request(self) -> RenderRequest:
         """The production shape (768x448, 56 frames, T2VA for the released model; the tiny model's own default)."""
         size = self.rules.warmup_size
@@ -373,6 +392,8 @@ class Engine:
             f"{request.task} {request.width}x{request.height} {request.num_frames} frames {request.steps - 1} step(s)"
         )
         try:
+            with self.lock:
+                log.info("default-schedule AdaLN tables made in %.2f s", self.prepare_tables())
             result = self.render(request)
             buffer = io.BytesIO()
             encode_mp4(

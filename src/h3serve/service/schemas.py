@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from h3serve.config import FPS
+from h3serve.config import DEFAULT_STEPS, FPS
 from h3serve.pipeline.request import MAX_SEED, RenderRequest, RequestError, resolve_canvas
 from h3serve.service.errors import ApiError, bad_request
 
@@ -45,7 +45,6 @@ QUALITIES = ("lossless", "high")
 TASKS = ("t2va", "fl2va", "i2va", "l2va")  # fl2va with one keyframe is i2va or l2va by frame_indices
 FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
 MAX_SECONDS = 3600.0
-DEFAULT_STEPS = 50  # the released sampler's default grid
 SIZE = re.compile(r"^(\d{1,5})[xX](\d{1,5})$")
 
 
