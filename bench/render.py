@@ -5,7 +5,8 @@ render to warm up (compile happens there), then one timed: per-stage times, tota
     PYTHONPATH=src python bench/render.py --out bench/results/render.json
 
 Profiles in order: eager BF16, compile BF16 (cuDNN attention both), then compile with CUTLASS FP8 block linears
-(the BF16 block weights are dropped as they are quantized, so it runs last).
+(the BF16 block weights are dropped as they are quantized, so it runs after the BF16 ones), then the same with the
+text encoder's decoder layers in FP8 too (quantized in place, so last).
 """
 
 from __future__ import annotations
@@ -43,18 +44,24 @@ def main() -> None:
         "runs": {},
     }
     base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN")
-    for name, execution, linear in (("eager", "eager", "BF16"), ("compile", "compile", "BF16"),
-                                    ("compile+CUTLASS", "compile", "CUTLASS")):  # fmt: skip
+    for name, execution, linear, text_linear in (
+        ("eager", "eager", "BF16", "BF16"),
+        ("compile", "compile", "BF16", "BF16"),
+        ("compile+CUTLASS", "compile", "CUTLASS", "BF16"),
+        ("compile+CUTLASS+text CUTLASS", "compile", "CUTLASS", "CUTLASS"),
+    ):
         for m in components.dit.modules():
             if isinstance(m, REPEATED_BLOCKS):
                 m._compiled_call_impl = None
         torch._dynamo.reset()
         # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a checkpoint
         # load quantizes them as they are read instead); FP8 is what stays resident.
-        engine = Engine(components, Profile(**base | {"execution": execution, "linear": linear}))
+        profile = Profile(**base | {"execution": execution, "linear": linear, "text_linear": text_linear})
+        engine = Engine(components, profile)
         torch.cuda.empty_cache()
         request = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
         entry: dict = {"resident_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
+        entry["budget_gib"] = engine.memory_budget()
         try:
             start = time.perf_counter()
             first = engine.render(request)

@@ -22,10 +22,15 @@ from pathlib import Path
 
 
 def child(cache: Path) -> None:
+    marks = {"interpreter_up": time.time()}  # wall clock, comparable with the parent's launch time
     from h3serve.accel.caches import use_cache_dir
 
     use_cache_dir(cache)
     import torch
+
+    marks["torch_imported"] = time.time()
+    torch.ones(1, device="cuda")
+    marks["cuda_ready"] = time.time()
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from dit_step import SHAPE, forward, inputs
@@ -42,11 +47,15 @@ def child(cache: Path) -> None:
     counter = compile_repeated_blocks(dit)
     x = inputs(dit, SHAPE["text"], SHAPE, "cuda")
     built = time.perf_counter() - t0
+    marks["built"] = time.time()
     with torch.no_grad():
         forward(dit, x)
     torch.cuda.synchronize()
+    marks["first_forward_done"] = time.time()
+    launch = float(os.environ["BENCH_LAUNCH_TIME"])
     print(json.dumps({"build_s": round(built, 2), "first_forward_s": round(time.perf_counter() - t0 - built, 2),
-                      "graphs": counter.graphs}))  # fmt: skip
+                      "graphs": counter.graphs,
+                      "since_launch_s": {k: round(v - launch, 2) for k, v in marks.items()}}))  # fmt: skip
 
 
 def main() -> None:
@@ -63,6 +72,7 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
         for name in ("cold", "warm"):
             start = time.perf_counter()
+            env["BENCH_LAUNCH_TIME"] = repr(time.time())
             done = subprocess.run([sys.executable, __file__, "--child", cache], env=env, capture_output=True, text=True)
             wall = time.perf_counter() - start
             if done.returncode:
