@@ -116,10 +116,6 @@ def test_enum_refuses_a_bad_value(var, bad, allowed):
     refused({var: bad}, var, repr(bad), *allowed)
 
 
-def test_valid_but_unbuilt_backend_refused():
-    refused({"H3_LINEAR_BACKEND": "HUMMING"}, "H3_LINEAR_BACKEND", "HUMMING", "not available in this build", "BF16")
-
-
 @no_cuda
 @pytest.mark.parametrize(
     ("var", "value", "allowed_on_cpu"),
@@ -203,10 +199,11 @@ def test_humming_refuses_cache():
     refused(env, "H3_LINEAR_BACKEND", "HUMMING requires H3_CACHE_BACKEND=none", "cache_dit")
 
 
-def test_humming_with_eager_is_refused_only_as_unbuilt():
+@no_cuda
+def test_humming_with_eager_is_refused_on_the_cpu_only_for_the_device():
     violations = refusals({"H3_LINEAR_BACKEND": "HUMMING", "H3_EXECUTION_MODE": "eager"})
     assert len(violations) == 1
-    assert "H3_LINEAR_BACKEND" in violations[0] and "not available in this build" in violations[0]
+    assert "H3_LINEAR_BACKEND" in violations[0] and "needs a CUDA device (allowed on cpu: BF16)" in violations[0]
 
 
 # The network and the key -----------------------------------------------------------------------------------------

@@ -7,13 +7,15 @@
              layer shape and run in its batch-invariant mode with fp32 accumulation.
 
 What it trades. Batch invariant: the compute config `use_batch_invariant` drops Stream-K and split-K and keeps one
-K tile for every row count, so each output row's bits depend on that row only, never on how many rows share the
-call, and a rerun is bitwise the same. Against CUTLASS it is slower per GEMM (measured on the H200 at 6435 rows),
-its first use of a layer shape JIT-compiles for 5-18 s (cubins cached in HUMMING_CACHE_DIR, which H3_CACHE_DIR
-points at `<dir>/humming`), and the per-channel weight scale is applied in bfloat16 in Humming's epilogue (rounded
-to bfloat16, after the fp32 accumulator times the row scale is rounded to bfloat16), where CUTLASS applies both
-scales in fp32: one or two more bf16 roundings, far below FP8's own error. Eager only, no step cache (the settings
-refuse other combinations): it is the deterministic profile, not the fast one.
+K tile (128) for every row count, so each output row's bits depend on that row only, never on how many rows share
+the call, and a rerun is bitwise the same (CUTLASS does not promise the first). For that it gives up speed: eager
+only, where CUTLASS runs under regional compile, and slower per GEMM than CUTLASS (bench/humming_check.py measures
+both at the reference shape); the first use of a layer shape JIT-compiles its kernels, 5-18 s (cubins cached in
+HUMMING_CACHE_DIR, which H3_CACHE_DIR points at `<dir>/humming`). Numerically, Humming's sm90 epilogue multiplies
+the fp32 accumulator by the row scale, rounds to bfloat16, then multiplies by the channel scale in bfloat16 (the
+scales are stored rounded to bfloat16), where CUTLASS applies both scales in fp32 before its one rounding: two more
+bf16 roundings, far below FP8's own error. No step cache either (the settings refuse both): it is the deterministic
+profile, not the fast one.
 
 Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2), as CUTLASS.
 The weights are turned into Humming's layout (padded to N % 256 and K % 128, as vLLM does; the released shapes need
@@ -30,7 +32,7 @@ import json
 import torch
 from torch import nn
 
-from h3serve.accel.linear import FP8, _block_linears, quantize_rows, quantize_weight
+from h3serve.accel.linear import FP8, Fp8Linear, _block_linears, quantize_rows, quantize_weight
 
 HUMMING_PACKAGE = "humming-kernels"
 HUMMING_VERSION = "0.1.20"
@@ -173,6 +175,17 @@ class HummingLinear(nn.Module):
             module.prepare(keep_fp8=keep_fp8)
         return module
 
+    @classmethod
+    def from_fp8(cls, fp8: Fp8Linear, *, keep_fp8: bool = False) -> HummingLinear:
+        """The same e4m3 weight and scales as an Fp8Linear (e.g. made by `Fp8LoadHook` while the checkpoint loads,
+        so the BF16 block weights never exist together); on a CUDA device also `prepare` it."""
+        if fp8.bias is not None:
+            raise ValueError("HUMMING: block linears have no bias in H3; refusing an Fp8Linear that has one")
+        module = cls(fp8.weight, fp8.scale)
+        if fp8.weight.is_cuda:
+            module.prepare(keep_fp8=keep_fp8)
+        return module
+
     @property
     def prepared(self) -> bool:
         return self.layer_config is not None
@@ -255,21 +268,30 @@ class HummingLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, prepared={self.prepared}"
 
 
-def quantize_blocks_humming(model: nn.Module, *, keep_fp8: bool = False) -> int:
-    """Replace the block linears of an already loaded `model` by HummingLinear in place, one at a time: each BF16
-    weight is released as soon as its e4m3 copy (on CUDA: in Humming's layout) exists. Returns how many were
-    replaced. On a CPU model the replacements hold e4m3 weights only (`reference` works, `forward` refuses)."""
-    found = count = 0
-    for _, parent, leaf in _block_linears(model):
+def quantize_blocks(model: nn.Module, keep: bool = False, *, keep_fp8: bool = False) -> dict[str, nn.Module]:
+    """Replace the block linears of an already loaded `model` by HummingLinear in place, one at a time, as
+    h3serve.accel.linear.quantize_blocks does for CUTLASS: each BF16 weight (or Fp8Linear, as `Fp8LoadHook` loads
+    them) is released as soon as its copy in Humming's layout exists, unless `keep`. With `keep`, returns the
+    replaced modules by name for `h3serve.accel.linear.restore` (a benchmark switching profiles). `keep_fp8` keeps
+    each layer's e4m3 weight for `reference`. On a CPU model the replacements hold e4m3 weights only (`reference`
+    works, `forward` refuses)."""
+    replaced: dict[str, nn.Module] = {}
+    found = 0
+    for full, parent, leaf in _block_linears(model):
         found += 1
-        linear = getattr(parent, leaf)
-        if isinstance(linear, nn.Linear):
-            setattr(parent, leaf, HummingLinear.from_linear(linear, keep_fp8=keep_fp8))
-            count += 1
-            del linear
+        module = getattr(parent, leaf)
+        if isinstance(module, nn.Linear):
+            setattr(parent, leaf, HummingLinear.from_linear(module, keep_fp8=keep_fp8))
+        elif isinstance(module, Fp8Linear):
+            setattr(parent, leaf, HummingLinear.from_fp8(module, keep_fp8=keep_fp8))
+        else:
+            continue
+        if keep:
+            replaced[full] = module
+        del module
     if not found:
         raise ValueError(f"{type(model).__name__} has no block linears to quantize")
-    return count
+    return replaced
 
 
 def is_humming(model: nn.Module) -> bool:

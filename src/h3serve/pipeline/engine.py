@@ -67,7 +67,11 @@ STAGES = ("text", "keyframes", "layout", "tables", "denoise", "video", "audio")
 ATTENTION_BACKENDS = ("CUDNN_ATTN", "TORCH_SDPA")
 EXECUTION_MODES = ("compile", "eager")
 LINEAR_BACKENDS = ("BF16", "CUTLASS", "HUMMING")
-BUILT = {"attention": ("TORCH_SDPA", "CUDNN_ATTN"), "execution": ("eager", "compile"), "linear": ("BF16", "CUTLASS")}
+BUILT = {
+    "attention": ("TORCH_SDPA", "CUDNN_ATTN"),
+    "execution": ("eager", "compile"),
+    "linear": ("BF16", "CUTLASS", "HUMMING"),
+}
 NOT_BUILT = "not available in this build yet (the acceleration profiles add it)"
 # The defaults per device. On CUDA the seed's profile (cuDNN attention, regional compile, CUTLASS FP8 block
 # linears); BF16 is the exact profile. On the CPU the only one that runs there.
@@ -127,10 +131,16 @@ class Profile:
             for kind, allowed in DEFAULTS["cpu"].items():
                 if getattr(self, kind) != allowed:
                     raise ValueError(f"{kind} {getattr(self, kind)} needs a CUDA device (allowed on cpu: {allowed})")
-        from h3serve.accel import attention, linear
+        from h3serve.accel import attention, humming, linear
 
         attention.check(self.attention, device)
         linear.check(self.linear, device)
+        if self.linear == "HUMMING":
+            if self.execution != "eager":
+                raise ValueError(
+                    f"linear HUMMING runs eager only (it is the deterministic profile), got {self.execution}"
+                )
+            humming.check(device)
         if self.text_linear not in ("BF16", "CUTLASS"):
             raise ValueError(f"text_linear must be one of BF16, CUTLASS, got {self.text_linear!r}")
         linear.check(self.text_linear, device, kind="text_linear")
@@ -221,7 +231,8 @@ class Engine:
             return cls(components, profile, TINY_RULES)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         # FP8 block linears are made as the DiT's weights are read, never after a whole BF16 load.
-        hook = Fp8LoadHook() if profile.linear == "CUTLASS" else None
+        # (HUMMING starts from the same e4m3 weights and scales and turns them into its own layout.)
+        hook = Fp8LoadHook() if profile.linear in ("CUTLASS", "HUMMING") else None
         components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype, dit_hook=hook)
         return cls(components, profile)
 
