@@ -5,10 +5,9 @@ shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 vi
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
    compile), HUMMING eager, plus compile with static shapes (which recompiles for every new row count; here to
-   measure what the symbolic row count of `compile` costs) and other compile variants (`EXECUTIONS`): median of
-   `--iters` forwards after warm-up (CUDA events), the first compiled call's time, peak memory, two further
-   forwards compared bit for bit, and for compile the graphs compiled and recompiles after a second input of
-   another length (300 text rows);
+   measure what the symbolic row count of `compile` costs): median of `--iters` forwards after warm-up (CUDA
+   events), the first compiled call's time, peak memory, two further forwards compared bit for bit, and for
+   compile the graphs compiled and recompiles after a second input of another length (300 text rows);
 2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel
    (the peer; ours is freed first: the peer alone peaks at 134 GB), eager and with `compile_repeated_blocks`;
 3. each profile's output against the peer's eager output (relative error, video and audio rows).
@@ -24,7 +23,6 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import functools
 import gc
@@ -43,10 +41,9 @@ from full_size_smoke import REFERENCE, build_dit
 
 from h3serve.accel import attention
 from h3serve.accel.adaln import AdalnTables
-from h3serve.accel.compile import compile_repeated_blocks
+from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
 from h3serve.accel.linear import quantize_blocks, restore
 from h3serve.config import Modality
-from h3serve.model.dit import REPEATED_BLOCKS
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 
 
@@ -136,30 +133,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def uncompile(model) -> None:
-    for m in model.modules():
-        if isinstance(m, REPEATED_BLOCKS):
-            m._compiled_call_impl = None
-            m.__dict__.pop("forward", None)  # compile-rows' wrapper
+def uncompile(model, *inputs: dict) -> None:
+    """Back to eager, and the inputs' row-count marks (`compile` marks them dynamic) cleared for a static compile."""
+    uncompile_repeated_blocks(model)
+    for x in inputs:
+        for t in (*x.values(), *x["rope"]):
+            if torch.is_tensor(t) and hasattr(t, "_dynamo_dynamic_indices"):
+                del t._dynamo_dynamic_indices
 
 
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
-# compile: the engine's (symbolic shapes from the first call). compile-static: static shapes (a recompile for every
-# new row count; what symbolic shapes cost). The rest are candidate ways to close that gap, measured here:
-# compile-rows: only the row count symbolic (mark_dynamic), every other size static; compile-32bit: Inductor told
-# that 32-bit indexing is safe; compile-pipelined: software pipelining kept on for dynamic shapes.
-EXECUTIONS = ("eager", "compile", "compile-static", "compile-rows", "compile-32bit", "compile-pipelined")
+# compile: the engine's (the row count symbolic). compile-static: static shapes (a recompile for every new row
+# count; what the symbolic row count costs).
+EXECUTIONS = ("eager", "compile", "compile-static")
 KERNEL_TABLES = ("CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+compile-static+BF16")
 
 
 def wanted(linear: str, attn: str, execution: str) -> bool:
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
         return execution == "eager"
-    if execution in ("eager", "compile"):
-        return True
-    if execution == "compile-static":
-        return attn == "CUDNN_ATTN"
-    return attn == "CUDNN_ATTN" and linear == "BF16"
+    return execution != "compile-static" or attn == "CUDNN_ATTN"
 
 
 def swap_linears(dit, linear: str) -> dict | None:
@@ -170,57 +163,6 @@ def swap_linears(dit, linear: str) -> dict | None:
 
         return humming_blocks(dit, keep=True)
     return None
-
-
-@contextlib.contextmanager
-def variant(execution: str):
-    """The Inductor settings a compile variant changes, for as long as it runs (it compiles on its first call)."""
-    import torch._inductor.config as inductor
-
-    patch = {
-        "compile-32bit": {"assume_32bit_indexing": True},
-        "compile-pipelined": {"triton.dynamic_disable_pipelining": False},
-    }.get(execution, {})
-    with inductor.patch(patch):
-        yield
-
-
-def compile_variant(dit, execution: str):
-    if execution == "eager":
-        return None
-    if execution == "compile-rows":
-        return compile_rows_dynamic(dit)
-    return compile_repeated_blocks(dit, dynamic=execution != "compile-static")
-
-
-def compile_rows_dynamic(dit):
-    """Each block class compiled once (default dynamic=None: sizes static unless marked); every call marks dim 0 of
-    its tensors that have the row count as dynamic, so a new row count reuses the graph and nothing else is symbolic."""
-    from h3serve.accel.compile import GraphCounter
-
-    counter = GraphCounter()
-    compiled: dict[type, object] = {}
-    for module in dit.modules():
-        if isinstance(module, REPEATED_BLOCKS):
-            cls = type(module)
-            if cls not in compiled:
-                compiled[cls] = torch.compile(cls.forward, fullgraph=True, backend=counter)
-            module.forward = functools.partial(_marked_call, compiled[cls], module)
-    return counter
-
-
-def _marked_call(fn, module, x, *args):
-    rows = x.shape[0]
-
-    def mark(t):
-        if torch.is_tensor(t) and t.ndim and t.shape[0] == rows:
-            torch._dynamo.mark_dynamic(t, 0)
-        elif isinstance(t, (tuple, list)):
-            for u in t:
-                mark(u)
-
-    mark((x, *args))
-    return fn(module, x, *args)
 
 
 def kernel_table(fn, top: int = 30) -> list[dict]:
@@ -264,34 +206,35 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                 name = f"{attn}+{execution}+{linear}"
                 entry: dict = {}
                 try:
-                    uncompile(dit)
+                    uncompile(dit, x, other)
                     torch._dynamo.reset()
-                    with variant(execution):
-                        counter = compile_variant(dit, execution)
-                        _reset_peak()
-                        start = time.perf_counter()
-                        forward(dit, x)
-                        _sync()
-                        entry["first_call_s"] = round(time.perf_counter() - start, 2)
-                        ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
-                        entry["ms_median"] = round(statistics.median(ms), 2)
-                        entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
-                        a, b = forward(dit, x), forward(dit, x)
-                        entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-                        entry["peak_gib"] = round(_peak() / 2**30, 2)
-                        outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
-                        if args.kernels and name in KERNEL_TABLES:
-                            entry["kernels"] = kernel_table(functools.partial(forward, dit, x))
-                        if counter is not None:
-                            forward(dit, other)  # another sequence length: must not recompile
-                            entry["graphs"] = counter.graphs
-                            entry["recompiles"] = counter.recompiles
+                    counter = None
+                    if execution != "eager":
+                        counter = compile_repeated_blocks(dit, dynamic=execution == "compile")
+                    _reset_peak()
+                    start = time.perf_counter()
+                    forward(dit, x)
+                    _sync()
+                    entry["first_call_s"] = round(time.perf_counter() - start, 2)
+                    ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
+                    entry["ms_median"] = round(statistics.median(ms), 2)
+                    entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
+                    a, b = forward(dit, x), forward(dit, x)
+                    entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                    entry["peak_gib"] = round(_peak() / 2**30, 2)
+                    outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
+                    if args.kernels and name in KERNEL_TABLES:
+                        entry["kernels"] = kernel_table(functools.partial(forward, dit, x))
+                    if counter is not None:
+                        forward(dit, other)  # another sequence length: must not recompile
+                        entry["graphs"] = counter.graphs
+                        entry["recompiles"] = counter.recompiles
                 except Exception as err:  # record and go on: one failing profile must not lose the others
                     entry["error"] = f"{type(err).__name__}: {err}"[:2000]
                 rec.data["profiles"][name] = entry
                 rec.save()
                 print(name, {k: v for k, v in entry.items() if k != "kernels"}, flush=True)
-        uncompile(dit)
+        uncompile(dit, x, other)
         if replaced is not None:
             restore(dit, replaced)
     attention.use("TORCH_SDPA")

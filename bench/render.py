@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from full_size_smoke import build, t2va_prompt
 
-from h3serve.model.dit import REPEATED_BLOCKS
+from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.pipeline.engine import Engine, Profile
 
 
@@ -50,9 +50,7 @@ def main() -> None:
         ("compile+CUTLASS", "compile", "CUTLASS", "BF16"),
         ("compile+CUTLASS+text CUTLASS", "compile", "CUTLASS", "CUTLASS"),
     ):
-        for m in components.dit.modules():
-            if isinstance(m, REPEATED_BLOCKS):
-                m._compiled_call_impl = None
+        uncompile_repeated_blocks(components.dit)
         torch._dynamo.reset()
         # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a checkpoint
         # load quantizes them as they are read instead); FP8 is what stays resident.

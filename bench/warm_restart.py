@@ -69,7 +69,9 @@ def main() -> None:
     record: dict = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
                     "command": " ".join(sys.argv), "runs": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as cache:
-        env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+        from h3serve.accel.caches import CACHES
+
+        env = {k: v for k, v in os.environ.items() if k not in CACHES}
         for name in ("cold", "warm"):
             start = time.perf_counter()
             env["BENCH_LAUNCH_TIME"] = repr(time.time())
