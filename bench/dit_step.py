@@ -201,16 +201,18 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
         for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
             attention.use(attn)
             for execution in EXECUTIONS:
-                if not wanted(linear, attn, execution):
-                    continue
                 name = f"{attn}+{execution}+{linear}"
+                if not wanted(linear, attn, execution) or (args.only and name not in args.only):
+                    continue
                 entry: dict = {}
                 try:
                     uncompile(dit, x, other)
                     torch._dynamo.reset()
                     counter = None
-                    if execution != "eager":
-                        counter = compile_repeated_blocks(dit, dynamic=execution == "compile")
+                    if execution != "eager":  # as the engine compiles (apply_profile)
+                        counter = compile_repeated_blocks(
+                            dit, dynamic=execution == "compile", eager_precision=linear == "BF16"
+                        )
                     _reset_peak()
                     start = time.perf_counter()
                     forward(dit, x)
@@ -354,6 +356,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
     parser.add_argument("--kernels", action="store_true", help="add a per-kernel time table for compile and static")
+    parser.add_argument("--only", type=lambda v: v.split(","), help="comma-separated profile names (the peer always)")
     args = parser.parse_args()
     rec = Record(args.out)
     outputs, handoff = run_ours(rec, args)

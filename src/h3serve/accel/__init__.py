@@ -29,5 +29,5 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     if profile.text_linear == "CUTLASS":
         linear.quantize_text_encoder(components.text_encoder)
     if profile.execution == "compile":
-        return compile_repeated_blocks(components.dit)
+        return compile_repeated_blocks(components.dit, eager_precision=profile.linear == "BF16")
     return None
