@@ -50,7 +50,8 @@ class AdalnTables:
             pin = torch.cuda.is_available()
             for block in dit.blocks:
                 for p in block.adaln_proj.parameters():
-                    p.data = p.data.to("cpu").pin_memory() if pin else p.data.to("cpu")
+                    # Straight into page-locked memory: one copy, not a pageable copy and then a pinned one.
+                    p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.data)
             torch.cuda.empty_cache()
 
     @torch.no_grad()
