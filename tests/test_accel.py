@@ -401,3 +401,43 @@ def test_eager_precision_keeps_the_bf16_roundings_eager_makes_between_fused_ops(
     uncompile_repeated_blocks(dit)
     assert errors[True] < errors[False] / 2, errors  # measured: 2.0e-3 against 5.0e-3
     assert not torch._inductor.config.emulate_precision_casts  # scoped to these compiles, not left set
+
+
+def test_load_hooks_quantize_the_text_encoder_and_dit_as_they_load_exactly_as_after_a_plain_load(tmp_path):
+    """The FP8 text encoder made while it loads (`TextFp8LoadHook`) is bitwise the one `quantize_text_encoder` makes
+    from a plain load; chained with the AdaLN host hook, the DiT's FP8 block linears are too, and nothing else moves
+    (on this CPU the AdaLN weights are already in host memory, so that hook leaves them as they are)."""
+    from oracle import oracle
+
+    oracle("diffusers")
+    from e2e_fixtures import write_tiny_checkpoint
+    from h3serve.accel.adaln import AdalnHostHook
+    from h3serve.accel.linear import (
+        Fp8Linear,
+        Fp8LoadHook,
+        TextFp8LoadHook,
+        is_text_quantized,
+        quantize_blocks,
+        quantize_text_encoder,
+    )
+    from h3serve.model.folder import load_components, resolve_model_folder
+    from h3serve.model.loading import chain
+
+    folder = resolve_model_folder(write_tiny_checkpoint(tmp_path / "FL2VA"))
+    plain = load_components(folder, device="cpu", dtype=torch.bfloat16)
+    hooked = load_components(
+        folder,
+        device="cpu",
+        dtype=torch.bfloat16,
+        dit_hook=chain(Fp8LoadHook(), AdalnHostHook()),
+        text_hook=TextFp8LoadHook(),
+    )
+    count = quantize_text_encoder(plain.text_encoder)
+    quantize_blocks(plain.dit)
+    assert is_text_quantized(hooked.text_encoder)
+    assert count == sum(isinstance(m, Fp8Linear) for m in hooked.text_encoder.modules()) > 0
+    for part in ("text_encoder", "dit"):
+        a, b = getattr(plain, part).state_dict(), getattr(hooked, part).state_dict()
+        assert a.keys() == b.keys(), part
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k

@@ -6,12 +6,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from h3serve.accel import attention, humming, linear
+from h3serve.accel.adaln import AdalnHostHook
 from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
+from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.vae import decoder_weights_to
+from h3serve.model.loading import chain
 
 if TYPE_CHECKING:
     from h3serve.model.folder import Components
+    from h3serve.model.loading import LoadHook
     from h3serve.pipeline.engine import Profile
+
+
+def load_hooks(profile: Profile) -> dict[str, LoadHook | None]:
+    """The transforms a checkpoint load applies for `profile` (`load_components`' `dit_hook` and `text_hook`), so
+    that no component is ever whole on the device in a form the profile drops: FP8 block linears (CUTLASS; HUMMING
+    starts from the same e4m3 weights) and the FP8 text encoder are quantized as their weights are read, and the
+    AdaLN weights go to host memory as they are read unless kept resident."""
+    quantize = Fp8LoadHook() if profile.linear in ("CUTLASS", "HUMMING") else None
+    offload = AdalnHostHook() if profile.torch_device.type == "cuda" and not profile.adaln_resident else None
+    return {
+        "dit_hook": chain(quantize, offload),
+        "text_hook": TextFp8LoadHook() if profile.text_linear == "CUTLASS" else None,
+    }
 
 
 def apply_profile(components: Components, profile: Profile) -> GraphCounter | None:
@@ -26,7 +43,7 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
         linear.quantize_blocks(components.dit)
     if profile.linear == "HUMMING" and not humming.is_humming(components.dit):
         humming.quantize_blocks(components.dit)  # from the BF16 linears, or the loader's e4m3 ones
-    if profile.text_linear == "CUTLASS":
+    if profile.text_linear == "CUTLASS" and not linear.is_text_quantized(components.text_encoder):
         linear.quantize_text_encoder(components.text_encoder)
     if profile.execution == "compile":
         return compile_repeated_blocks(components.dit, eager_precision=profile.linear == "BF16")

@@ -39,10 +39,28 @@ class ScheduleTables(Sequence[list[torch.Tensor]]):
         return [t.to(self.device, non_blocking=True) for t in self.tables[step]]
 
 
+def _is_block_adaln(name: str) -> bool:
+    return name.startswith("blocks.") and ".adaln_proj." in name
+
+
+class AdalnHostHook:
+    """Puts the DiT blocks' AdaLN weights in (pinned) host memory as they load (`load_dit(hook=...)`), one tensor
+    at a time: with the tables made off the device they never need to be resident, so a load does not peak 24 GiB
+    above what the GPU keeps."""
+
+    def transform(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not _is_block_adaln(name) or tensor.device.type == "cpu":
+            return {name: tensor}
+        return {name: torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)}
+
+    def prepare(self, module) -> None:
+        pass
+
+
 class AdalnTables:
     def __init__(self, dit: H3DiT, *, resident: bool, cache_size: int = 4):
         self.dit = dit
-        self.device = dit.blocks[0].norm1.weight.device
+        self.device = dit.blocks[0].norm1.weight.device  # the compute device, whatever the AdaLN weights' is
         self.cache_size = cache_size
         self._cache: collections.OrderedDict[tuple, ScheduleTables] = collections.OrderedDict()
         self.offloaded = not resident and self.device.type != "cpu"
@@ -50,9 +68,15 @@ class AdalnTables:
             pin = torch.cuda.is_available()
             for block in dit.blocks:
                 for p in block.adaln_proj.parameters():
+                    if p.device.type == "cpu":  # already there (`AdalnHostHook` put it there as it loaded)
+                        continue
                     # Straight into page-locked memory: one copy, not a pageable copy and then a pinned one.
                     p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.data)
             torch.cuda.empty_cache()
+        else:  # resident: on the compute device, wherever they were loaded
+            for block in dit.blocks:
+                for p in block.adaln_proj.parameters():
+                    p.data = p.data.to(self.device)
 
     @torch.no_grad()
     def for_steps(self, timesteps: Sequence[torch.Tensor]) -> ScheduleTables:

@@ -107,21 +107,32 @@ class Fp8LoadHook:
     """Quantizes the block linears while the DiT loads (`load_dit(hook=...)`): each BF16 weight is turned into its
     e4m3 weight and scales as it is read, so the BF16 block weights never exist together (no 38 GiB detour)."""
 
+    allow_bias = False  # H3's block linears have none
+
+    def quantizes(self, module_name: str) -> bool:
+        return _is_block_linear(module_name)
+
+    def linears(self, module: nn.Module):
+        """(parent, attribute) of every linear this hook quantizes, on the meta module."""
+        for _, parent, leaf in _block_linears(module):
+            yield parent, leaf
+
     def transform(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not (name.endswith(".weight") and _is_block_linear(name.removesuffix(".weight"))):
+        if not (name.endswith(".weight") and self.quantizes(name.removesuffix(".weight"))):
             return {name: tensor}
         q, scale = quantize_weight(tensor)
         return {name: q, name.removesuffix(".weight") + ".scale": scale}
 
     def prepare(self, module: nn.Module) -> None:
-        """On the meta module: the block linears become Fp8Linear placeholders of the same shapes."""
-        for _, parent, leaf in _block_linears(module):
+        """On the meta module: the linears become Fp8Linear placeholders of the same shapes."""
+        for parent, leaf in list(self.linears(module)):
             linear = getattr(parent, leaf)
-            if linear.bias is not None:
+            if linear.bias is not None and not self.allow_bias:
                 raise ValueError(f"{leaf}: block linears have no bias in H3; refusing to quantize one that has")
             n, k = linear.weight.shape
             with torch.device("meta"):
-                placeholder = Fp8Linear(torch.empty(n, k, dtype=FP8), torch.empty(1, n, dtype=torch.float32), None)
+                bias = None if linear.bias is None else torch.empty(n, dtype=linear.bias.dtype)
+                placeholder = Fp8Linear(torch.empty(n, k, dtype=FP8), torch.empty(1, n, dtype=torch.float32), bias)
             setattr(parent, leaf, placeholder)
 
 
@@ -132,24 +143,48 @@ def _is_block_linear(module_name: str) -> bool:
     return module_name.startswith(("blocks.", "token_refiner.blocks.")) and module_name.endswith(_SUFFIXES)
 
 
-TEXT_LAYERS = "model.language_model.layers."
+DECODER_LAYERS = "language_model.layers."  # in the Qwen3-VL model the text encoder wraps (as `model`)
+TEXT_LAYERS = "model." + DECODER_LAYERS
+
+
+def _decoder_layer_linears(model: nn.Module, prefix: str):
+    """(parent, attribute) of every nn.Linear directly under a module whose name starts with `prefix`."""
+    for name, module in model.named_modules():
+        if name.startswith(prefix):
+            for leaf, child in module.named_children():
+                if isinstance(child, nn.Linear):
+                    yield module, leaf
+
+
+def is_text_quantized(text_encoder: nn.Module) -> bool:
+    return any(isinstance(m, Fp8Linear) for n, m in text_encoder.named_modules() if n.startswith(TEXT_LAYERS))
+
+
+class TextFp8LoadHook(Fp8LoadHook):
+    """The FP8 text encoder made while it loads (`load_text_encoder(hook=...)`): the decoder layers' linears are
+    quantized as their weights are read, so the 47 GiB BF16 text encoder never exists whole on the device."""
+
+    allow_bias = True
+
+    def quantizes(self, module_name: str) -> bool:
+        return module_name.startswith(DECODER_LAYERS) and module_name.endswith("_proj")
+
+    def linears(self, module: nn.Module):
+        for parent, leaf in _decoder_layer_linears(module, DECODER_LAYERS):
+            if not leaf.endswith("_proj"):
+                raise ValueError(f"decoder-layer linear {leaf!r} is not one the FP8 text encoder knows (*_proj)")
+            yield parent, leaf
 
 
 def quantize_text_encoder(text_encoder: nn.Module) -> int:
     """The seed's FP8 text encoder: every linear of the Qwen3-VL decoder layers (q, k, v, o, gate, up, down) becomes
     an Fp8Linear, one at a time (each BF16 weight released as its FP8 copy is made). The vision tower, the embedding
     and the norms stay as loaded. Returns the number of layers quantized."""
-    # Hold the parents only: a list of the linears themselves would keep every BF16 weight alive to the end.
-    parents = [
-        m
-        for n, m in text_encoder.named_modules()
-        if n.startswith(TEXT_LAYERS) and any(isinstance(c, nn.Linear) for c in m.children())
-    ]
+    # (parent, name) pairs only: a list of the linears themselves would keep every BF16 weight alive to the end.
     count = 0
-    for module in parents:
-        for leaf in [n for n, c in module.named_children() if isinstance(c, nn.Linear)]:
-            setattr(module, leaf, Fp8Linear.from_linear(getattr(module, leaf)))
-            count += 1
+    for module, leaf in list(_decoder_layer_linears(text_encoder, TEXT_LAYERS)):
+        setattr(module, leaf, Fp8Linear.from_linear(getattr(module, leaf)))
+        count += 1
     if not count:
         raise ValueError(f"no decoder-layer linears under {TEXT_LAYERS!r} to quantize")
     return count

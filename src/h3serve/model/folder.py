@@ -164,10 +164,16 @@ def _fmt(value: object) -> str:
 
 
 def load_components(
-    folder: ModelFolder, *, device: torch.device | str, dtype: torch.dtype, dit_hook: LoadHook | None = None
+    folder: ModelFolder,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    dit_hook: LoadHook | None = None,
+    text_hook: LoadHook | None = None,
 ) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
-    islands and both VAEs stay float32). `dit_hook`: a per-tensor transform for the DiT's weights as they load."""
+    islands and both VAEs stay float32). `dit_hook`, `text_hook`: per-tensor transforms for the DiT's and the text
+    encoder's weights as they load."""
     return Components(
         dit=load_dit(
             folder.transformer,
@@ -178,7 +184,7 @@ def load_components(
             hook=dit_hook,
         ),
         text_encoder=load_text_encoder(
-            folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype
+            folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype, hook=text_hook
         ),
         video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),

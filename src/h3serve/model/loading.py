@@ -167,6 +167,29 @@ class LoadHook(Protocol):
     def prepare(self, module: nn.Module) -> None: ...
 
 
+class ChainedHooks:
+    """Several load hooks in order: each transforms what the previous one kept."""
+
+    def __init__(self, *hooks: LoadHook):
+        self.hooks = hooks
+
+    def transform(self, name: str, tensor: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        entries: Mapping[str, torch.Tensor] = {name: tensor}
+        for hook in self.hooks:
+            entries = {k: v for n, t in entries.items() for k, v in hook.transform(n, t).items()}
+        return entries
+
+    def prepare(self, module: nn.Module) -> None:
+        for hook in self.hooks:
+            hook.prepare(module)
+
+
+def chain(*hooks: LoadHook | None) -> LoadHook | None:
+    """One hook for the given ones (None entries skipped); None when there is none."""
+    present = [h for h in hooks if h is not None]
+    return None if not present else present[0] if len(present) == 1 else ChainedHooks(*present)
+
+
 def _identity(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0]
 
@@ -463,13 +486,15 @@ def load_qwen3vl_prefix(
     vision: bool = True,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    hook: LoadHook | None = None,
 ) -> Qwen3VLModel:
     """Load decoder layers 0..layer-1 (and the vision tower if `vision`) of a released Qwen3-VL folder.
 
     Strict like the other loaders: every tensor the prefix needs must be there, in the dtype the folder's config
     declares (bfloat16 in the release), with the right shape; keys past the prefix (later layers, the final norm,
     the LM head, the vision tower when not wanted) must be the ones `checkpoint_key_map` skips, and are never read.
-    Each tensor goes from the mmap-ed file to `device` at `dtype` once.
+    Each tensor goes from the mmap-ed file to `device` at `dtype` once; `hook` may transform it on the way (the FP8
+    text encoder quantizes the decoder layers' linears as they are read).
     """
     folder = Path(folder)
     config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
@@ -487,6 +512,7 @@ def load_qwen3vl_prefix(
         dtype_of=lambda _: dtype,
         ckpt_dtype_of=lambda _: stored,
         unused=skipped,
+        hook=hook,
     )
     materialize_buffers(model)
     return model.to(device)
@@ -501,10 +527,11 @@ def load_text_encoder(
     vision: bool = True,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.bfloat16,
+    hook: LoadHook | None = None,
 ) -> TextEncoder:
     """The released `text_encoder/`, `tokenizer/` and `processor/` folders (processor needed only with vision)."""
     if vision and processor_dir is None:
         raise ValueError("vision=True needs processor_dir (the released processor/ folder)")
-    model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype)
+    model = load_qwen3vl_prefix(text_encoder_dir, layer=layer, vision=vision, device=device, dtype=dtype, hook=hook)
     processor = load_image_processor(processor_dir) if vision else None
     return TextEncoder(model, load_tokenizer(tokenizer_dir), processor)

@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from h3serve.accel import apply_profile
+from h3serve.accel import apply_profile, load_hooks
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
-from h3serve.accel.linear import Fp8LoadHook
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
@@ -230,10 +229,9 @@ class Engine:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype)
             return cls(components, profile, TINY_RULES)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
-        # FP8 block linears are made as the DiT's weights are read, never after a whole BF16 load.
-        # (HUMMING starts from the same e4m3 weights and scales and turns them into its own layout.)
-        hook = Fp8LoadHook() if profile.linear in ("CUTLASS", "HUMMING") else None
-        components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype, dit_hook=hook)
+        components = load_components(
+            folder, device=profile.torch_device, dtype=profile.torch_dtype, **load_hooks(profile)
+        )
         return cls(components, profile)
 
     @property
