@@ -122,7 +122,23 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
         "violation and exit non-zero.",
     )
     add_flags(c)
+    c.add_argument(
+        "--preflight",
+        action="store_true",
+        help="also check the host as `serve` will: the model folder's shards, the output folder, the port, and the "
+        "memory the profile needs against what is free (printed as a budget table)",
+    )
     c.set_defaults(func=cmd_check)
+    r = sub.add_parser(
+        "ready",
+        allow_abbrev=False,
+        help="exit 0 if the server these settings describe reports ready (a container healthcheck)",
+        description="Read the settings as `serve` does, ask http://<bind host>:<port>/ready (with the key when one "
+        "is set; a wildcard bind is asked on loopback) and exit 0 only if it answers 200. Prints the answer.",
+    )
+    add_flags(r)
+    r.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (5)")
+    r.set_defaults(func=cmd_ready)
 
 
 def _accept_parser(sub: argparse._SubParsersAction) -> None:
@@ -235,14 +251,56 @@ def _check_port(host: str, port: int) -> None:
             raise CliError(f"H3_BIND_HOST/H3_API_PORT {host}:{port}: cannot listen there ({err.strerror})") from err
 
 
+def _check_memory(settings, folder, free: tuple[float, float, bool] | None = None):
+    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared; read
+    from the machine when None). Returns the budget; raises CliError naming what does not fit."""
+    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
+    from h3serve.pipeline.request import RELEASED_RULES
+
+    profile = settings.profile()
+    budget = plan_budget(folder, profile, RELEASED_RULES)
+    device_free, host_free, shared = free if free is not None else free_memory(profile.torch_device)
+    problems = check_fits(budget, device_free, host_free, shared)
+    if problems:
+        raise CliError(
+            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
+            + "; ".join(problems)
+            + f"\n{budget.table()}\n(FP8 options: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS)"
+        )
+    return budget
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
     settings = _load_settings(args)
-    _check_model(settings)
+    folder = _check_model(settings)
     print(json.dumps(settings.resolved(), indent=2))
+    if args.preflight:
+        _check_output_dir(settings.output_dir)
+        _check_port(settings.bind_host, settings.api_port)
+        if folder is not None:
+            print(_check_memory(settings, folder).table())
+        print("h3serve: preflight ok (settings, model folder, output folder, port, memory)", file=sys.stderr)
+        return 0
     print("h3serve: settings ok", file=sys.stderr)
     return 0
+
+
+def cmd_ready(args: argparse.Namespace) -> int:
+    import httpx
+
+    settings = _load_settings(args)
+    host = settings.bind_host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api_port}/ready"
+    headers = {"Authorization": f"Bearer {settings.key}"} if settings.key else {}
+    try:
+        answer = httpx.get(url, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as err:
+        raise CliError(f"{url}: no answer ({type(err).__name__}: {err})") from err
+    print(f"{url}: {answer.status_code} {answer.text.strip()[:200]}")
+    return 0 if answer.status_code == 200 else EXIT_ERROR
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -265,6 +323,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
     _check_output_dir(settings.output_dir)
     _check_port(settings.bind_host, settings.api_port)
+    if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
+        log.info("memory budget before load:\n%s", _check_memory(settings, folder).table())
     start = time.perf_counter()
     try:
         engine = Engine.load(folder, settings.profile())

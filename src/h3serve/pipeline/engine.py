@@ -32,6 +32,7 @@ from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.tiny import tiny_components
+from h3serve.pipeline.budget import dit_activation_bytes, largest_request_rows
 from h3serve.pipeline.conditioning import encode_keyframes, encode_text, fit_keyframes
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
@@ -41,7 +42,6 @@ from h3serve.pipeline.request import (
     TINY_RULES,
     RenderRequest,
     RequestRules,
-    resolve_canvas,
     validate_request,
 )
 from h3serve.pipeline.sampling import (
@@ -334,10 +334,7 @@ class Engine:
     def memory_budget(self, text_rows: int = 1024) -> dict[str, float]:
         """GiB: the weights on the device per component (one device per engine, so matched by device type), the
         AdaLN weights held in host memory, and an estimate of the DiT's activations at the largest request the rules
-        allow (FL2VA, largest 16:9 canvas, most frames, `text_rows` prompt rows): per row about 2 bytes x (3 hidden +
-        6 attention width + 3 ffn), what one block holds at once (its input, QKV, the normed and rotated q and k, the
-        attention output, fc1's output and the gated product); the reference shape measured 1.4 GiB at 6435 rows
-        against 1.2 estimated."""
+        allow (`pipeline.budget`, which also plans the same rows from a folder's configurations before loading)."""
         gib = 2**30
         device = self.profile.torch_device
 
@@ -352,14 +349,9 @@ class Engine:
         report["weights_total"] = round(sum(report.values()), 3)
         host = [p for b in c.dit.blocks for p in b.adaln_proj.parameters() if p.device.type != device.type]
         report["adaln_in_host_memory"] = round(sum(p.numel() * p.element_size() for p in host) / gib, 3)
-        width, height = resolve_canvas(16, 9, self.rules.canvas)
-        geometry = MediaGeometry.from_pixels(height, width, self.rules.frames.max_frames)
-        layout = build_layout([1] * text_rows, geometry, ("first", "last"), patch_size=c.dit.config.patch_size)
-        cfg = c.dit.config
-        rows = layout.token_tags.numel()
-        per_row = 2 * (3 * cfg.hidden_size + 6 * cfg.inner_dim + 3 * cfg.ffn_hidden_size)
+        rows = largest_request_rows(c.dit.config, self.rules, text_rows)
         report["largest_request_rows"] = rows
-        report["dit_activations_at_largest"] = round(rows * per_row / gib, 3)
+        report["dit_activations_at_largest"] = round(dit_activation_bytes(c.dit.config, rows) / gib, 3)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             report["device_free"], report["device_total"] = round(free / gib, 3), round(total / gib, 3)

@@ -1,0 +1,209 @@
+"""Memory budgets planned from configurations, the preflight (`h3serve check --preflight`) and `h3serve ready`."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3serve.cli import main
+from h3serve.config import DiTConfig
+from h3serve.model.audio_vae import AudioVAEConfig
+from h3serve.model.video_vae import VideoVAEConfig
+from h3serve.pipeline.budget import OVERHEAD_GIB, check_fits, plan_budget
+from h3serve.pipeline.request import RELEASED_RULES
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = REPO / "tests" / "data" / "reference" / "FL2VA"
+MEASURED = REPO / "bench" / "results" / "2026-12-01-h200-render.json"
+
+
+def released_configs():
+    """The released checkpoint's configurations, as `plan_budget` reads them from a resolved folder."""
+    return types.SimpleNamespace(
+        dit=DiTConfig.from_json(REFERENCE / "transformer" / "config.json"),
+        text_encoder=REFERENCE / "text_encoder",
+        video_vae_config=VideoVAEConfig.from_original(
+            json.loads((REFERENCE / "video_vae" / "config.json").read_text()),
+            json.loads((REFERENCE / "video_vae" / "source" / "config.json").read_text()),
+        ),
+        audio_vae_config=AudioVAEConfig.from_original(
+            json.loads((REFERENCE / "audio_vae" / "metadata.json").read_text()),
+            json.loads((REFERENCE / "audio_vae" / "config.json").read_text()),
+        ),
+    )
+
+
+def cuda_profile(linear: str, text_linear: str):
+    """A CUDA profile's fields (a real `Profile` refuses cuda on a machine without it; the plan needs no device)."""
+    return types.SimpleNamespace(
+        device="cuda",
+        torch_device=torch.device("cuda"),
+        torch_dtype=torch.bfloat16,
+        vae_autocast_dtype=torch.float16,
+        linear=linear,
+        text_linear=text_linear,
+        adaln_resident=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("run", "linear", "text_linear"),
+    [("eager", "BF16", "BF16"), ("compile+CUTLASS", "CUTLASS", "BF16"),
+     ("compile+CUTLASS+text CUTLASS", "CUTLASS", "CUTLASS")],
+)  # fmt: skip
+def test_the_budget_from_the_released_configs_matches_what_the_h200_measured(run, linear, text_linear):
+    """bench/render.py on the H200 (full-size random weights, the reference request): the weights resident after the
+    engine was built, and the render's peak; the plan from the configurations alone must be within 5% of both."""
+    measured = json.loads(MEASURED.read_text())["runs"][run]
+    budget = plan_budget(released_configs(), cuda_profile(linear, text_linear), RELEASED_RULES)
+    assert budget.device_weights == pytest.approx(measured["resident_gib"], rel=0.05)
+    assert budget.device_weights + budget.activations_reference == pytest.approx(measured["peak_gib"], rel=0.05)
+    assert budget.host["adaln_weights"] == pytest.approx(measured["budget_gib"]["adaln_in_host_memory"], rel=0.01)
+
+
+def test_fp8_options_shrink_exactly_the_components_they_quantize():
+    configs = released_configs()
+    bf16 = plan_budget(configs, cuda_profile("BF16", "BF16"), RELEASED_RULES)
+    fp8 = plan_budget(configs, cuda_profile("CUTLASS", "CUTLASS"), RELEASED_RULES)
+    assert (
+        fp8.device["dit"] < 0.55 * bf16.device["dit"] and fp8.device["text_encoder"] < 0.6 * bf16.device["text_encoder"]
+    )
+    assert fp8.device["video_vae"] == bf16.device["video_vae"] and fp8.device["audio_vae"] == bf16.device["audio_vae"]
+    kept = types.SimpleNamespace(**{**vars(cuda_profile("BF16", "BF16")), "adaln_resident": True})
+    resident = plan_budget(configs, kept, RELEASED_RULES)
+    assert resident.host == {} and resident.device["dit"] == pytest.approx(
+        bf16.device["dit"] + bf16.host["adaln_weights"]
+    )
+
+
+def test_check_fits_names_what_is_short():
+    budget = plan_budget(released_configs(), cuda_profile("CUTLASS", "CUTLASS"), RELEASED_RULES)
+    assert check_fits(budget, 200.0, 200.0, shared=False) == []
+    (device,) = check_fits(budget, budget.device_need - 1, 200.0, shared=False)
+    assert device.startswith(f"needs {budget.device_need:.1f} GiB on the device")
+    (host,) = check_fits(budget, 200.0, 1.0, shared=False)
+    assert "GiB of host memory, 1.0 GiB available" in host
+    # One pool (a DGX Spark): the device's and the host's needs add up.
+    assert check_fits(budget, budget.device_need + 1, budget.device_need + 1, shared=True)
+    assert not check_fits(budget, 128.0, 128.0, shared=True)
+    assert budget.device_need == pytest.approx(budget.device_weights + budget.activations_largest + OVERHEAD_GIB)
+
+
+# ---- the preflight ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from oracle import oracle
+
+    oracle("diffusers")
+    from e2e_fixtures import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("release") / "FL2VA")
+
+
+def preflight(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["check", "--preflight", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_preflight_passes_and_prints_the_budget(checkpoint, tmp_path, capsys):
+    code, out, err = preflight(capsys, "--model", str(checkpoint), "--output-dir", str(tmp_path / "out"))
+    assert code == 0, err
+    assert "device need (weights + largest activations + overhead)" in out and "preflight ok" in err
+
+
+def test_preflight_refuses_a_missing_weight_file(checkpoint, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "FL2VA"
+    shutil.copytree(checkpoint, broken)
+    weights = next((broken / "transformer").glob("*.safetensors"))
+    weights.unlink()
+    code, _, err = preflight(capsys, "--model", str(broken), "--output-dir", str(tmp_path / "out"))
+    assert code == 1 and "transformer" in err and "H3_MODEL" in err
+
+
+def test_preflight_refuses_a_port_in_use(tmp_path, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = preflight(capsys, "--api-port", str(port), "--output-dir", str(tmp_path / "out"))
+    assert code == 1 and f"127.0.0.1:{port}: cannot listen there" in err
+
+
+def test_preflight_refuses_a_key_file_others_can_read(tmp_path, capsys, monkeypatch):
+    key = tmp_path / "key"
+    key.write_text("k" * 40)
+    os.chmod(key, 0o644)
+    monkeypatch.setenv("H3_API_KEY_FILE", str(key))
+    code, _, err = preflight(capsys, "--output-dir", str(tmp_path / "out"))
+    assert code == 1 and "H3_API_KEY_FILE" in err and "600" in err
+
+
+def test_preflight_refuses_too_little_memory_with_the_budget(checkpoint, tmp_path):
+    from h3serve.cli import CliError, _check_memory
+    from h3serve.settings import load_settings
+
+    settings = load_settings(env={"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path)})
+    assert _check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True)).device_weights > 0
+    with pytest.raises(CliError) as err:
+        _check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
+    message = str(err.value)
+    assert message.startswith("not enough memory for profile BF16/BF16 on cpu: needs ") and "device need" in message
+
+
+def _folder(path):
+    from h3serve.model.folder import resolve_model_folder
+
+    return resolve_model_folder(path)
+
+
+# ---- h3serve ready --------------------------------------------------------------------------------------------------
+
+
+def test_ready_answers_as_the_server_does(tmp_path, capsys):
+    from service_fixtures import live_server, settings
+
+    key = "r" * 40
+    with live_server(settings(tmp_path, api_key=key)) as server:
+        env = {"H3_API_KEY": key}
+        port = ["--api-port", str(server.port)]
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            assert main(["ready", *port]) == 0
+            assert '"ready":true' in capsys.readouterr().out.replace(" ", "")
+            mp.setenv("H3_API_KEY", "w" * 40)  # a wrong key: the server says no, so does the healthcheck
+            assert main(["ready", *port]) == 1
+    assert main(["ready", *port]) == 1  # nothing listening any more
+    assert "no answer" in capsys.readouterr().err
+
+
+def test_ready_is_not_ready_before_the_warmup(tmp_path, capsys):
+    import threading
+
+    from service_fixtures import live_server, settings, tiny_engine
+
+    engine = tiny_engine()
+    gate = threading.Event()
+    original = engine.warmup
+    engine.warmup = lambda *a, **k: (gate.wait(30), original(*a, **k))[1]
+    try:
+        with live_server(settings(tmp_path), engine, ready=False) as server:
+            assert main(["ready", "--api-port", str(server.port)]) == 1
+            assert "503" in capsys.readouterr().out
+            gate.set()
+            server.wait_ready()
+            assert main(["ready", "--api-port", str(server.port)]) == 0
+    finally:
+        gate.set()
+        engine.warmup = original
