@@ -151,22 +151,22 @@ def plan_budget(folder: ModelFolder, profile: Profile, rules: RequestRules, sche
                 video_bytes -= sum(p.numel() * (4 - half.itemsize) for p in module.parameters(recurse=False))
     audio_bytes = sum(t.numel() * 4 for t in (*audio.parameters(), *audio.buffers()))
 
+    device = {
+        "dit": dit_bytes / GIB,
+        "text_encoder": text_bytes / GIB,
+        "video_vae": video_bytes / GIB,
+        "audio_vae": audio_bytes / GIB,
+    }
+    # The AdaLN tables of the schedules kept: with the weights in host memory, so are they (one step's copied in).
+    steps = DEFAULT_STEPS - 1
+    tables = schedules_kept * steps * len(dit.blocks) * TABLE_ROWS * 6 * folder.dit.hidden_size * dtype_bytes
     host: dict[str, float] = {}
     if adaln_bytes:
-        steps = DEFAULT_STEPS - 1
-        table = TABLE_ROWS * 6 * folder.dit.hidden_size * dtype_bytes
         host["adaln_weights"] = adaln_bytes / GIB
-        host[f"adaln_tables ({schedules_kept} schedules of {steps} steps)"] = (
-            schedules_kept * steps * len(dit.blocks) * table / GIB
-        )
+    (host if adaln_bytes else device)[f"adaln_tables ({schedules_kept} schedules of {steps} steps)"] = tables / GIB
     largest = largest_request_rows(folder.dit, rules)
     return Budget(
-        device={
-            "dit": dit_bytes / GIB,
-            "text_encoder": text_bytes / GIB,
-            "video_vae": video_bytes / GIB,
-            "audio_vae": audio_bytes / GIB,
-        },
+        device=device,
         host=host,
         activations_reference=dit_activation_bytes(folder.dit, REFERENCE_ROWS) / GIB,
         activations_largest=dit_activation_bytes(folder.dit, largest) / GIB,
