@@ -184,6 +184,13 @@ def test_ready_answers_as_the_server_does(tmp_path, capsys):
                 mp.setenv(k, v)
             assert main(["ready", *port]) == 0
             assert '"ready":true' in capsys.readouterr().out.replace(" ", "")
+            # The healthcheck does not ask the device about the profile (that would start CUDA every 30 s): a
+            # profile this CPU machine refuses to run does not stop it.
+            mp.setenv("H3_LINEAR_BACKEND", "CUTLASS")
+            assert main(["ready", *port]) == 0
+            assert main(["check"]) == (0 if torch.cuda.is_available() else 1)
+            capsys.readouterr()
+            mp.delenv("H3_LINEAR_BACKEND")
             mp.setenv("H3_API_KEY", "w" * 40)  # a wrong key: the server says no, so does the healthcheck
             assert main(["ready", *port]) == 1
     assert main(["ready", *port]) == 1  # nothing listening any more

@@ -208,11 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_settings(args: argparse.Namespace):
+def _load_settings(args: argparse.Namespace, check_profile: bool = True):
     from h3serve.settings import SettingsError, load_settings
 
     try:
-        return load_settings(args)
+        return load_settings(args, check_profile=check_profile)
     except SettingsError as err:
         lines = "\n".join(f"  - {v}" for v in err.violations)
         raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
@@ -290,7 +290,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_ready(args: argparse.Namespace) -> int:
     import httpx
 
-    settings = _load_settings(args)
+    settings = _load_settings(args, check_profile=False)  # a healthcheck every 30 s must not initialise CUDA
     host = settings.bind_host
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api_port}/ready"

@@ -216,8 +216,12 @@ def load_settings(
     args: argparse.Namespace | None = None,
     env: Mapping[str, str] | None = None,
     config_file: Path | None = None,
+    *,
+    check_profile: bool = True,
 ) -> Settings:
-    """Merge defaults < config file < environment < flags; validate every value and rule; raise SettingsError."""
+    """Merge defaults < config file < environment < flags; validate every value and rule; raise SettingsError.
+    `check_profile=False` skips asking the device whether it can run the profile (which initialises CUDA): for
+    `h3serve ready`, a healthcheck that only needs the address and the key."""
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -261,7 +265,7 @@ def load_settings(
             shown = REDACTED if field == "api_key" else repr(got)
             violations.append(f"{_label(field)}: {e['msg']}, got {shown} (from {source.get(field, 'default')})")
     settings = Settings.model_validate({k: v for k, v in raw.items() if k not in failed})
-    violations += _rules(settings, failed, env)
+    violations += _rules(settings, failed, env, check_profile)
     if violations:
         raise SettingsError(violations)
     return settings
@@ -285,7 +289,7 @@ def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
     return data
 
 
-def _rules(s: Settings, failed: set[str], env: Mapping[str, str]) -> list[str]:
+def _rules(s: Settings, failed: set[str], env: Mapping[str, str], check_profile: bool = True) -> list[str]:
     """The rules between settings (each one only when the settings it reads are themselves valid)."""
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
@@ -363,7 +367,7 @@ def _rules(s: Settings, failed: set[str], env: Mapping[str, str]) -> list[str]:
             out.append(f"{_label('cache_dir')}: {err}")
     # The profile: what this device and build can run.
     profile_fields = ("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode")
-    if ok(*profile_fields, "linear_backend", "text_encoder_linear"):
+    if check_profile and ok(*profile_fields, "linear_backend", "text_encoder_linear"):
         try:
             s.profile()
         except ValueError as err:
