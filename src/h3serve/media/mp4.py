@@ -21,19 +21,22 @@ import heapq
 import math
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import av
 import numpy as np
-import torch
 
 from h3serve.config import FPS, SAMPLE_RATE
+
+if TYPE_CHECKING:  # torch is not imported for this module's sake: `h3serve ready` and the settings load without it
+    import torch
 
 # crf 18 is near visually lossless for x264 and keeps a 5 s 768x448 clip around a few MB.
 DEFAULT_CRF = 18
@@ -234,7 +237,8 @@ def _is_int(value: object) -> bool:
 
 
 def _as_numpy(x: np.ndarray | torch.Tensor, name: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
+    loaded = sys.modules.get("torch")  # a tensor exists only if torch is imported; this module does not import it
+    if loaded is not None and isinstance(x, loaded.Tensor):
         return x.detach().cpu().numpy()
     if isinstance(x, np.ndarray):
         return x
