@@ -6,6 +6,10 @@ Two folder layouts are published, and a third is accepted:
     diffusers the same names, except vae/ for the video VAE
     either one with the transformer as a single safetensors file (its QKV order: `qkv_layout`, see loading.py)
 
+The Ref2VA DiT (same architecture, its own weights) sits beside FL2VA/ as Ref2VA/transformer/ in the original layout
+and as transformer_ref/ in the diffusers layout; it is found, and its configuration checked, with the rest, and its
+weights are read only when a Ref2VA DiT is loaded (`load_ref_dit`).
+
 Everything here happens before the pipeline: it receives loaded `Components` and knows no folder names.
 """
 
@@ -60,6 +64,7 @@ class ModelFolder:
     video_vae_config: VideoVAEConfig
     audio_vae_config: AudioVAEConfig
     text_hidden_size: int
+    ref_transformer: Path | None = None  # the Ref2VA DiT's folder, when the release has one
 
 
 def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> ModelFolder:
@@ -84,6 +89,12 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
     audio_config, audio_weights = read_audio_vae_config(root / "audio_vae")
     dit = DiTConfig.from_json(dit_config)
     check_compatible(dit, video_config, audio_config, text_hidden)
+    ref = _ref_dit_dir(root)
+    if ref is not None and DiTConfig.from_json(ref / "config.json") != dit:
+        raise ValueError(
+            f"{ref / 'config.json'}: the Ref2VA DiT's configuration differs from {dit_config}'s (H3 ships one "
+            "architecture with two sets of weights)"
+        )
     # Every weight file's header too (indexes, shards, key lists; no tensor data): a missing or truncated file
     # stops the start now, not after the components before it have loaded.
     dit_layout = resolve_dit_layout(open_checkpoint(root / "transformer"), qkv_layout)
@@ -102,6 +113,7 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
         video_vae_config=video_config,
         audio_vae_config=audio_config,
         text_hidden_size=text_hidden,
+        ref_transformer=ref,
     )
 
 
@@ -116,6 +128,14 @@ def _component_root(root: Path) -> Path:
                 f"model folder {root} has no {name}/ (expected the released FL2VA/ layout or the diffusers layout)"
             )
     return root
+
+
+def _ref_dit_dir(root: Path) -> Path | None:
+    """transformer_ref/ (diffusers layout) or ../Ref2VA/transformer/ (original layout), if it has a config."""
+    for candidate in (root / "transformer_ref", root.parent / "Ref2VA" / "transformer"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    return None
 
 
 def _video_vae_dir(root: Path) -> Path:
@@ -161,6 +181,25 @@ def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfi
 
 def _fmt(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def load_ref_dit(
+    folder: ModelFolder,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    qkv_layout: str | None = None,
+    hook: LoadHook | None = None,
+) -> H3DiT:
+    """The Ref2VA DiT of a resolved folder, loaded as strictly as the FL2VA one (`load_dit`)."""
+    if folder.ref_transformer is None:
+        raise FileNotFoundError(
+            f"model folder {folder.root} has no Ref2VA DiT (looked for {folder.root / 'transformer_ref'} and "
+            f"{folder.root.parent / 'Ref2VA' / 'transformer'})"
+        )
+    return load_dit(
+        folder.ref_transformer, device=device, dtype=dtype, config=folder.dit, qkv_layout=qkv_layout, hook=hook
+    )
 
 
 def load_components(

@@ -1,0 +1,74 @@
+"""The Ref2VA DiT in a release folder: found beside the FL2VA components in both published layouts, its configuration
+checked with the rest, its weights loaded as strictly as the FL2VA DiT's (issue 12's loading step)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from h3serve.model.folder import load_ref_dit, resolve_model_folder
+from h3serve.model.loading import load_dit
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """A tiny diffusers-layout checkpoint with a transformer_ref/ of its own (other random weights)."""
+    from oracle import oracle
+
+    oracle("diffusers")
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from e2e_fixtures import SEED, TINY_DIT_DIFFUSERS, is_ref_fp32, write_tiny_checkpoint
+    from h3serve.model.tiny import randomize
+
+    root = write_tiny_checkpoint(tmp_path_factory.mktemp("release") / "FL2VA")
+    ref = randomize(MiniMaxH3Transformer3DModel(**TINY_DIT_DIFFUSERS), SEED + 10)
+    for name, p in ref.named_parameters():
+        if not is_ref_fp32(name):
+            p.data = p.data.to(torch.bfloat16)
+    ref.save_pretrained(root / "transformer_ref")
+    return root
+
+
+def test_diffusers_layout_finds_transformer_ref_and_loads_its_own_weights(release):
+    folder = resolve_model_folder(release)
+    assert folder.ref_transformer == release / "transformer_ref"
+    ref = load_ref_dit(folder, device="cpu", dtype=torch.bfloat16)
+    again = load_dit(release / "transformer_ref", dtype=torch.bfloat16)
+    fl2va = load_dit(release / "transformer", dtype=torch.bfloat16)
+    ref_state, again_state, fl2va_state = ref.state_dict(), again.state_dict(), fl2va.state_dict()
+    assert ref_state.keys() == fl2va_state.keys()
+    assert all(torch.equal(ref_state[k], again_state[k]) for k in ref_state)
+    differs = [k for k in ref_state if k != "rope.inv_freq" and not torch.equal(ref_state[k], fl2va_state[k])]
+    assert len(differs) == len(ref_state) - 1  # every weight is the Ref2VA DiT's own
+
+
+def test_original_layout_finds_ref2va_beside_fl2va(release, tmp_path):
+    parent = tmp_path / "MiniMax-H3"
+    shutil.copytree(release, parent / "FL2VA", ignore=shutil.ignore_patterns("transformer_ref"))
+    shutil.copytree(release / "transformer_ref", parent / "Ref2VA" / "transformer")
+    for path in (parent, parent / "FL2VA"):  # the release root or FL2VA/ itself
+        assert resolve_model_folder(path).ref_transformer == parent / "Ref2VA" / "transformer"
+
+
+def test_a_release_without_ref2va_resolves_and_says_where_it_looked(release, tmp_path):
+    plain = tmp_path / "FL2VA"
+    shutil.copytree(release, plain, ignore=shutil.ignore_patterns("transformer_ref"))
+    folder = resolve_model_folder(plain)
+    assert folder.ref_transformer is None
+    with pytest.raises(FileNotFoundError, match=r"has no Ref2VA DiT .*transformer_ref.*Ref2VA/transformer"):
+        load_ref_dit(folder, device="cpu", dtype=torch.bfloat16)
+
+
+def test_a_ref2va_config_that_differs_is_refused_naming_both_files(release, tmp_path):
+    broken = tmp_path / "FL2VA"
+    shutil.copytree(release, broken)
+    config = broken / "transformer_ref" / "config.json"
+    values = json.loads(config.read_text())
+    values["num_layers"] += 1
+    config.write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=r"transformer_ref/config\.json: the Ref2VA DiT.s configuration differs"):
+        resolve_model_folder(broken)
