@@ -5,8 +5,12 @@ H3 denoises a single sequence per request, in the row order
     [ text (Qwen rows) | keyframe rows (0, 1 or 2 frames) | audio L then R | target video ]
 
 A task variant is data: T2VA, I2VA, L2VA and FL2VA differ only in the keyframe anchors they pack
-(`TASK_ANCHORS`). Everything here is plain tensors built on the CPU once per request; the denoise loop and
-the DiT read them and never change them.
+(`TASK_ANCHORS`). Ref2VA packs reference blocks instead of keyframes (`Reference`, `build_ref2va_layout`):
+
+    [ text | reference blocks in request order | audio L then R | target video ]
+
+Everything here is plain tensors built on the CPU once per request; the denoise loop and the DiT read them and
+never change them.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from h3serve.config import (
     Modality,
 )
 
-# Keyframe anchors per task, in packed order. Ref2VA is a different layout and is not built here.
+# Keyframe anchors per task, in packed order. Ref2VA is a different layout (`build_ref2va_layout`).
 TASK_ANCHORS: dict[str, tuple[str, ...]] = {
     "t2va": (),
     "i2va": ("first",),
@@ -44,11 +48,23 @@ ROPE_FRAME_UNITS = 5.0 / 3.0
 ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
 ROPE_SPATIAL_SCALE = 32
 
-# Which clock a row's timestep follows: the generated video (text rows ride along), the generated audio, or the
-# conditioning floor max(t_video, 0.999).
+# Reference audio rows (Ref2VA) are clean: the posterior mean of the audio VAE, held at t = 1.0.
+REFERENCE_AUDIO_TIMESTEP = 1.0
+
+# Which clock a row's timestep follows: the generated video (text rows ride along), the generated audio, the
+# conditioning floor max(t_video, 0.999) (keyframe and reference video rows), or the clean reference audio (1.0).
 CLOCK_VIDEO = 0
 CLOCK_AUDIO = 1
 CLOCK_CONDITION = 2
+CLOCK_REFERENCE_AUDIO = 3
+NUM_CLOCKS = 4
+
+# Ref2VA reference limits per request (ARCHITECTURE §5); audio references need an image or video beside them.
+MAX_REFERENCE_IMAGES = 9
+MAX_REFERENCE_VIDEOS = 3
+MAX_REFERENCE_AUDIOS = 3
+MAX_REFERENCES = 12
+REFERENCE_KINDS = ("image", "video", "audio")
 
 
 @dataclass(frozen=True)
@@ -110,11 +126,101 @@ def last_frame_time(num_latent_frames: int, origin: float) -> float:
 
 
 @dataclass(frozen=True)
+class Reference:
+    """One Ref2VA reference block, by its latent sizes (before patching), in the order the request lists it.
+
+    image: one latent frame at its own latent size. video: its latent frames at its own latent size, plus
+    `audio_latents` per channel of its soundtrack (0: no soundtrack). audio: `audio_latents` per channel only.
+    Use the `image`, `video` and `audio` constructors; `validate_references` checks a list of them.
+    """
+
+    kind: str  # "image" | "video" | "audio"
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+    @classmethod
+    def image(cls, latent_height: int, latent_width: int) -> Reference:
+        return cls("image", 1, latent_height, latent_width, 0)
+
+    @classmethod
+    def video(cls, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int = 0) -> Reference:
+        return cls("video", latent_frames, latent_height, latent_width, audio_latents)
+
+    @classmethod
+    def audio(cls, audio_latents: int) -> Reference:
+        return cls("audio", 0, 0, 0, audio_latents)
+
+    @property
+    def has_video(self) -> bool:
+        return self.kind in ("image", "video")
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_latents > 0
+
+    def video_rows(self, patch_size: tuple[int, int, int] = PATCH_SIZE) -> int:
+        _, ph, pw = patch_size
+        return self.latent_frames * (self.latent_height // ph) * (self.latent_width // pw)
+
+    def audio_rows(self, audio_channels: int = 2) -> int:
+        return self.audio_latents * audio_channels
+
+
+def validate_references(
+    references: Sequence[Reference], patch_size: tuple[int, int, int] = PATCH_SIZE
+) -> tuple[Reference, ...]:
+    """Check a Ref2VA reference list: each block's shape, then the limits of ARCHITECTURE §5. ValueError otherwise."""
+    references = tuple(references)
+    _, ph, pw = patch_size
+    for i, ref in enumerate(references):
+        where = f"references[{i}] ({getattr(ref, 'kind', None)!r})"
+        if not isinstance(ref, Reference):
+            raise ValueError(f"references[{i}] must be a Reference, got {type(ref).__name__}")
+        if ref.kind not in REFERENCE_KINDS:
+            raise ValueError(f"{where}: a reference is an 'image', a 'video' or an 'audio'")
+        if ref.kind == "audio":
+            if ref.audio_latents < 1 or ref.latent_frames or ref.latent_height or ref.latent_width:
+                raise ValueError(f"{where}: an audio reference has audio latents (>= 1) and no video latents, got {ref}")
+            continue
+        if ref.kind == "image" and (ref.latent_frames != 1 or ref.audio_latents):
+            raise ValueError(f"{where}: an image reference is one latent frame without audio, got {ref}")
+        if ref.latent_frames < 1 or ref.audio_latents < 0:
+            raise ValueError(f"{where}: a video reference needs >= 1 latent frame and >= 0 audio latents, got {ref}")
+        if ref.latent_height < ph or ref.latent_width < pw or ref.latent_height % ph or ref.latent_width % pw:
+            raise ValueError(
+                f"{where}: latent {ref.latent_height}x{ref.latent_width} is not divisible by the patch {patch_size}"
+            )
+    if not references:
+        raise ValueError("ref2va needs at least one reference (a text-only request is t2va)")
+    kinds = [ref.kind for ref in references]
+    limits = (("image", MAX_REFERENCE_IMAGES), ("video", MAX_REFERENCE_VIDEOS), ("audio", MAX_REFERENCE_AUDIOS))
+    for kind, limit in limits:
+        if kinds.count(kind) > limit:
+            extra = [i for i, k in enumerate(kinds) if k == kind][limit]
+            raise ValueError(
+                f"references[{extra}] ({kind!r}): at most {limit} {kind} references per request, got {kinds.count(kind)}"
+            )
+    if len(references) > MAX_REFERENCES:
+        raise ValueError(
+            f"references[{MAX_REFERENCES}]: at most {MAX_REFERENCES} references in total, got {len(references)}"
+        )
+    if set(kinds) == {"audio"}:
+        raise ValueError(
+            "references[0] ('audio'): an audio reference needs at least one image or video reference beside it; "
+            "audio cannot be the only reference"
+        )
+    return references
+
+
+@dataclass(frozen=True)
 class PackedLayout:
     """Rows, tags, clocks, RoPE positions and scatter indices of one request's packed sequence.
 
-    `video_indices` lists the keyframe rows first, then the target video rows; the DiT's video input and output
-    follow that order, as do `audio_indices` (L then R) for the audio rows.
+    `video_indices` lists the keyframe (or reference video) rows first, then the target video rows; the DiT's video
+    input and output follow that order, as do `audio_indices` for the audio rows (reference audio rows first, in
+    request order, then the target's L then R).
     """
 
     anchors: tuple[str, ...]
@@ -128,11 +234,21 @@ class PackedLayout:
     position_ids: torch.Tensor  # (S, 3) float64 (t, h, w)
     text_indices: torch.Tensor  # (L,) int64
     video_indices: torch.Tensor  # (Nc + Nv,) int64
-    audio_indices: torch.Tensor  # (2 * Na,) int64
+    audio_indices: torch.Tensor  # (Nra + 2 * Na,) int64
+    # Ref2VA only (empty / 0 for the four base modes): the reference blocks in request order and their row counts.
+    references: tuple[Reference, ...] = ()
+    num_reference_video_rows: int = 0
+    num_reference_audio_rows: int = 0
 
     @property
     def num_condition_video_rows(self) -> int:
-        return len(self.anchors) * self.rows_per_frame
+        """Leading rows of `video_indices` that are not generated: keyframe rows, or Ref2VA reference video rows."""
+        return len(self.anchors) * self.rows_per_frame + self.num_reference_video_rows
+
+    @property
+    def num_condition_audio_rows(self) -> int:
+        """Leading rows of `audio_indices` that are not generated: Ref2VA reference audio rows (clean, t = 1.0)."""
+        return self.num_reference_audio_rows
 
     @property
     def num_video_rows(self) -> int:
@@ -150,16 +266,18 @@ class PackedLayout:
     def timestep_plan(self, t_video: float, t_audio: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Distinct timesteps of one step and every row's index into them.
 
-        Text and target video rows take t_video, target audio rows t_audio, keyframe rows max(t_video, 0.999).
-        Values are float32 and sorted ascending, as the DiT's AdaLN table expects: ((M,) float32, (S,) int64).
+        Text and target video rows take t_video, target audio rows t_audio, keyframe and reference video rows
+        max(t_video, 0.999), reference audio rows 1.0. Values are float32 and sorted ascending, as the DiT's AdaLN
+        table expects: ((M,) float32, (S,) int64). M <= 3 for the base modes, <= 4 for Ref2VA.
         """
         # max() on Python floats, then one rounding to float32, matches the reference's row-wise fill.
         per_clock = torch.tensor(
-            [float(t_video), float(t_audio), max(float(t_video), CONDITION_TIMESTEP)], dtype=torch.float32
+            [float(t_video), float(t_audio), max(float(t_video), CONDITION_TIMESTEP), REFERENCE_AUDIO_TIMESTEP],
+            dtype=torch.float32,
         )
         present = torch.unique(self.row_clock)
         values, inverse = torch.unique(per_clock[present], sorted=True, return_inverse=True)
-        lookup = torch.zeros(3, dtype=torch.long)
+        lookup = torch.zeros(NUM_CLOCKS, dtype=torch.long)
         lookup[present] = inverse
         return values, lookup[self.row_clock]
 
@@ -260,28 +378,155 @@ def _positions(
     pos = np.zeros((s.seq, 3), dtype=np.float64)
     pos[: s.num_text, 0] = np.arange(s.num_text, dtype=np.float64)
     origin = float(s.num_text)
-
-    sqrt_area = np.sqrt(g.latent_height * g.latent_width)
-    h_grid = spatial_grid(g.latent_height, patch_h, sqrt_area)
-    w_grid = spatial_grid(g.latent_width, patch_w, sqrt_area)
-    hh, ww = np.meshgrid(h_grid, w_grid, indexing="ij")
-    frame_hw = np.stack([hh.reshape(-1), ww.reshape(-1)], axis=-1)  # (rows_per_frame, 2), row-major (h, w)
+    frame_hw, w_grid = _frame_grid(g.latent_height, g.latent_width, patch_h, patch_w)
 
     for k, anchor in enumerate(anchors):
         rows = slice(s.cond_start + k * s.rows_per_frame, s.cond_start + (k + 1) * s.rows_per_frame)
         pos[rows, 0] = origin if anchor == "first" else last_frame_time(g.latent_frames, origin)
         pos[rows, 1:] = frame_hw
 
-    # Audio: one time unit per latent on the shared clock, no height, L at the first w point and R at the last.
-    audio = slice(s.audio_start, s.video_start)
-    pos[audio, 0] = np.tile(origin + np.arange(g.audio_latents, dtype=np.float64), audio_channels)
-    pos[audio, 2] = np.concatenate(
-        [np.full(g.audio_latents, w_grid[0]), np.full(s.num_audio - g.audio_latents, w_grid[-1])]
+    _fill_audio(pos, s.audio_start, g.audio_latents, audio_channels, origin, w_grid)
+    _fill_video(pos, s.video_start, g.latent_frames, origin, frame_hw)
+    return pos
+
+
+def _frame_grid(latent_height: int, latent_width: int, patch_h: int, patch_w: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (h, w) positions of one latent frame's rows, row-major, (rows_per_frame, 2); and its w axis."""
+    sqrt_area = np.sqrt(latent_height * latent_width)
+    h_grid = spatial_grid(latent_height, patch_h, sqrt_area)
+    w_grid = spatial_grid(latent_width, patch_w, sqrt_area)
+    hh, ww = np.meshgrid(h_grid, w_grid, indexing="ij")
+    return np.stack([hh.reshape(-1), ww.reshape(-1)], axis=-1), w_grid
+
+
+def _fill_audio(
+    pos: np.ndarray, start: int, audio_latents: int, channels: int, origin: float, w_grid: np.ndarray
+) -> None:
+    """One channel-major audio block: one time unit per latent, no height, L at the first w point, R at the last."""
+    rows = slice(start, start + audio_latents * channels)
+    pos[rows, 0] = np.tile(origin + np.arange(audio_latents, dtype=np.float64), channels)
+    pos[rows, 2] = np.concatenate(
+        [np.full(audio_latents, w_grid[0]), np.full(audio_latents * (channels - 1), w_grid[-1])]
     )
 
-    pos[s.video_start :, 0] = np.repeat(frame_times(g.latent_frames, origin), s.rows_per_frame)
-    pos[s.video_start :, 1:] = np.tile(frame_hw, (g.latent_frames, 1))
-    return pos
+
+def _fill_video(pos: np.ndarray, start: int, latent_frames: int, origin: float, frame_hw: np.ndarray) -> None:
+    """One frame-major video block starting at RoPE time `origin`."""
+    rows = slice(start, start + latent_frames * frame_hw.shape[0])
+    pos[rows, 0] = np.repeat(frame_times(latent_frames, origin), frame_hw.shape[0])
+    pos[rows, 1:] = np.tile(frame_hw, (latent_frames, 1))
+
+
+def video_time_span(num_latent_frames: int) -> float:
+    """RoPE time a Ref2VA reference video occupies: (5/3) * (1 + 4 + 4 + 4 + 4 + 1 + ...), summed in order.
+
+    A sequential float64 sum, as the reference advances its cursor; `last_frame_time`'s pairwise sum of the same
+    series differs from it in the last ulp from 16 latent frames on.
+    """
+    span = 0.0
+    for k in range(num_latent_frames):
+        span += ROPE_FRAME_UNITS * ROPE_FRAMES_PER_LATENT[k % len(ROPE_FRAMES_PER_LATENT)]
+    return span
+
+
+def build_ref2va_layout(
+    text_tags: Sequence[int] | torch.Tensor,
+    references: Sequence[Reference],
+    geometry: MediaGeometry,
+    *,
+    patch_size: tuple[int, int, int] = PATCH_SIZE,
+    audio_channels: int = 2,
+) -> PackedLayout:
+    """Build the Ref2VA layout `[text | reference blocks in request order | audio L, R | target video]`.
+
+    text_tags: the modality tag of every text-encoder row (TEXT, or VIDEO inside a reference's vision block).
+    references: the reference blocks in request order (`Reference`); checked by `validate_references`.
+
+    Each block sits at its own span of the shared RoPE clock, a cursor that starts where the text ends: an image at
+    the cursor, then +1; an audio reference (target w grid) then +its latents; a video's soundtrack (the video's own
+    w grid) then its frames, both at the cursor, then +max(audio latents, video span). The target audio and video
+    start at the final cursor. Reference video rows follow the conditioning clock max(t_video, 0.999), reference
+    audio rows are clean (t = 1.0).
+    """
+    text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
+    references = validate_references(references, patch_size)
+    patch_t, patch_h, patch_w = patch_size
+    g = geometry
+    if patch_t != 1:
+        raise ValueError(f"only a temporal patch of 1 is supported, got patch_size={patch_size}")
+    if g.latent_height % patch_h or g.latent_width % patch_w:
+        raise ValueError(f"latent {g.latent_height}x{g.latent_width} is not divisible by the patch {patch_size}")
+
+    num_text = int(text_tags.shape[0])
+    rows_per_frame = (g.latent_height // patch_h) * (g.latent_width // patch_w)
+    ref_video_rows = sum(ref.video_rows(patch_size) for ref in references)
+    ref_audio_rows = sum(ref.audio_rows(audio_channels) for ref in references)
+    audio_start = num_text + ref_video_rows + ref_audio_rows
+    video_start = audio_start + g.audio_latents * audio_channels
+    seq = video_start + g.latent_frames * rows_per_frame
+
+    pos = np.zeros((seq, 3), dtype=np.float64)
+    pos[:num_text, 0] = np.arange(num_text, dtype=np.float64)
+    target_hw, target_w = _frame_grid(g.latent_height, g.latent_width, patch_h, patch_w)
+    row_clock = torch.full((seq,), CLOCK_VIDEO, dtype=torch.long)
+    video_blocks: list[torch.Tensor] = []
+    audio_blocks: list[torch.Tensor] = []
+
+    row, cursor = num_text, float(num_text)  # next free row; the RoPE time cursor
+    for ref in references:
+        if ref.has_audio:  # an audio reference, or a video's soundtrack packed right before its frames
+            n = ref.audio_rows(audio_channels)
+            w_grid = target_w
+            if ref.kind == "video":
+                w_grid = _frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)[1]
+            _fill_audio(pos, row, ref.audio_latents, audio_channels, cursor, w_grid)
+            audio_blocks.append(torch.arange(row, row + n))
+            row_clock[row : row + n] = CLOCK_REFERENCE_AUDIO
+            row += n
+        if ref.has_video:
+            n = ref.video_rows(patch_size)
+            frame_hw = _frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)[0]
+            _fill_video(pos, row, ref.latent_frames, cursor, frame_hw)
+            video_blocks.append(torch.arange(row, row + n))
+            row_clock[row : row + n] = CLOCK_CONDITION
+            row += n
+        if ref.kind == "image":
+            cursor += 1.0  # a single frame takes one integer slot, not a latent frame's 5/3
+        elif ref.kind == "audio":
+            cursor += float(ref.audio_latents)
+        else:
+            cursor += max(float(ref.audio_latents), video_time_span(ref.latent_frames))
+    assert row == audio_start
+
+    _fill_audio(pos, audio_start, g.audio_latents, audio_channels, cursor, target_w)
+    _fill_video(pos, video_start, g.latent_frames, cursor, target_hw)
+    row_clock[audio_start:video_start] = CLOCK_AUDIO
+
+    text_indices = torch.arange(num_text)
+    video_indices = torch.cat([*video_blocks, torch.arange(video_start, seq)])
+    audio_indices = torch.cat([*audio_blocks, torch.arange(audio_start, video_start)])
+    token_tags = torch.empty(seq, dtype=torch.long)
+    token_tags[text_indices] = text_tags
+    token_tags[video_indices] = Modality.VIDEO
+    token_tags[audio_indices] = Modality.AUDIO
+
+    return PackedLayout(
+        anchors=(),
+        geometry=g,
+        patch_size=tuple(patch_size),
+        audio_channels=audio_channels,
+        num_text=num_text,
+        rows_per_frame=rows_per_frame,
+        token_tags=token_tags,
+        row_clock=row_clock,
+        position_ids=torch.from_numpy(pos),
+        text_indices=text_indices,
+        video_indices=video_indices,
+        audio_indices=audio_indices,
+        references=references,
+        num_reference_video_rows=ref_video_rows,
+        num_reference_audio_rows=ref_audio_rows,
+    )
 
 
 # --- row <-> latent conversions ---------------------------------------------------------------------------------
