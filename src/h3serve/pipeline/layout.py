@@ -182,7 +182,7 @@ def validate_references(
             raise ValueError(f"{where}: a reference is an 'image', a 'video' or an 'audio'")
         if ref.kind == "audio":
             if ref.audio_latents < 1 or ref.latent_frames or ref.latent_height or ref.latent_width:
-                raise ValueError(f"{where}: an audio reference has audio latents (>= 1) and no video latents, got {ref}")
+                raise ValueError(f"{where}: an audio reference has >= 1 audio latent and no video latents, got {ref}")
             continue
         if ref.kind == "image" and (ref.latent_frames != 1 or ref.audio_latents):
             raise ValueError(f"{where}: an image reference is one latent frame without audio, got {ref}")
@@ -200,7 +200,8 @@ def validate_references(
         if kinds.count(kind) > limit:
             extra = [i for i, k in enumerate(kinds) if k == kind][limit]
             raise ValueError(
-                f"references[{extra}] ({kind!r}): at most {limit} {kind} references per request, got {kinds.count(kind)}"
+                f"references[{extra}] ({kind!r}): at most {limit} {kind} references per request, "
+                f"got {kinds.count(kind)}"
             )
     if len(references) > MAX_REFERENCES:
         raise ValueError(
