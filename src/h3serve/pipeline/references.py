@@ -1,0 +1,411 @@
+"""Ref2VA inputs: reference files -> decoded, validated media on the model's grids, in request order.
+
+    decode_references      encoded files (request order) -> `DecodedReference`s, or RequestError("references[i]")
+    reference_descriptors  decoded references -> the layout's `Reference` blocks (latent sizes)
+
+What each kind becomes (the released model's preparation, as in ARCHITECTURE §5 and diffusers' ref2va setup step):
+
+* image: EXIF orientation applied, RGB, aspect ratio within 1:4..4:1, resized (LANCZOS, upscaling included, no area
+  cap) so that its short edge is 2048, each side then rounded to a multiple of 32.
+* video: frames decoded as RGB with the stream's display rotation undone, resized (LANCZOS) onto the canvas of their
+  own aspect ratio (the target's canvas rule: short edge 768, area cap 768*1344, multiples of 32), put on the 24 fps
+  grid by holding every frame until the slot of the next one (whole frames dropped or repeated, like ffmpeg's `fps`
+  filter) and truncated to the generated frame count. The VAE later encodes the longest 17n+5 prefix. Its soundtrack,
+  if kept, is prepared like an audio reference.
+* audio: decoded at its own rate, truncated there to the generated duration, mono copied to both channels, then
+  resampled to 32 kHz with a Hann-windowed sinc (the resampler torchaudio's `Resample` defaults to).
+
+The kind comes from the content: whatever PIL opens is an image; otherwise a PyAV container with a video stream (cover
+art does not count) is a video, and one with only an audio stream is audio. Long media is truncated, not refused, as
+the reference pipeline does; decoding stops once the generated duration is covered.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import torch
+from PIL import Image
+
+from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, SAMPLE_RATE, SPATIAL_RATIO
+from h3serve.pipeline.layout import MediaGeometry, Reference, validate_references
+from h3serve.pipeline.request import CanvasRule, FrameRule, RequestError, decode_keyframe, resolve_canvas
+
+IMAGE, VIDEO, AUDIO = "image", "video", "audio"
+REFERENCE_IMAGE_SHORT_EDGE = 2048  # diffusers' `reference_image_short_edge`
+REFERENCE_CANVAS = CanvasRule()  # a reference video goes on the target's canvas rule, at its own aspect ratio
+# The fewest frames a reference video may have on the 24 fps grid: the shortest clip the video VAE encodes (17n+5,
+# n >= 1). diffusers has no such check (it would hand the VAE a shorter clip); this is our own refusal.
+MIN_REFERENCE_VIDEO_FRAMES = CLIP_FRAMES + LATENTS_PER_CLIP
+AUDIO_HOP = SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND  # audio VAE samples per latent (800)
+# Hann-windowed sinc resampler: zero crossings per side and cutoff relative to the lower Nyquist frequency.
+SINC_ZERO_CROSSINGS = 6
+SINC_ROLLOFF = 0.99
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedReference:
+    """One reference, decoded and put on the model's grids.
+
+    image: `pixels` (H, W, 3) uint8 at the encode size. video: `pixels` (F, H, W, 3) uint8 at 24 fps on its own
+    canvas, `audio` its soundtrack or None. audio: `audio` only. `audio` is float32 (2, N) at 32 kHz.
+    The `source_*` fields describe the file as decoded (after rotation), before any resampling.
+    """
+
+    index: int  # position in the request
+    kind: str  # "image" | "video" | "audio"
+    pixels: np.ndarray | None = None
+    audio: np.ndarray | None = None
+    source_size: tuple[int, int] | None = None  # (width, height) of an image or a video
+    source_fps: float | None = None  # video
+    source_frames: int | None = None  # video frames decoded (decoding stops once the target duration is covered)
+    source_sample_rate: int | None = None  # audio, or a video's soundtrack
+    source_channels: int | None = None
+    name: str | None = None
+
+    @property
+    def field(self) -> str:
+        return f"references[{self.index}]"
+
+    @property
+    def vae_frames(self) -> int:
+        """Frames of a video the VAE encodes: the frame count snapped down to 17n+5 (1 for an image)."""
+        if self.kind == IMAGE:
+            return 1
+        if self.kind != VIDEO:
+            return 0
+        return snap_frames_down(self.pixels.shape[0])
+
+
+def snap_frames_down(num_frames: int) -> int:
+    """The largest 17n+5 (n >= 1) not above `num_frames`; at least 22."""
+    return max(1, (num_frames - LATENTS_PER_CLIP) // CLIP_FRAMES) * CLIP_FRAMES + LATENTS_PER_CLIP
+
+
+def reference_image_size(width: int, height: int, short_edge: int = REFERENCE_IMAGE_SHORT_EDGE, multiple: int = 32):
+    """(width, height) an image reference is encoded at: short edge `short_edge`, each side rounded to `multiple`."""
+    scale = short_edge / min(width, height)
+    return max(multiple, round(width * scale / multiple) * multiple), max(
+        multiple, round(height * scale / multiple) * multiple
+    )
+
+
+def frame_slots(num_frames: int, fps: float, target_fps: float = FPS) -> np.ndarray:
+    """How many times each of `num_frames` source frames at `fps` appears on the `target_fps` grid.
+
+    Source frame i starts at slot round-half-up(i * target/fps) and is held until the next frame's slot; the last
+    frame until the slot the stream's end falls on. Zero drops a frame.
+    """
+    scale = target_fps / fps
+    starts = np.floor(np.arange(num_frames + 1) * scale + 0.5).astype(np.int64)
+    return np.diff(starts)
+
+
+def resample_frames(frames: np.ndarray, fps: float, num_frames: int, target_fps: float = FPS) -> np.ndarray:
+    """(F, H, W, 3) frames at `fps` -> on the `target_fps` grid, at most `num_frames` of them."""
+    if fps != target_fps:
+        frames = np.repeat(frames, frame_slots(frames.shape[0], fps, target_fps), axis=0)
+    return frames[:num_frames]
+
+
+def _sinc_kernel(orig: int, new: int) -> tuple[torch.Tensor, int]:
+    """Polyphase kernels (new, 1, taps) of a Hann-windowed sinc low-pass for orig -> new (reduced by their gcd)."""
+    cutoff = min(orig, new) * SINC_ROLLOFF
+    half = math.ceil(SINC_ZERO_CROSSINGS * orig / cutoff)
+    taps = torch.arange(-half, half + orig, dtype=torch.float64) / orig
+    # The phase offsets are float32 before they meet the float64 taps, as in torchaudio's kernel.
+    phases = (torch.arange(0, -new, -1)[:, None] / new).to(torch.float64)
+    x = ((phases + taps[None]) * cutoff).clamp(-SINC_ZERO_CROSSINGS, SINC_ZERO_CROSSINGS)
+    window = torch.cos(x * math.pi / (2 * SINC_ZERO_CROSSINGS)) ** 2
+    arg = x * math.pi
+    safe = torch.where(arg == 0, torch.ones_like(arg), arg)
+    sinc = torch.where(arg == 0, torch.ones_like(arg), torch.sin(safe) / safe)
+    return (sinc * window * (cutoff / orig)).to(torch.float32)[:, None, :], half
+
+
+def resample_audio(waveform: np.ndarray, sample_rate: int, target_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """(C, N) float32 at `sample_rate` -> (C, ceil(N * target / rate)) float32 at `target_rate`."""
+    waveform = np.ascontiguousarray(waveform, dtype=np.float32)
+    if sample_rate == target_rate:
+        return waveform
+    g = math.gcd(int(sample_rate), int(target_rate))
+    orig, new = int(sample_rate) // g, int(target_rate) // g
+    kernel, half = _sinc_kernel(orig, new)
+    channels, length = waveform.shape
+    x = torch.nn.functional.pad(torch.from_numpy(waveform), (half, half + orig))
+    out = torch.nn.functional.conv1d(x[:, None], kernel, stride=orig)  # (C, new, blocks)
+    out = out.transpose(1, 2).reshape(channels, -1)
+    return out[:, : math.ceil(new * length / orig)].contiguous().numpy()
+
+
+def prepare_audio(waveform: np.ndarray, sample_rate: int, max_seconds: float) -> np.ndarray:
+    """A (C, N) soundtrack -> float32 (2, M) at 32 kHz: truncated at its own rate, mono doubled, resampled."""
+    waveform = np.asarray(waveform, dtype=np.float32)[:, : int(max_seconds * sample_rate)]
+    if waveform.shape[0] == 1:
+        waveform = np.repeat(waveform, 2, axis=0)
+    return resample_audio(waveform, sample_rate)
+
+
+def reference_descriptors(references: Sequence[DecodedReference]) -> tuple[Reference, ...]:
+    """Decoded references -> the layout's `Reference` blocks, in order.
+
+    image: one latent frame at (H/16, W/16) of its encode size. video: the latent frames of its 17n+5 prefix
+    (5n+2) at its canvas / 16, plus its soundtrack's latents. Audio latents: ceil(samples / 800), because the audio
+    VAE right-pads a waveform to a multiple of its hop.
+    """
+    blocks = []
+    for ref in references:
+        audio_latents = 0 if ref.audio is None else math.ceil(ref.audio.shape[1] / AUDIO_HOP)
+        if ref.kind == IMAGE:
+            h, w = ref.pixels.shape[:2]
+            blocks.append(Reference.image(h // SPATIAL_RATIO, w // SPATIAL_RATIO))
+        elif ref.kind == VIDEO:
+            _, h, w, _ = ref.pixels.shape
+            geometry = MediaGeometry.from_pixels(h, w, ref.vae_frames)
+            blocks.append(
+                Reference.video(geometry.latent_frames, geometry.latent_height, geometry.latent_width, audio_latents)
+            )
+        else:
+            blocks.append(Reference.audio(audio_latents))
+    return validate_references(blocks)
+
+
+def decode_references(
+    items: Sequence[bytes | tuple[str | None, bytes]],
+    *,
+    num_frames: int | None = None,
+    mute: Collection[int] = (),
+) -> tuple[DecodedReference, ...]:
+    """Decode and validate a Ref2VA request's reference files, in request order.
+
+    items: encoded files, each `bytes` or `(name, bytes)` (the name only appears in messages). num_frames: the
+    request's generated frame count on the 17n+5 grid (None: the longest the model allows); videos and soundtracks
+    are truncated to it. mute: positions of video references whose soundtrack is dropped.
+    Raises RequestError with field "references[i]" (or "references" for an empty list).
+    """
+    if num_frames is None:
+        num_frames = FrameRule().max_frames
+    if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
+        raise RequestError("num_frames", f"num_frames must be a positive integer, got {num_frames!r}")
+    named = [_split(i, item) for i, item in enumerate(items)]
+    kinds = [_probe_kind(i, name, data) for i, (name, data) in enumerate(named)]
+    _check_counts(kinds)
+    for i in mute:
+        if not (0 <= i < len(kinds)) or kinds[i] != VIDEO:
+            raise RequestError("references", f"mute: references[{i}] is not a video reference")
+    max_seconds = num_frames / FPS
+    decoded = []
+    for i, ((name, data), kind) in enumerate(zip(named, kinds, strict=True)):
+        if kind == IMAGE:
+            decoded.append(_decode_image(i, name, data))
+        elif kind == VIDEO:
+            decoded.append(_decode_video(i, name, data, num_frames, keep_sound=i not in mute))
+        else:
+            decoded.append(_decode_audio(i, name, data, max_seconds))
+    return tuple(decoded)
+
+
+def _where(i: int, name: str | None) -> str:
+    return f"references[{i}]" + (f" ({name})" if name else "")
+
+
+def _split(i: int, item) -> tuple[str | None, bytes]:
+    if isinstance(item, tuple) and len(item) == 2:
+        name, data = item
+    else:
+        name, data = None, item
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RequestError(f"references[{i}]", f"references[{i}] must be file bytes, got {type(data).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f"references[{i}]", f"references[{i}]: the name must be a string, got {name!r}")
+    data = bytes(data)
+    if not data:
+        raise RequestError(f"references[{i}]", f"{_where(i, name)} is empty (0 bytes)")
+    return name, data
+
+
+def _video_streams(container) -> list:
+    """Real video streams: cover art (an attached picture, e.g. in an MP3) is not a video."""
+    return [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
+
+
+def _probe_kind(i: int, name: str | None, data: bytes) -> str:
+    try:
+        with Image.open(io.BytesIO(data)):
+            return IMAGE
+    except Exception:  # not an image to PIL: try the media demuxers
+        pass
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if _video_streams(container):
+                return VIDEO
+            if container.streams.audio:
+                return AUDIO
+    except Exception as e:  # FFmpeg raises many types (InvalidDataError, ValueError, ...)
+        raise RequestError(
+            f"references[{i}]",
+            f"{_where(i, name)} could not be decoded as an image, a video or an audio file ({type(e).__name__}: {e})",
+        ) from e
+    raise RequestError(f"references[{i}]", f"{_where(i, name)} has neither a video nor an audio stream")
+
+
+def _check_counts(kinds: Sequence[str]) -> None:
+    """The limits of layout.validate_references (9 images, 3 videos, 3 audio, 12 in all, audio not alone)."""
+    placeholders = {IMAGE: Reference.image(2, 2), VIDEO: Reference.video(1, 2, 2), AUDIO: Reference.audio(1)}
+    try:
+        validate_references([placeholders[k] for k in kinds])
+    except ValueError as e:
+        match = re.match(r"references\[\d+\]", str(e))
+        raise RequestError(match.group(0) if match else "references", str(e)) from e
+
+
+def _decode_image(i: int, name: str | None, data: bytes) -> DecodedReference:
+    field = f"references[{i}]"
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except Exception as e:  # PIL raises many types (OSError, DecompressionBombError, ...)
+        raise RequestError(
+            field, f"{_where(i, name)} could not be decoded as an image ({type(e).__name__}: {e})"
+        ) from e
+    try:
+        image = decode_keyframe(i, image)  # EXIF orientation and RGB, as keyframes are decoded
+    except RequestError as e:
+        raise RequestError(field, f"{_where(i, name)}: {e}".replace(f"keyframes[{i}] ", "")) from e
+    width, height = image.size
+    ratio = width / height
+    if not REFERENCE_CANVAS.min_aspect <= ratio <= REFERENCE_CANVAS.max_aspect:
+        raise RequestError(
+            field,
+            f"{_where(i, name)}: the image's aspect ratio {width}x{height} ({ratio:.3g}) must be within "
+            f"[{REFERENCE_CANVAS.min_aspect:g}, {REFERENCE_CANVAS.max_aspect:g}]",
+        )
+    size = reference_image_size(width, height, multiple=REFERENCE_CANVAS.multiple)
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.LANCZOS)
+    return DecodedReference(
+        index=i, kind=IMAGE, pixels=np.asarray(image, dtype=np.uint8), source_size=(width, height), name=name
+    )
+
+
+def _decode_video(i: int, name: str | None, data: bytes, num_frames: int, keep_sound: bool) -> DecodedReference:
+    field = f"references[{i}]"
+    where = _where(i, name)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = _video_streams(container)[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate else 0.0
+            if not (math.isfinite(fps) and fps > 0):
+                raise RequestError(field, f"{where}: the video stream has no frame rate")
+            frames, canvas, turns, source_size = [], None, 0, None
+            scale = FPS / fps
+            for frame in container.decode(stream):
+                if canvas is None:
+                    turns = round(frame.rotation / 90.0) % 4
+                    width, height = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
+                    source_size = (width, height)
+                    try:
+                        canvas = resolve_canvas(width, height, REFERENCE_CANVAS)
+                    except ValueError as e:
+                        raise RequestError(field, f"{where}: {e}") from e
+                rgb = frame.to_ndarray(format="rgb24")
+                if turns:
+                    rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
+                if rgb.shape[1::-1] != canvas:
+                    rgb = np.asarray(Image.fromarray(rgb).resize(canvas, Image.Resampling.LANCZOS))
+                frames.append(rgb)
+                # One frame past the target duration fixes how long the last kept frame is held; stop there.
+                if math.floor((len(frames) - 1) * scale + 0.5) >= num_frames:
+                    break
+            sound = None
+            if keep_sound and container.streams.audio:
+                container.seek(0)
+                sound = _read_audio(container, container.streams.audio[0], num_frames / FPS)
+    except RequestError:
+        raise
+    except Exception as e:
+        raise RequestError(field, f"{where} could not be decoded as a video ({type(e).__name__}: {e})") from e
+    if not frames:
+        raise RequestError(field, f"{where}: the video stream has no decodable frames")
+    pixels = resample_frames(np.stack(frames), fps, num_frames)
+    if pixels.shape[0] < MIN_REFERENCE_VIDEO_FRAMES:
+        raise RequestError(
+            field,
+            f"{where}: the video is too short: {pixels.shape[0]} frames at {FPS} fps, at least "
+            f"{MIN_REFERENCE_VIDEO_FRAMES} ({MIN_REFERENCE_VIDEO_FRAMES / FPS:.2f} s) are needed",
+        )
+    audio = rate_hz = channels = None
+    if sound is not None:
+        waveform, rate_hz = sound
+        channels = waveform.shape[0]
+        audio = _prepare_checked(field, where, waveform, rate_hz, num_frames / FPS, "soundtrack")
+    return DecodedReference(
+        index=i,
+        kind=VIDEO,
+        pixels=pixels,
+        audio=audio,
+        source_size=source_size,
+        source_fps=fps,
+        source_frames=len(frames),
+        source_sample_rate=rate_hz,
+        source_channels=channels,
+        name=name,
+    )
+
+
+def _decode_audio(i: int, name: str | None, data: bytes, max_seconds: float) -> DecodedReference:
+    field = f"references[{i}]"
+    where = _where(i, name)
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            waveform, rate_hz = _read_audio(container, container.streams.audio[0], max_seconds)
+    except Exception as e:
+        raise RequestError(field, f"{where} could not be decoded as audio ({type(e).__name__}: {e})") from e
+    audio = _prepare_checked(field, where, waveform, rate_hz, max_seconds, "audio")
+    return DecodedReference(
+        index=i,
+        kind=AUDIO,
+        audio=audio,
+        source_sample_rate=rate_hz,
+        source_channels=waveform.shape[0],
+        name=name,
+    )
+
+
+def _read_audio(container, stream, max_seconds: float) -> tuple[np.ndarray, int]:
+    """(C, N) float32 at the stream's own rate and layout; stops once `max_seconds` are decoded."""
+    rate_hz = int(stream.codec_context.sample_rate)
+    if rate_hz <= 0:
+        raise ValueError("the audio stream has no sample rate")
+    converter = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate_hz)  # a format change only
+    needed = int(max_seconds * rate_hz)
+    chunks, have = [], 0
+    for frame in container.decode(stream):
+        for out in converter.resample(frame):
+            chunks.append(out.to_ndarray())
+            have += chunks[-1].shape[1]
+        if have >= needed:
+            break
+    else:
+        chunks += [out.to_ndarray() for out in converter.resample(None)]
+    channels = stream.layout.nb_channels
+    if not chunks:
+        return np.zeros((channels, 0), np.float32), rate_hz
+    return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), rate_hz
+
+
+def _prepare_checked(field: str, where: str, waveform: np.ndarray, rate_hz: int, max_seconds: float, what: str):
+    if waveform.shape[0] not in (1, 2):
+        raise RequestError(field, f"{where}: the {what} has {waveform.shape[0]} channels; mono or stereo is accepted")
+    if waveform.shape[1] == 0:
+        raise RequestError(field, f"{where}: the {what} has no decodable samples")
+    if not np.isfinite(waveform).all():
+        raise RequestError(field, f"{where}: the {what} has NaN or infinite samples")
+    return prepare_audio(waveform, rate_hz, max_seconds)
