@@ -96,21 +96,26 @@ class TextEncoder(nn.Module):
         token_ids: Sequence[int],
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
+        pixel_values_videos: torch.Tensor | None = None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Token ids (L,) and the keyframes' vision inputs -> (L, hidden): the output of the last loaded decoder
-        layer, before any norm."""
+        """Token ids (L,) and the vision inputs (keyframes and reference images; reference videos) -> (L, hidden):
+        the output of the last loaded decoder layer, before any norm."""
         device = self.model.language_model.embed_tokens.weight.device
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # (1, L)
         # Qwen's own modality ids (0 text, 1 image, 2 video) drive its MRoPE; they are not H3's row tags.
         mm_types = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
         vision = {}
-        if pixel_values is not None:
+        for values, grid, names in (
+            (pixel_values, image_grid_thw, ("pixel_values", "image_grid_thw")),
+            (pixel_values_videos, video_grid_thw, ("pixel_values_videos", "video_grid_thw")),
+        ):
+            if values is None:
+                continue
             if self.model.visual is None:
-                raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
-            vision = {
-                "pixel_values": pixel_values.to(device, self.model.visual.dtype),
-                "image_grid_thw": image_grid_thw.to(device),
-            }
+                raise ValueError("this text encoder was loaded without the vision tower; images cannot be encoded")
+            vision[names[0]] = values.to(device, self.model.visual.dtype)
+            vision[names[1]] = grid.to(device)
         out = self.model(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),

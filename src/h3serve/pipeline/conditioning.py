@@ -2,21 +2,33 @@
 
     fit_keyframes     keyframes (packed order) onto the canvas
     present           H3's presentation: `"<Picture i>: "` + a vision block per keyframe, then the prompt, tokenized
+    present_references  the ref2va presentation: a label per reference (request order), vision blocks, the prompt
     encode_text       the presentation -> Qwen3-VL layer-50 rows, with each row's modality tag
     encode_keyframes  each fitted keyframe -> video VAE posterior -> one sampled, fp16-rounded, normalised latent
 
 Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each keyframe,
 in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n <|vision_end|>`; the rows
 of that vision block are tagged video for the DiT's AdaLN, all others text.
+
+Ref2VA presentation (ARCHITECTURE §2, checked against diffusers' ref2va text-encoder step): labels are numbered per
+kind and emitted in request order. An image is `"<Picture i>: "` + an image vision block. Audio is `"<Audio j>: "`
+alone (no waveform reaches Qwen). A video that keeps its soundtrack is first `"<Audio j>: "`, then `"<Video k>: "`;
+a video's frames (24 fps) are read at 2 fps, merged in pairs by Qwen's temporal patch (the last one repeated when
+odd), and each pair becomes `"<t seconds>"` (the pair's mean time, one decimal, Python's half-to-even rounding) + a
+`<|video_pad|>` vision block. Vision rows are tagged video, every label and the prompt text.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from h3serve.config import Modality
@@ -25,6 +37,10 @@ from h3serve.model.text_encoder import TextEncoder
 from h3serve.model.video_vae import VideoVAE, posterior_sample
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+VIDEO_PAD = "<|video_pad|>"
+# The rate Qwen reads a reference video at (diffusers' `video_sample_fps`); reference videos arrive at 24 fps.
+REFERENCE_VIDEO_SAMPLE_FPS = 2.0
+REFERENCE_VIDEO_FPS = 24.0
 # Keyframe posteriors are sampled with their own generator, so a keyframe always encodes to the same anchor.
 KEYFRAME_POSTERIOR_SEED = 42
 
@@ -37,6 +53,8 @@ class Presentation:
     token_tags: tuple[int, ...]
     pixel_values: torch.Tensor | None = None  # (patches, 3 * temporal_patch * patch * patch)
     image_grid_thw: torch.Tensor | None = None  # (num_keyframes, 3)
+    pixel_values_videos: torch.Tensor | None = None  # ref2va only: the reference videos' patches, request order
+    video_grid_thw: torch.Tensor | None = None  # (num_videos, 3)
 
 
 @dataclass(frozen=True)
@@ -90,13 +108,236 @@ def present(tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image
     return Presentation(tuple(ids), tuple(int(t) for t in tags), pixel_values, grid)
 
 
-def encode_text(encoder: TextEncoder, prompt: str, keyframes: Sequence[Image.Image] = ()) -> TextConditioning:
-    """Prompt and fitted keyframes -> (L, hidden) conditioning rows and their tags."""
+def encode_text(
+    encoder: TextEncoder,
+    prompt: str,
+    keyframes: Sequence[Image.Image] = (),
+    *,
+    references: Sequence | None = None,
+    video_processing: VideoProcessing | None = None,
+) -> TextConditioning:
+    """Prompt and fitted keyframes (base modes) or decoded references (ref2va) -> (L, hidden) rows and their tags."""
+    if references is not None:
+        if keyframes:
+            raise ValueError("a request has keyframes or references, not both")
+        kinds = {_reference_kind(r) for r in references}
+        if kinds - {AUDIO_KIND} and not encoder.has_vision:
+            raise ValueError("this text encoder was loaded without the vision tower; references cannot be encoded")
+        p = present_references(
+            encoder.tokenizer,
+            prompt,
+            references,
+            encoder.image_processor,
+            video_processing or RELEASED_VIDEO_PROCESSING,
+        )
+        return TextConditioning(_run_encoder(encoder, p), torch.tensor(p.token_tags, dtype=torch.long))
     if keyframes and not encoder.has_vision:
         raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
     p = present(encoder.tokenizer, prompt, keyframes, encoder.image_processor)
     states = encoder(p.token_ids, p.pixel_values, p.image_grid_thw)
     return TextConditioning(states, torch.tensor(p.token_tags, dtype=torch.long))
+
+
+# --- ref2va presentation -----------------------------------------------------------------------------------------
+
+IMAGE_KIND, VIDEO_KIND, AUDIO_KIND = "image", "video", "audio"
+
+
+@dataclass(frozen=True)
+class VideoProcessing:
+    """What Qwen3-VL's video processor does to a reference video, from the released `video_preprocessor_config.json`.
+
+    min_pixels / max_pixels bound frames * height * width (the config's `shortest_edge` / `longest_edge`); the
+    released processor applies no per-frame cap. Normalisation is (x - 127.5) / 127.5 in float32 (mean = std = 0.5
+    fused with the 1/255 rescale).
+    """
+
+    min_pixels: int = 4096
+    max_pixels: int = 25165824
+    patch_size: int = 16
+    temporal_patch: int = 2
+    merge_size: int = 2
+    mean: float = 0.5
+    std: float = 0.5
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> VideoProcessing:
+        cfg = json.loads((Path(path) / "video_preprocessor_config.json").read_text())
+        if cfg.get("cap_pixels_per_frame"):
+            raise ValueError("a per-frame pixel cap in the video processor config is not supported")
+        mean, std = set(cfg.get("image_mean", [0.5])), set(cfg.get("image_std", [0.5]))
+        if len(mean) != 1 or len(std) != 1:
+            raise ValueError("per-channel video normalisation is not supported")
+        return cls(
+            min_pixels=cfg["size"]["shortest_edge"],
+            max_pixels=cfg["size"]["longest_edge"],
+            patch_size=cfg.get("patch_size", 16),
+            temporal_patch=cfg.get("temporal_patch_size", 2),
+            merge_size=cfg.get("merge_size", 2),
+            mean=mean.pop(),
+            std=std.pop(),
+        )
+
+
+RELEASED_VIDEO_PROCESSING = VideoProcessing()
+
+
+def _reference_kind(reference) -> str:
+    kind = getattr(reference, "kind", None)
+    if kind not in (IMAGE_KIND, VIDEO_KIND, AUDIO_KIND):
+        raise ValueError(f"a reference must be an image, a video or audio, got {kind!r}")
+    return kind
+
+
+def _reference_has_audio(reference) -> bool:
+    """Audio references, and videos that kept their soundtrack, get an `<Audio j>` label."""
+    kind = _reference_kind(reference)
+    return kind == AUDIO_KIND or (kind == VIDEO_KIND and getattr(reference, "audio", None) is not None)
+
+
+def sample_reference_video(
+    num_frames: int,
+    fps: float = REFERENCE_VIDEO_FPS,
+    sample_fps: float = REFERENCE_VIDEO_SAMPLE_FPS,
+    temporal_patch: int = 2,
+) -> tuple[list[int], list[float]]:
+    """Which frames of a reference video Qwen sees, and the time label of each merged block.
+
+    Frames are taken every `fps / sample_fps` (rounded half to even, repeats dropped); a block merges `temporal_patch`
+    consecutive samples (the last repeated to fill) and is labelled with the mean of its first and last sample times.
+    """
+    stride = fps / sample_fps
+    indices: list[int] = []
+    step = 0
+    while (index := round(step * stride)) < num_frames:
+        if not indices or index > indices[-1]:
+            indices.append(index)
+        step += 1
+    if len(indices) < temporal_patch:
+        raise ValueError(
+            f"a reference video needs {temporal_patch} frames at {sample_fps:g} fps for Qwen, got {num_frames} frames"
+        )
+    times = [i / sample_fps for i in range(len(indices))]
+    times += [times[-1]] * (-len(times) % temporal_patch)
+    blocks = [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
+    return indices, blocks
+
+
+def _video_canvas(frames: int, height: int, width: int, vp: VideoProcessing) -> tuple[int, int]:
+    """Qwen3-VL's video `smart_resize`: the (height, width) the sampled frames are resized to."""
+    factor, t = vp.patch_size * vp.merge_size, vp.temporal_patch
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / t) * t
+    if t_bar * h * w > vp.max_pixels:
+        beta = math.sqrt(frames * height * width / vp.max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h * w < vp.min_pixels:
+        beta = math.sqrt(vp.min_pixels / (frames * height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def video_vision_inputs(frames: np.ndarray, vp: VideoProcessing) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Sampled frames (T, H, W, 3) uint8 -> Qwen3-VL video patches (t*h*w, 3*tp*p*p) and the grid (t, h, w)."""
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)  # (T, 3, H, W) uint8
+    size = _video_canvas(x.shape[0], x.shape[2], x.shape[3], vp)
+    if size != tuple(x.shape[2:]):
+        # Bicubic with antialias, through float32 and back to uint8, as torchvision resizes a uint8 tensor.
+        # Not checked against torchvision (absent here): only videos past the processor's pixel budget get here.
+        x = F.interpolate(x.float(), size=size, mode="bicubic", antialias=True, align_corners=False)
+        x = x.clamp_(0, 255).round_().to(torch.uint8)
+    x = (x.float() - vp.mean * 255) / (vp.std * 255)
+    if pad := -x.shape[0] % vp.temporal_patch:
+        x = torch.cat([x, x[-1:].expand(pad, -1, -1, -1)])
+    tp, p, m = vp.temporal_patch, vp.patch_size, vp.merge_size
+    gt, gh, gw = x.shape[0] // tp, x.shape[2] // p, x.shape[3] // p
+    x = x.view(gt, tp, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
+
+
+def present_references(
+    tokenizer,
+    prompt: str,
+    references: Sequence,
+    image_processor=None,
+    video_processing: VideoProcessing = RELEASED_VIDEO_PROCESSING,
+) -> Presentation:
+    """Tokenize the ref2va presentation of a prompt and its decoded references (request order).
+
+    `references` are `DecodedReference`s or anything with `kind` ("image" | "video" | "audio"), `pixels` (an image's
+    (H, W, 3), a video's (F, H, W, 3) uint8 at 24 fps) and `audio` (a video's soundtrack or None). The vision inputs
+    are batched per kind, in request order within a kind, which is how Qwen3-VL pairs them with the pad runs.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    kinds = [_reference_kind(r) for r in references]
+    merge = video_processing.merge_size**2
+    pixel_values = image_grid = None
+    image_tokens: list[int] = []
+    images = [Image.fromarray(r.pixels) for r, k in zip(references, kinds, strict=True) if k == IMAGE_KIND]
+    if images:
+        if image_processor is None:
+            raise ValueError("image references need an image processor (load the released processor/ folder)")
+        vision = image_processor(images=images, return_tensors="pt")
+        pixel_values, image_grid = vision["pixel_values"], vision["image_grid_thw"]
+        image_tokens = [int(g.prod()) // merge for g in image_grid]
+    video_patches, video_grids, video_blocks = [], [], []
+    for r, k in zip(references, kinds, strict=True):
+        if k == VIDEO_KIND:
+            indices, times = sample_reference_video(r.pixels.shape[0], temporal_patch=video_processing.temporal_patch)
+            patches, grid = video_vision_inputs(r.pixels[indices], video_processing)
+            video_patches.append(patches)
+            video_grids.append(grid)
+            video_blocks.append((times, grid[1] * grid[2] // merge))
+
+    start, end = tokenizer.convert_tokens_to_ids([VISION_START, VISION_END])
+    image_pad, video_pad = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VIDEO_PAD])
+    ids: list[int] = []
+    tags: list[int] = []
+
+    def text(value: str) -> None:
+        label = tokenizer(value, add_special_tokens=False)["input_ids"]
+        ids.extend(label)
+        tags.extend([int(Modality.TEXT)] * len(label))
+
+    def block(pad: int, n: int) -> None:
+        ids.extend([start] + [pad] * n + [end])
+        tags.extend([int(Modality.VIDEO)] * (n + 2))
+
+    counts = dict.fromkeys((IMAGE_KIND, VIDEO_KIND, AUDIO_KIND), 0)
+    for r, k in zip(references, kinds, strict=True):
+        if _reference_has_audio(r):
+            counts[AUDIO_KIND] += 1
+            text(f"<Audio {counts[AUDIO_KIND]}>: ")
+        if k == IMAGE_KIND:
+            text(f"<Picture {counts[IMAGE_KIND] + 1}>: ")
+            block(image_pad, image_tokens[counts[IMAGE_KIND]])
+            counts[IMAGE_KIND] += 1
+        elif k == VIDEO_KIND:
+            times, n = video_blocks[counts[VIDEO_KIND]]
+            counts[VIDEO_KIND] += 1
+            text(f"<Video {counts[VIDEO_KIND]}>: ")
+            for t in times:
+                text(f"<{t:.1f} seconds>")
+                block(video_pad, n)
+    text(prompt)
+    return Presentation(
+        tuple(ids),
+        tuple(tags),
+        pixel_values,
+        image_grid,
+        torch.cat(video_patches) if video_patches else None,
+        torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
+    )
+
+
+@torch.no_grad()
+def _run_encoder(encoder: TextEncoder, p: Presentation) -> torch.Tensor:
+    return encoder(p.token_ids, p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw)
 
 
 def sample_keyframe_latents(
