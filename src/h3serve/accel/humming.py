@@ -32,7 +32,7 @@ import json
 import torch
 from torch import nn
 
-from h3serve.accel.linear import FP8, Fp8Linear, _block_linears, quantize_rows, quantize_weight
+from h3serve.accel.linear import FP8, Fp8Linear, _block_linears, quantize_rows, quantize_weight, replace_block_linears
 
 HUMMING_PACKAGE = "humming-kernels"
 HUMMING_VERSION = "0.1.20"
@@ -275,23 +275,15 @@ def quantize_blocks(model: nn.Module, keep: bool = False, *, keep_fp8: bool = Fa
     replaced modules by name for `h3serve.accel.linear.restore` (a benchmark switching profiles). `keep_fp8` keeps
     each layer's e4m3 weight for `reference`. On a CPU model the replacements hold e4m3 weights only (`reference`
     works, `forward` refuses)."""
-    replaced: dict[str, nn.Module] = {}
-    found = 0
-    for full, parent, leaf in _block_linears(model):
-        found += 1
-        module = getattr(parent, leaf)
+
+    def convert(module: nn.Module) -> nn.Module | None:
         if isinstance(module, nn.Linear):
-            setattr(parent, leaf, HummingLinear.from_linear(module, keep_fp8=keep_fp8))
-        elif isinstance(module, Fp8Linear):
-            setattr(parent, leaf, HummingLinear.from_fp8(module, keep_fp8=keep_fp8))
-        else:
-            continue
-        if keep:
-            replaced[full] = module
-        del module
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no block linears to quantize")
-    return replaced
+            return HummingLinear.from_linear(module, keep_fp8=keep_fp8)
+        if isinstance(module, Fp8Linear):
+            return HummingLinear.from_fp8(module, keep_fp8=keep_fp8)
+        return None
+
+    return replace_block_linears(model, convert, keep=keep)
 
 
 def is_humming(model: nn.Module) -> bool:

@@ -13,6 +13,8 @@ the compute dtype here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -84,16 +86,28 @@ def quantize_blocks(model: nn.Module, keep: bool = False) -> dict[str, nn.Linear
     """Replace the block linears of an already loaded `model` by Fp8Linear in place, one at a time (each BF16 weight
     is released as soon as its FP8 copy exists, unless `keep`). With `keep`, returns the replaced modules by name for
     `restore` (a benchmark switching profiles); a checkpoint load quantizes through `Fp8LoadHook` instead."""
-    replaced: dict[str, nn.Linear] = {}
+    return replace_block_linears(
+        model, lambda m: Fp8Linear.from_linear(m) if isinstance(m, nn.Linear) else None, keep=keep
+    )
+
+
+def replace_block_linears(
+    model: nn.Module, convert: Callable[[nn.Module], nn.Module | None], keep: bool = False
+) -> dict[str, nn.Module]:
+    """Replace each block linear by `convert(module)` in place, one at a time (`convert` returns None to leave one
+    as it is); with `keep`, return the replaced modules by name for `restore`. Refuses a model without any."""
+    replaced: dict[str, nn.Module] = {}
     found = 0
     for full, parent, leaf in _block_linears(model):
         found += 1
-        linear = getattr(parent, leaf)
-        if isinstance(linear, nn.Linear):
-            setattr(parent, leaf, Fp8Linear.from_linear(linear))
-            if keep:
-                replaced[full] = linear
-            del linear
+        module = getattr(parent, leaf)
+        new = convert(module)
+        if new is None:
+            continue
+        setattr(parent, leaf, new)
+        if keep:
+            replaced[full] = module
+        del module  # without `keep`, the old weights go as soon as their replacement exists
     if not found:
         raise ValueError(f"{type(model).__name__} has no block linears to quantize")
     return replaced

@@ -283,6 +283,18 @@ class PackedLayout:
         return values, lookup[self.row_clock]
 
 
+def _check_patch(geometry: MediaGeometry, patch_size: tuple[int, int, int]) -> tuple[int, int, int]:
+    patch_t, patch_h, patch_w = patch_size
+    if patch_t != 1:
+        # The temporal RoPE clock counts latent frames; a temporal patch would need its own clock.
+        raise ValueError(f"only a temporal patch of 1 is supported, got patch_size={patch_size}")
+    if geometry.latent_height % patch_h or geometry.latent_width % patch_w:
+        raise ValueError(
+            f"latent {geometry.latent_height}x{geometry.latent_width} is not divisible by the patch {patch_size}"
+        )
+    return patch_size
+
+
 def build_layout(
     text_tags: Sequence[int] | torch.Tensor,
     geometry: MediaGeometry,
@@ -301,13 +313,8 @@ def build_layout(
     for anchor in anchors:
         if anchor not in ("first", "last"):
             raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
-    patch_t, patch_h, patch_w = patch_size
+    _, patch_h, patch_w = _check_patch(geometry, patch_size)
     g = geometry
-    if patch_t != 1:
-        # The temporal RoPE clock counts latent frames; a temporal patch would need its own clock.
-        raise ValueError(f"only a temporal patch of 1 is supported, got patch_size={patch_size}")
-    if g.latent_height % patch_h or g.latent_width % patch_w:
-        raise ValueError(f"latent {g.latent_height}x{g.latent_width} is not divisible by the patch {patch_size}")
 
     s = _Spans(
         num_text=int(text_tags.shape[0]),
@@ -451,12 +458,8 @@ def build_ref2va_layout(
     """
     text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
     references = validate_references(references, patch_size)
-    patch_t, patch_h, patch_w = patch_size
+    _, patch_h, patch_w = _check_patch(geometry, patch_size)
     g = geometry
-    if patch_t != 1:
-        raise ValueError(f"only a temporal patch of 1 is supported, got patch_size={patch_size}")
-    if g.latent_height % patch_h or g.latent_width % patch_w:
-        raise ValueError(f"latent {g.latent_height}x{g.latent_width} is not divisible by the patch {patch_size}")
 
     num_text = int(text_tags.shape[0])
     rows_per_frame = (g.latent_height // patch_h) * (g.latent_width // patch_w)
