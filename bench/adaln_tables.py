@@ -7,9 +7,7 @@ CUDA default), finding them cached, and copying one step's tables in, on the ful
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import run_header
 from full_size_smoke import build_dit
 
 from h3serve.accel.adaln import AdalnTables
@@ -32,11 +31,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     record: dict = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "schedules": {},
     }
     dit = build_dit(torch.device("cuda"))

@@ -7,15 +7,12 @@ regional compile, two renders of each of three different requests: identical twi
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from benchlib import run_header
 from PIL import Image
 
 from h3serve.pipeline.engine import Engine, Profile
@@ -54,11 +51,7 @@ def main() -> None:
             "identical": bool(np.array_equal(one.frames, two.frames) and np.array_equal(one.audio, two.audio)),
         })  # fmt: skip
     record = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "profile": profile.__dict__,
         "runs": runs,
         "graphs": engine.compiled.graphs if engine.compiled else None,

@@ -23,11 +23,9 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import json
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import call_peer, run_header, time_ms
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from full_size_smoke import REFERENCE, build_dit
 
@@ -51,11 +51,7 @@ class Record:
     def __init__(self, path: Path):
         self.path = path
         self.data: dict = {
-            "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU dry run)",
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "command": " ".join(sys.argv),
+            **run_header(),
             "profiles": {},
         }
 
@@ -107,26 +103,6 @@ def forward(dit, x: dict):
         x["video"], x["audio"], x["text"], x["timesteps"], x["timestep_indices"], x["token_tags"], x["rope"],
         x["video_indices"], x["audio_indices"], x["text_indices"], x.get("tables"),
     )  # fmt: skip
-
-
-def time_ms(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    if not torch.cuda.is_available():  # the --tiny dry run on a CPU: wall time, not a benchmark
-        for _ in range(iters):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return times
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -281,19 +257,7 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
     # The peer refines the text itself: the same states that went into ours' refine_text.
 
     def run():
-        return peer(
-            hidden_states=h["video"][None],
-            audio_hidden_states=h["audio"][None],
-            encoder_hidden_states=h["text_states"][None],
-            timestep=h["timesteps"],
-            timestep_indices=h["timestep_indices"],
-            token_tags=h["token_tags"],
-            position_ids=h["position_ids"],
-            video_indices=h["video_indices"],
-            audio_indices=h["audio_indices"],
-            text_indices=h["text_indices"],
-            return_dict=False,
-        )
+        return call_peer(peer, h)
 
     for execution in ("eager", "compile"):
         name = f"diffusers+{execution}"

@@ -11,16 +11,14 @@ at once, and how long each stage takes with plain eager PyTorch. Not a benchmark
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import re
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import run_header
 from PIL import Image
 from transformers import Qwen3VLConfig
 
@@ -148,11 +146,7 @@ def main() -> None:
     for run in runs.values():
         run.pop("_frames"), run.pop("_audio")
     record = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "request": "768x448, 56 frames, seed 42, the guide's T2VA case prompt; i2va adds one 768x448 keyframe",
         "steps_grid_points": args.steps,
         "build_s": round(build_s, 1),

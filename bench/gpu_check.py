@@ -16,9 +16,7 @@ Run on a CUDA machine from the repository root (diffusers 0.42.1 installed, as f
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from benchlib import call_peer, run_header, time_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -66,20 +65,6 @@ def packed_reference_shape(n_text: int, n_audio: int, n_video: int, cfg: dict, d
     }
 
 
-def time_ms(fn, warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def dit_check(layers: int, warmup: int, iters: int) -> dict:
     from diffusers import MiniMaxH3Transformer3DModel
     from safetensors.torch import save_file
@@ -104,19 +89,7 @@ def dit_check(layers: int, warmup: int, iters: int) -> dict:
     x = packed_reference_shape(537, 186, 5712, cfg, "cuda")
 
     def run_ref():
-        return ref(
-            hidden_states=x["video"][None],
-            audio_hidden_states=x["audio"][None],
-            encoder_hidden_states=x["text_states"][None],
-            timestep=x["timesteps"],
-            timestep_indices=x["timestep_indices"],
-            token_tags=x["token_tags"],
-            position_ids=x["position_ids"],
-            video_indices=x["video_indices"],
-            audio_indices=x["audio_indices"],
-            text_indices=x["text_indices"],
-            return_dict=False,
-        )
+        return call_peer(ref, x)
 
     def run_ours():
         text = ours.refine_text(x["text_states"])
@@ -168,11 +141,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     record = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "tiny_render": tiny_render_check(),
         "dit": dit_check(args.layers, args.warmup, args.iters),
     }

@@ -27,10 +27,8 @@ status is 1 if any required check failed or raised (listed under "failed").
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from benchlib import run_header, time_ms
 from torch import nn
 
 from h3serve.accel.humming import COMPUTE_CONFIG, HummingLinear, available, is_humming, quantize_blocks
@@ -57,13 +56,9 @@ class Record:
         self.path = path
         self.failed: list[str] = []
         self.data: dict = {
-            "date": datetime.date.today().isoformat(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            **run_header(),
             "capability": list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
-            "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "python": platform.python_version(),
-            "command": " ".join(sys.argv),
             "humming_cache_dir": os.environ.get("HUMMING_CACHE_DIR"),
             "compute_config": COMPUTE_CONFIG,
             "bounds": {"rel_err_vs_reference": MAX_REL_ERR_VS_REFERENCE, "tiny_err_vs_bf16": MAX_TINY_ERR_VS_BF16},
@@ -116,20 +111,6 @@ def shapes(cfg: DiTConfig) -> dict[str, tuple[int, int]]:
 
 def sync() -> None:
     torch.cuda.synchronize()
-
-
-def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        sync()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

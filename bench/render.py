@@ -12,9 +12,7 @@ text encoder's decoder layers in FP8 too (quantized in place, so last).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.compile import uncompile_repeated_blocks
@@ -35,11 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     components = build(torch.device("cuda"))
     record: dict = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
         "runs": {},
     }

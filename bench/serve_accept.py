@@ -16,9 +16,7 @@ Random weights say nothing about picture quality; this measures the service path
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import socket
 import sys
 import threading
@@ -31,6 +29,7 @@ import torch
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import run_header
 from full_size_smoke import build
 
 from h3serve.accept import AcceptPlan, run_accept
@@ -66,11 +65,7 @@ def main() -> None:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     result: dict = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU dry run)",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(device),
         "profile": engine.profile.__dict__,
         "build_random_weights_s": round(build_s, 2),
         "idle_allocated_gib": round(idle_mib / 1024, 2),

@@ -8,9 +8,7 @@ for the resident peak, and the engine's memory budget.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.linear import quantize_text_encoder
@@ -32,11 +31,7 @@ def main() -> None:
     components = build(torch.device("cuda"))
     gib = lambda: round(torch.cuda.memory_allocated() / 2**30, 2)  # noqa: E731
     record: dict = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
+        **run_header(),
         "all_bf16_gib": gib(),
     }
     prompt = t2va_prompt()

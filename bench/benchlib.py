@@ -1,0 +1,62 @@
+"""What every bench script records and how it times: the run's header (date, GPU, versions, the exact command) and a
+median-ready list of per-call times from CUDA events (wall time on a CPU dry run, which is not a benchmark)."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def run_header(device: torch.device | str | None = None) -> dict:
+    """date, gpu, torch, python and the command line, for a result file."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(device) if cuda else "none (CPU dry run)",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+    }
+
+
+def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
+    """Milliseconds per call of `fn` after `warmup` calls: CUDA events on a GPU, wall time on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if not torch.cuda.is_available():
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def call_peer(peer, x: dict):
+    """One forward of diffusers' MiniMaxH3Transformer3DModel on packed inputs named as our scripts name them."""
+    return peer(
+        hidden_states=x["video"][None],
+        audio_hidden_states=x["audio"][None],
+        encoder_hidden_states=x["text_states"][None],
+        timestep=x["timesteps"],
+        timestep_indices=x["timestep_indices"],
+        token_tags=x["token_tags"],
+        position_ids=x["position_ids"],
+        video_indices=x["video_indices"],
+        audio_indices=x["audio_indices"],
+        text_indices=x["text_indices"],
+        return_dict=False,
+    )
