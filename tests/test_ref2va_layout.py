@@ -16,6 +16,7 @@ from h3serve.pipeline.layout import (
     validate_references,
     video_time_span,
 )
+from layout_fixtures import assert_timestep_plan_matches_diffusers
 from oracle import oracle
 
 # A reference block as (kind, *sizes): ("image", lh, lw), ("video", frames, lh, lw, audio_latents), ("audio", n).
@@ -140,37 +141,9 @@ def test_ref2va_layout_matches_reference(case, height, width, num_frames):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ref2va_timestep_plan_matches_reference(case):
     oracle("diffusers")
-    from diffusers import MiniMaxH3Scheduler
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
-
     specs = CASES[case]
     layout = build_ref2va_layout(text_tags(specs), [ours(s) for s in specs], MediaGeometry.from_pixels(64, 96, 124))
-    video, audio = MiniMaxH3Scheduler(shift=12.0), MiniMaxH3Scheduler(shift=3.0)
-    video.set_timesteps(30)
-    audio.set_timesteps(30)
-    pairs = [
-        *zip(video.timesteps.tolist(), audio.timesteps.tolist(), strict=True),
-        (0.5, 0.5),
-        (0.9995, 0.2),
-        (0.999, 0.999),
-        (1.0, 1.0),
-        (0.3, 1.0),
-    ]
-    for t_v, t_a in pairs:
-        ref_t, ref_idx = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-            layout.video_indices,
-            layout.audio_indices,
-            layout.num_condition_video_rows,
-            layout.num_condition_audio_rows,
-            layout.num_text,
-            float(t_v),
-            float(t_a),
-            max(float(t_v), 0.999),
-            1.0,
-        )
-        ours_t, ours_idx = layout.timestep_plan(t_v, t_a)
-        assert torch.equal(ours_t, ref_t), (t_v, t_a)
-        assert torch.equal(ours_idx, ref_idx), (t_v, t_a)
+    assert_timestep_plan_matches_diffusers(layout, extra_pairs=[(1.0, 1.0), (0.3, 1.0)])
 
 
 def test_ref2va_clocks_and_cursor():
