@@ -287,7 +287,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
 
     request = engine.validate("a fox", steps=5, seed=4)
     with_tables = engine.render(request)
-    engine.tables = AdalnTables(dit, resident=True, cache_size=0)  # nothing kept: made again every time
+    engine.tables["fl2va"] = AdalnTables(dit, resident=True, cache_size=0)  # nothing kept: made again every time
     again = engine.render(request)
     np.testing.assert_array_equal(with_tables.frames, again.frames)
     np.testing.assert_array_equal(with_tables.audio, again.audio)
@@ -361,15 +361,15 @@ def test_default_schedule_tables_are_made_at_start_for_every_task(engine, monkey
     from h3serve.pipeline.sampling import step_timesteps
     from h3serve.pipeline.schedule import DualSchedule
 
-    monkeypatch.setattr(engine, "tables", AdalnTables(engine.components.dit, resident=True))
+    monkeypatch.setattr(engine, "tables", {"fl2va": AdalnTables(engine.components.dit, resident=True)})
     assert engine.prepare_tables() > 0
-    assert len(engine.tables._cache) == 2  # no keyframe rows, and keyframe rows (one clock more)
-    made = dict(engine.tables._cache)
+    assert len(engine.tables["fl2va"]._cache) == 2  # no keyframe rows, and keyframe rows (one clock more)
+    made = dict(engine.tables["fl2va"]._cache)
     schedule = DualSchedule.build(DEFAULT_STEPS, 12.0, 3.0)
     for anchors, canvas in (((), (128, 224, 22)), (("first", "last"), (224, 128, 39))):  # another shape and prompt
         layout = build_layout([1] * 17, MediaGeometry.from_pixels(*canvas), anchors)
-        assert any(engine.tables.for_steps(step_timesteps(layout, schedule)) is t for t in made.values())
-    assert len(engine.tables._cache) == 2  # nothing new was made
+        assert any(engine.tables["fl2va"].for_steps(step_timesteps(layout, schedule)) is t for t in made.values())
+    assert len(engine.tables["fl2va"]._cache) == 2  # nothing new was made
 
 
 def test_eager_precision_keeps_the_bf16_roundings_eager_makes_between_fused_ops():

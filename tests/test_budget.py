@@ -81,7 +81,7 @@ def test_fp8_options_shrink_exactly_the_components_they_quantize():
         bf16.device["dit"] + bf16.host["adaln_weights"]
     )
     tables = "adaln_tables (4 schedules of 49 steps)"
-    assert resident.device[tables] == bf16.host[tables] == pytest.approx(4 * 49 * 50 * 9 * 6 * 5376 * 2 / 2**30)
+    assert resident.device[tables] == bf16.host[tables] == pytest.approx(4 * 49 * 50 * 12 * 6 * 5376 * 2 / 2**30)
 
 
 def test_check_fits_names_what_is_short():

@@ -59,7 +59,10 @@ def test_a_release_without_ref2va_resolves_and_says_where_it_looked(release, tmp
     shutil.copytree(release, plain, ignore=shutil.ignore_patterns("transformer_ref"))
     folder = resolve_model_folder(plain)
     assert folder.ref_transformer is None
-    with pytest.raises(FileNotFoundError, match=r"has no Ref2VA DiT .*transformer_ref.*Ref2VA/transformer"):
+    with pytest.raises(
+        ValueError,
+        match=r"loads the Ref2VA DiT, but model folder .* has none \(looked for .*transformer_ref.*Ref2VA/transformer",
+    ):
         load_ref_dit(folder, device="cpu", dtype=torch.bfloat16)
 
 

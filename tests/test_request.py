@@ -97,7 +97,8 @@ def test_rules_are_data():
 # --- every error -------------------------------------------------------------------------------------------------
 
 ERRORS = [
-    (dict(task="ref2va"), "task must be one of t2va, i2va, l2va, fl2va"),
+    (dict(task="ref2va"), "task ref2va needs at least one reference file"),
+    (dict(task="v2va"), "task must be one of t2va, i2va, l2va, fl2va, ref2va"),
     (dict(task="T2VA"), "task"),
     (dict(prompt=""), "prompt"),
     (dict(prompt="   \n"), "prompt"),

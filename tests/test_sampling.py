@@ -284,5 +284,5 @@ def test_initial_rows_rejects_mismatches():
     geometry = MediaGeometry(latent_frames=2, latent_height=2, latent_width=2, audio_latents=3)
     layout = build_layout([1], geometry, ("first",))
     noise = InitialNoise(condition=(), video=torch.zeros(1, 4, 2, 2, 2), audio=torch.zeros(6, 4))
-    with pytest.raises(ValueError, match="keyframe"):
+    with pytest.raises(ValueError, match="visual condition"):
         initial_rows(layout, noise, [])

@@ -26,8 +26,9 @@ class Modality(IntEnum):
 NUM_MODALITIES = len(Modality)
 # Six modulation vectors per block: shift/scale/gate before attention and before the MLP.
 NUM_BLOCK_MODULATIONS = 6
-# Distinct timesteps one forward can see: the video clock, the audio clock and the keyframes' (layout.timestep_plan).
-MAX_TIMESTEPS = 3
+# Distinct timesteps one forward can see (layout.timestep_plan): the video clock, the audio clock, the keyframes' or
+# reference videos' max(t_video, 0.999), and Ref2VA's clean reference audio at 1.0.
+MAX_TIMESTEPS = 4
 
 # --- the released recipe --------------------------------------------------------------------------------------
 FPS = 24  # video frame rate

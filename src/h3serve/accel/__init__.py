@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from h3serve.accel import attention, humming, linear
 from h3serve.accel.adaln import AdalnHostHook
 from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
@@ -39,12 +41,15 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     attention.use(profile.attention)
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
-    if profile.linear == "CUTLASS" and not linear.is_quantized(components.dit):
-        linear.quantize_blocks(components.dit)
-    if profile.linear == "HUMMING" and not humming.is_humming(components.dit):
-        humming.quantize_blocks(components.dit)  # from the BF16 linears, or the loader's e4m3 ones
+    dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
+    for dit in dits:
+        if profile.linear == "CUTLASS" and not linear.is_quantized(dit):
+            linear.quantize_blocks(dit)
+        if profile.linear == "HUMMING" and not humming.is_humming(dit):
+            humming.quantize_blocks(dit)  # from the BF16 linears, or the loader's e4m3 ones
     if profile.text_linear == "CUTLASS" and not linear.is_text_quantized(components.text_encoder):
         linear.quantize_text_encoder(components.text_encoder)
     if profile.execution == "compile":
-        return compile_repeated_blocks(components.dit, eager_precision=profile.linear == "BF16")
+        # One compile for both DiTs: their blocks share the compiled code and one graph counter.
+        return compile_repeated_blocks(nn.ModuleList(dits), eager_precision=profile.linear == "BF16")
     return None

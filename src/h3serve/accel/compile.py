@@ -4,7 +4,7 @@ once, full graph, and the compiled code shared by every instance, as diffusers' 
 Only the row count is symbolic. Every call marks the first dimension of each tensor argument that has the row count
 (the rows, their AdaLN indices, the RoPE tables) as dynamic; every other size stays static (the modulation table is
 padded to `TABLE_ROWS`, widths are the model's). So the first forward compiles two graphs (block, refiner block) and
-nothing recompiles afterwards: not across the steps of a request (1, 2 or 3 distinct timesteps), nor across requests
+nothing recompiles afterwards: not across the steps of a request (1 to 4 distinct timesteps), nor across requests
 with other prompt lengths, tasks, canvases or frame counts. `GraphCounter` counts the graphs Dynamo hands to the
 backend, so that claim is checked, not assumed.
 

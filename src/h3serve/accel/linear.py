@@ -7,7 +7,7 @@
 
 Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2): 248 of the
 forward's ~250 TFLOP. The fp32 islands (patch projections, timestep MLP, output heads) are never quantized; the
-AdaLN projections (M <= 3 rows, so matrix-vector work) and the condition projection (once per request) stay in
+AdaLN projections (M <= 4 rows, so matrix-vector work) and the condition projection (once per request) stay in
 the compute dtype here.
 """
 

@@ -31,21 +31,48 @@ from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
 # Component folders both layouts share; the video VAE's differs (see `_video_vae_dir`).
 _SHARED = ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae")
 
+# Which DiTs a process loads (vLLM-Omni's task type): the FL2VA DiT serves t2va, i2va, l2va and fl2va; the Ref2VA DiT
+# serves ref2va. Each is 33 B parameters, so a process usually holds one.
+FL2VA, REF2VA = "fl2va", "ref2va"
+TASK_TYPES = {FL2VA: (FL2VA,), REF2VA: (REF2VA,), "both": (FL2VA, REF2VA)}
+
 
 @dataclass
 class Components:
-    """Every loaded model a render needs; the engine runs them."""
+    """Every loaded model a render needs; the engine runs them. `dit` is the FL2VA DiT, `ref_dit` the Ref2VA DiT;
+    either may be absent (not loaded), never both."""
 
-    dit: H3DiT
+    dit: H3DiT | None
     text_encoder: TextEncoder
     video_vae: VideoVAE
     audio_vae: AudioVAE
     name: str
+    ref_dit: H3DiT | None = None
+
+    @property
+    def dits(self) -> dict[str, H3DiT]:
+        """The loaded DiTs by kind (`FL2VA`, `REF2VA`)."""
+        return {kind: dit for kind, dit in ((FL2VA, self.dit), (REF2VA, self.ref_dit)) if dit is not None}
+
+    @property
+    def task_type(self) -> str:
+        """fl2va, ref2va or both: which DiTs are loaded."""
+        kinds = tuple(self.dits)
+        return next(name for name, loaded in TASK_TYPES.items() if loaded == kinds)
+
+    @property
+    def dit_config(self) -> DiTConfig:
+        """The (shared) architecture of the loaded DiTs."""
+        return next(iter(self.dits.values())).config
 
     def check(self) -> None:
-        """The components must fit each other (see `check_compatible`)."""
+        """The components must fit each other (see `check_compatible`), and the two DiTs share one architecture."""
+        if not self.dits:
+            raise ValueError("no DiT is loaded: load the FL2VA DiT, the Ref2VA DiT or both")
+        if self.dit is not None and self.ref_dit is not None and self.dit.config != self.ref_dit.config:
+            raise ValueError("the Ref2VA DiT's configuration differs from the FL2VA DiT's")
         text_hidden = self.text_encoder.model.config.text_config.hidden_size
-        check_compatible(self.dit.config, self.video_vae.cfg, self.audio_vae.cfg, text_hidden)
+        check_compatible(self.dit_config, self.video_vae.cfg, self.audio_vae.cfg, text_hidden)
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,18 @@ class ModelFolder:
     audio_vae_config: AudioVAEConfig
     text_hidden_size: int
     ref_transformer: Path | None = None  # the Ref2VA DiT's folder, when the release has one
+    ref_qkv_layout: str | None = None  # resolved like dit_qkv_layout, for the Ref2VA DiT's own files
+
+    def check_task_type(self, task_type: str) -> None:
+        """Whether this folder holds the DiTs `task_type` loads. ValueError naming what is missing otherwise."""
+        if task_type not in TASK_TYPES:
+            raise ValueError(f"task type must be one of {', '.join(TASK_TYPES)}, got {task_type!r}")
+        if REF2VA in TASK_TYPES[task_type] and self.ref_transformer is None:
+            raise ValueError(
+                f"task type {task_type} loads the Ref2VA DiT, but model folder {self.root} has none (looked for "
+                f"{self.root / 'transformer_ref'} and {self.root.parent / 'Ref2VA' / 'transformer'}); use task type "
+                "fl2va, or a release with the Ref2VA weights"
+            )
 
 
 def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> ModelFolder:
@@ -98,6 +137,7 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
     # Every weight file's header too (indexes, shards, key lists; no tensor data): a missing or truncated file
     # stops the start now, not after the components before it have loaded.
     dit_layout = resolve_dit_layout(open_checkpoint(root / "transformer"), qkv_layout)
+    ref_layout = None if ref is None else resolve_dit_layout(open_checkpoint(ref), qkv_layout)
     for weights in (root / "text_encoder", video_weights, audio_weights):
         open_checkpoint(weights)
     return ModelFolder(
@@ -114,6 +154,7 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
         audio_vae_config=audio_config,
         text_hidden_size=text_hidden,
         ref_transformer=ref,
+        ref_qkv_layout=None if ref_layout is None else ref_layout.qkv,
     )
 
 
@@ -188,17 +229,17 @@ def load_ref_dit(
     *,
     device: torch.device | str,
     dtype: torch.dtype,
-    qkv_layout: str | None = None,
     hook: LoadHook | None = None,
 ) -> H3DiT:
     """The Ref2VA DiT of a resolved folder, loaded as strictly as the FL2VA one (`load_dit`)."""
-    if folder.ref_transformer is None:
-        raise FileNotFoundError(
-            f"model folder {folder.root} has no Ref2VA DiT (looked for {folder.root / 'transformer_ref'} and "
-            f"{folder.root.parent / 'Ref2VA' / 'transformer'})"
-        )
+    folder.check_task_type(REF2VA)
     return load_dit(
-        folder.ref_transformer, device=device, dtype=dtype, config=folder.dit, qkv_layout=qkv_layout, hook=hook
+        folder.ref_transformer,
+        device=device,
+        dtype=dtype,
+        config=folder.dit,
+        qkv_layout=folder.ref_qkv_layout,
+        hook=hook,
     )
 
 
@@ -207,25 +248,34 @@ def load_components(
     *,
     device: torch.device | str,
     dtype: torch.dtype,
+    task_type: str = FL2VA,
     dit_hook: LoadHook | None = None,
     text_hook: LoadHook | None = None,
 ) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
-    islands and both VAEs stay float32). `dit_hook`, `text_hook`: per-tensor transforms for the DiT's and the text
-    encoder's weights as they load."""
-    return Components(
-        dit=load_dit(
+    islands and both VAEs stay float32). `task_type`: which DiTs (`TASK_TYPES`), checked before anything loads.
+    `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load."""
+    folder.check_task_type(task_type)
+    kinds = TASK_TYPES[task_type]
+    dit = ref_dit = None
+    if FL2VA in kinds:
+        dit = load_dit(
             folder.transformer,
             device=device,
             dtype=dtype,
             config=folder.dit,
             qkv_layout=folder.dit_qkv_layout,
             hook=dit_hook,
-        ),
+        )
+    if REF2VA in kinds:
+        ref_dit = load_ref_dit(folder, device=device, dtype=dtype, hook=dit_hook)
+    return Components(
+        dit=dit,
         text_encoder=load_text_encoder(
             folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype, hook=text_hook
         ),
         video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
         name=str(folder.root),
+        ref_dit=ref_dit,
     )

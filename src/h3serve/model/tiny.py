@@ -19,7 +19,7 @@ from transformers import Qwen3VLConfig, Qwen3VLModel
 from h3serve.config import SAMPLE_RATE, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.folder import Components
+from h3serve.model.folder import FL2VA, REF2VA, TASK_TYPES, Components
 from h3serve.model.text_encoder import (
     TextEncoder,
     load_image_processor,
@@ -178,15 +178,28 @@ def tiny_text_encoder(
     return TextEncoder(model, tokenizer, image_processor)
 
 
-def tiny_components(*, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Components:
-    """Build the tiny model. The DiT's weights are rounded to bfloat16 values (fp32 islands kept), like the released
+def tiny_dit(seed: int = TINY_SEED, dtype: torch.dtype = torch.float32) -> H3DiT:
+    """A tiny DiT with deterministic random weights rounded to bfloat16 values (fp32 islands kept), like the released
     checkpoint, so float32 and bfloat16 runs start from the same numbers."""
-    dit = randomize(H3DiT(TINY_DIT), TINY_SEED, keep=("rope.inv_freq",))
+    dit = randomize(H3DiT(TINY_DIT), seed, keep=("rope.inv_freq",))
     with torch.no_grad():
         for name, t in dit.state_dict(keep_vars=True).items():
             t.data = t.data.to(torch.float32 if is_fp32_name(name) else dtype)
             if not is_fp32_name(name):
                 t.data = t.data.to(torch.bfloat16).to(dtype)
+    return dit
+
+
+def tiny_components(
+    *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, task_type: str = FL2VA
+) -> Components:
+    """Build the tiny model: the DiTs `task_type` names (the FL2VA DiT, a Ref2VA DiT of the same shape with its own
+    weights, or both), the VAEs and the text encoder."""
+    if task_type not in TASK_TYPES:
+        raise ValueError(f"task type must be one of {', '.join(TASK_TYPES)}, got {task_type!r}")
+    kinds = TASK_TYPES[task_type]
+    dit = tiny_dit(TINY_SEED, dtype) if FL2VA in kinds else None
+    ref_dit = tiny_dit(TINY_SEED + 4, dtype) if REF2VA in kinds else None
     video_vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
     audio_vae = randomize(AudioVAE(TINY_AUDIO_VAE), TINY_SEED + 2, keep=("filter",))
     with torch.no_grad():
@@ -199,7 +212,9 @@ def tiny_components(*, device: torch.device | str = "cpu", dtype: torch.dtype = 
         seed=TINY_SEED + 3,
         dtype=dtype,
     )
-    parts = [dit, video_vae, audio_vae, text_encoder]
+    parts = [d for d in (dit, ref_dit) if d is not None] + [video_vae, audio_vae, text_encoder]
     for part in parts:
         part.to(device).eval().requires_grad_(False)
-    return Components(dit=dit, text_encoder=text_encoder, video_vae=video_vae, audio_vae=audio_vae, name="h3-tiny")
+    return Components(
+        dit=dit, text_encoder=text_encoder, video_vae=video_vae, audio_vae=audio_vae, name="h3-tiny", ref_dit=ref_dit
+    )

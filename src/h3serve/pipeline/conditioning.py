@@ -5,6 +5,8 @@
     present_references  the ref2va presentation: a label per reference (request order), vision blocks, the prompt
     encode_text       the presentation -> Qwen3-VL layer-50 rows, with each row's modality tag
     encode_keyframes  each fitted keyframe -> video VAE posterior -> one sampled, fp16-rounded, normalised latent
+    encode_references ref2va: image / video references as keyframes are (the video's 17n+5 prefix); soundtracks and
+                      audio references -> the audio VAE's posterior mean, normalised, as clean channel-major rows
 
 Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each keyframe,
 in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n <|vision_end|>`; the rows
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from h3serve.config import Modality
+from h3serve.model.audio_vae import AudioVAE
 from h3serve.model.latents import LatentStats
 from h3serve.model.text_encoder import TextEncoder
 from h3serve.model.video_vae import VideoVAE, posterior_sample
@@ -365,3 +368,39 @@ def encode_keyframes(vae: VideoVAE, keyframes: Sequence[Image.Image]) -> list[to
         mean, logvar = moments.chunk(2, dim=1)
         latents.append(sample_keyframe_latents(mean, logvar, vae.cfg.latent_stats))
     return latents
+
+
+@dataclass(frozen=True)
+class ReferenceLatents:
+    """A ref2va request's conditioning latents, in packed (request) order."""
+
+    video: tuple[torch.Tensor, ...]  # per image / video reference: (1, C, F, h, w) normalised, float32 on the CPU
+    audio: tuple[torch.Tensor, ...]  # per audio-bearing reference: (2 * Na, C_a) channel-major rows, float32, CPU
+
+
+@torch.no_grad()
+def encode_references(video_vae: VideoVAE, audio_vae: AudioVAE, references: Sequence) -> ReferenceLatents:
+    """Decoded references (`pipeline.references.DecodedReference`, request order) -> their conditioning latents.
+
+    An image is encoded as one frame, a video as its longest 17n+5 prefix (`vae_frames`), each like a keyframe: the
+    posterior sampled under its own seeded generator, rounded to float16, normalised. A soundtrack or an audio
+    reference (float32 (2, N) at 32 kHz) goes through the audio VAE's encoder, each stereo channel as a batch item;
+    its posterior *mean* is normalised and laid out channel-major, never sampled, never noised.
+    """
+    video_device = next(video_vae.parameters()).device
+    audio_device = next(audio_vae.parameters()).device
+    video, audio = [], []
+    for ref in references:
+        kind = _reference_kind(ref)
+        if kind in (IMAGE_KIND, VIDEO_KIND):
+            pixels = ref.pixels if kind == VIDEO_KIND else ref.pixels[None]  # (F, H, W, 3) uint8
+            rgb = torch.from_numpy(np.array(pixels[: ref.vae_frames])).to(video_device)  # a writable copy
+            moments = video_vae.encode(video_vae.rgb_to_input(rgb[None]))  # (1, 2C, F', h, w)
+            mean, logvar = moments.chunk(2, dim=1)
+            video.append(sample_keyframe_latents(mean, logvar, video_vae.cfg.latent_stats))
+        if ref.audio is not None:
+            wave = torch.from_numpy(np.ascontiguousarray(ref.audio, dtype=np.float32)).to(audio_device)
+            latents = audio_vae.encode(wave[:, None]).float().cpu()  # (2, C_a, Na): the posterior mean
+            normalized = audio_vae.cfg.latent_stats.normalize(latents)
+            audio.append(normalized.transpose(1, 2).reshape(-1, normalized.shape[1]))
+    return ReferenceLatents(tuple(video), tuple(audio))

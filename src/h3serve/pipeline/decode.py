@@ -48,7 +48,9 @@ def decode_video(
 
 @torch.no_grad()
 def decode_audio(vae: AudioVAE, audio_rows: torch.Tensor, layout: PackedLayout) -> np.ndarray:
-    """audio_rows: (channels * Na, C) channel-major. Returns (channels, Na * hop) float32 at the VAE's sample rate."""
-    latents = audio_rows_to_latents(audio_rows, layout.audio_channels)  # (2, C, Na), the mono VAE's batch
+    """audio_rows: every audio row of the layout, reference rows first (as the denoise loop returns them); the
+    generated ones are (channels * Na, C) channel-major. Returns (channels, Na * hop) float32 at the VAE's rate."""
+    generated = audio_rows[layout.num_condition_audio_rows :]
+    latents = audio_rows_to_latents(generated, layout.audio_channels)  # (2, C, Na), the mono VAE's batch
     wave = vae.decode(vae.cfg.latent_stats.denormalize(latents))  # (2, 1, Na * hop)
     return wave[:, 0].float().cpu().numpy()

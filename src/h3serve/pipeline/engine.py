@@ -1,8 +1,9 @@
 """The engine: built once from loaded components (or a model folder, or the built-in tiny model) and a profile;
 renders requests by running the stages of the data flow in order and timing each:
 
-    text       prompt + fitted keyframes -> Qwen3-VL layer-50 rows and tags       (pipeline.conditioning)
-    keyframes  fitted keyframes -> video VAE posterior samples, normalised         (pipeline.conditioning)
+    text       prompt + fitted keyframes (or references) -> Qwen3-VL rows and tags  (pipeline.conditioning)
+    keyframes  fitted keyframes -> video VAE posterior samples, normalised;        (pipeline.conditioning)
+               ref2va: image/video references the same way, soundtracks and audio references -> clean audio rows
     layout     packed rows, tags, positions, indices; the request's noise          (pipeline.layout, .sampling)
     tables     every block's AdaLN modulation table for every step (cached)        (accel.adaln)
     denoise    N-1 DiT forwards (text refiner, RoPE and indices bound once)        (pipeline.sampling)
@@ -30,17 +31,26 @@ from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
-from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
+from h3serve.model.folder import FL2VA, REF2VA, Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.budget import dit_activation_bytes, largest_request_rows
-from h3serve.pipeline.conditioning import encode_keyframes, encode_text, fit_keyframes
+from h3serve.pipeline.conditioning import (
+    RELEASED_VIDEO_PROCESSING,
+    VideoProcessing,
+    encode_keyframes,
+    encode_references,
+    encode_text,
+    fit_keyframes,
+)
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
-from h3serve.pipeline.layout import TASK_ANCHORS, MediaGeometry, build_layout
+from h3serve.pipeline.layout import TASK_ANCHORS, MediaGeometry, Reference, build_layout, build_ref2va_layout
+from h3serve.pipeline.references import reference_descriptors
 from h3serve.pipeline.request import (
     RELEASED_RULES,
     TINY_RULES,
     RenderRequest,
+    RequestError,
     RequestRules,
     validate_request,
 )
@@ -213,33 +223,65 @@ class Engine:
     One render runs at a time (a lock), whoever calls: the CLI, the service's worker, the warmup.
     """
 
-    def __init__(self, components: Components, profile: Profile, rules: RequestRules = RELEASED_RULES):
+    def __init__(
+        self,
+        components: Components,
+        profile: Profile,
+        rules: RequestRules = RELEASED_RULES,
+        video_processing: VideoProcessing = RELEASED_VIDEO_PROCESSING,
+    ):
         components.check()
         self.components = components
         self.profile = profile
         self.rules = rules
+        self.video_processing = video_processing  # how Qwen reads a reference video (the processor's config)
         self.lock = threading.Lock()
         self.compiled: GraphCounter | None = apply_profile(components, profile)
-        self.tables = AdalnTables(components.dit, resident=profile.adaln_resident)
+        # One AdaLN table cache per loaded DiT (FL2VA, Ref2VA): same architecture, different weights.
+        self.tables = {kind: AdalnTables(dit, resident=profile.adaln_resident) for kind, dit in components.dits.items()}
 
     @classmethod
-    def load(cls, model: str | Path | ModelFolder | None, profile: Profile) -> Engine:
-        """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved)."""
+    def load(cls, model: str | Path | ModelFolder | None, profile: Profile, task_type: str = FL2VA) -> Engine:
+        """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
+        `task_type`: which DiTs to load (fl2va, ref2va or both; `model.folder.TASK_TYPES`), checked first."""
         if model is None:
-            components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype)
+            components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
             return cls(components, profile, TINY_RULES)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
+        folder.check_task_type(task_type)
+        config = folder.processor / "video_preprocessor_config.json"
+        video_processing = VideoProcessing.from_folder(folder.processor) if config.is_file() else None
         components = load_components(
-            folder, device=profile.torch_device, dtype=profile.torch_dtype, **load_hooks(profile)
+            folder, device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type, **load_hooks(profile)
         )
-        return cls(components, profile)
+        return cls(components, profile, RELEASED_RULES, video_processing or RELEASED_VIDEO_PROCESSING)
 
     @property
     def name(self) -> str:
         return self.components.name
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this engine serves: the base modes with the FL2VA DiT, ref2va with the Ref2VA DiT."""
+        base = tuple(TASK_ANCHORS) if self.components.dit is not None else ()
+        return base + ((REF2VA,) if self.components.ref_dit is not None else ())
+
+    def check_task(self, task: str) -> None:
+        """RequestError("task") for a task whose DiT this engine did not load, saying how to start one that does."""
+        if task in self.tasks or (task not in TASK_ANCHORS and task != REF2VA):
+            return  # served, or unknown (validate_request names the tasks)
+        needed = (
+            "the Ref2VA DiT (task type ref2va or both)" if task == REF2VA else "the FL2VA DiT (task type fl2va or both)"
+        )
+        raise RequestError(
+            "task",
+            f"task {task} needs {needed}, but this server was started with task type {self.components.task_type} "
+            f"and serves only {', '.join(self.tasks)}; restart it with H3_TASK_TYPE (--task-type) set to include it",
+        )
+
     def validate(self, prompt: str, **kwargs) -> RenderRequest:
-        """`validate_request` under this model's canvas and frame rules."""
+        """`validate_request` under this model's canvas and frame rules, for a task whose DiT is loaded."""
+        self.check_task(kwargs.get("task", "t2va"))
         return validate_request(prompt, rules=self.rules, **kwargs)
 
     @contextmanager
@@ -279,7 +321,10 @@ class Engine:
         self, request: RenderRequest, ctx: RenderContext, on_step: Callable[[int, int], None] | None
     ) -> RenderResult:
         c, device = self.components, self.profile.torch_device
-        cfg = c.dit.config
+        self.check_task(request.task)
+        kind = REF2VA if request.task == REF2VA else FL2VA
+        dit = c.dits[kind]
+        cfg = dit.config
         timings: dict[str, float] = {}
         start = time.perf_counter()
 
@@ -289,24 +334,42 @@ class Engine:
             ctx.report("denoise", done, total)
 
         with self._stage(timings, "text", ctx):
-            keyframes = fit_keyframes(request.keyframes, request.width, request.height)
-            text = encode_text(c.text_encoder, request.prompt, keyframes)
+            if kind == REF2VA:
+                keyframes = []
+                text = encode_text(
+                    c.text_encoder,
+                    request.prompt,
+                    references=request.references,
+                    video_processing=self.video_processing,
+                )
+            else:
+                keyframes = fit_keyframes(request.keyframes, request.width, request.height)
+                text = encode_text(c.text_encoder, request.prompt, keyframes)
 
         with self._stage(timings, "keyframes", ctx):
-            keyframe_latents = encode_keyframes(c.video_vae, keyframes)
+            condition_audio = ()
+            if kind == REF2VA:
+                latents = encode_references(c.video_vae, c.audio_vae, request.references)
+                condition_latents, condition_audio = latents.video, latents.audio
+            else:
+                condition_latents = encode_keyframes(c.video_vae, keyframes)
 
         with self._stage(timings, "layout", ctx):
             geometry = MediaGeometry.from_pixels(request.height, request.width, request.num_frames)
-            layout = build_layout(text.token_tags, geometry, request.anchors, patch_size=cfg.patch_size)
+            if kind == REF2VA:
+                blocks = reference_descriptors(request.references)
+                layout = build_ref2va_layout(text.token_tags, blocks, geometry, patch_size=cfg.patch_size)
+            else:
+                layout = build_layout(text.token_tags, geometry, request.anchors, patch_size=cfg.patch_size)
             noise = draw_layout_noise(request_generator(request.seed), layout, cfg.latents_dim, cfg.audio_latents_dim)
-            video_rows, audio_rows = initial_rows(layout, noise, keyframe_latents)
+            video_rows, audio_rows = initial_rows(layout, noise, condition_latents, condition_audio)
             schedule = DualSchedule.build(request.steps, request.video_shift, request.audio_shift)
 
         with self._stage(timings, "tables", ctx):
-            tables = self.tables.for_steps(step_timesteps(layout, schedule))
+            tables = self.tables[kind].for_steps(step_timesteps(layout, schedule))
 
         with self._stage(timings, "denoise", ctx):
-            model = bind_model(c.dit, layout, text.states, tables)
+            model = bind_model(dit, layout, text.states, tables)
             video_rows, audio_rows = denoise(
                 model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
             )
@@ -343,15 +406,22 @@ class Engine:
             return sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type) / gib
 
         c = self.components
-        report = {
-            name: round(on_device(getattr(c, name)), 3) for name in ("dit", "text_encoder", "video_vae", "audio_vae")
-        }
+        names = {FL2VA: "dit", REF2VA: "ref_dit"}
+        report = {names[kind]: round(on_device(dit), 3) for kind, dit in c.dits.items()}
+        for name in ("text_encoder", "video_vae", "audio_vae"):
+            report[name] = round(on_device(getattr(c, name)), 3)
         report["weights_total"] = round(sum(report.values()), 3)
-        host = [p for b in c.dit.blocks for p in b.adaln_proj.parameters() if p.device.type != device.type]
+        host = [
+            p
+            for dit in c.dits.values()
+            for b in dit.blocks
+            for p in b.adaln_proj.parameters()
+            if p.device.type != device.type
+        ]
         report["adaln_in_host_memory"] = round(sum(p.numel() * p.element_size() for p in host) / gib, 3)
-        rows = largest_request_rows(c.dit.config, self.rules, text_rows)
+        rows = largest_request_rows(c.dit_config, self.rules, text_rows)
         report["largest_request_rows"] = rows
-        report["dit_activations_at_largest"] = round(dit_activation_bytes(c.dit.config, rows) / gib, 3)
+        report["dit_activations_at_largest"] = round(dit_activation_bytes(c.dit_config, rows) / gib, 3)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             report["device_free"], report["device_total"] = round(free / gib, 3), round(total / gib, 3)
@@ -359,29 +429,41 @@ class Engine:
 
     def prepare_tables(self) -> float:
         """Make the AdaLN tables of the default schedule (`DEFAULT_STEPS` grid points, the default shifts) for every
-        task, so that requests with the defaults find them made (a start-up step; other schedules are made on
-        demand). Only each step's distinct timesteps matter, so a one-row prompt on the warmup's canvas stands in for
-        the requests. Returns the seconds it took."""
+        task the loaded DiTs serve, so that requests with the defaults find them made (a start-up step; other
+        schedules are made on demand). Only each step's distinct timesteps matter, and those depend only on which
+        clocks a layout has, so a one-row prompt on the warmup's canvas stands in for the requests: per base mode,
+        and for ref2va without and with reference audio. Returns the seconds it took."""
         start = time.perf_counter()
         schedule = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT)
         shape = self.warmup_request()
         geometry = MediaGeometry.from_pixels(shape.height, shape.width, shape.num_frames)
+        patch = self.components.dit_config.patch_size
+        layouts = {FL2VA: [], REF2VA: []}
         for anchors in dict.fromkeys(TASK_ANCHORS.values()):
-            layout = build_layout([1], geometry, anchors, patch_size=self.components.dit.config.patch_size)
-            self.tables.for_steps(step_timesteps(layout, schedule))
+            layouts[FL2VA].append(build_layout([1], geometry, anchors, patch_size=patch))
+        image = Reference.image(patch[1], patch[2])
+        for refs in ([image], [image, Reference.audio(1)]):
+            layouts[REF2VA].append(build_ref2va_layout([1], refs, geometry, patch_size=patch))
+        for kind, tables in self.tables.items():
+            for layout in layouts[kind]:
+                tables.for_steps(step_timesteps(layout, schedule))
         return time.perf_counter() - start
 
     def warmup_request(self) -> RenderRequest:
-        """The production shape (768x448, 56 frames, T2VA for the released model; the tiny model's own default)."""
+        """The production shape (768x448, 56 frames for the released model; the tiny model's own default): T2VA, or
+        with only the Ref2VA DiT loaded, ref2va with one generated image reference."""
         size = self.rules.warmup_size
+        task = "t2va" if "t2va" in self.tasks else REF2VA
+        extra = {"references": [("warmup.png", _warmup_reference())]} if task == REF2VA else {}
         return self.validate(
             WARMUP_PROMPT,
-            task="t2va",
+            task=task,
             width=size[0] if size else None,
             height=size[1] if size else None,
             num_frames=self.rules.warmup_frames,
             steps=WARMUP_STEPS,
             seed=0,
+            **extra,
         )
 
     def warmup(self, threads: int = DEFAULT_THREADS) -> WarmupResult:
@@ -406,6 +488,17 @@ class Engine:
             log.exception("warmup failed")
             return WarmupResult(False, time.perf_counter() - start, shape, f"{type(err).__name__}: {err}")
         return WarmupResult(True, time.perf_counter() - start, shape)
+
+
+def _warmup_reference() -> bytes:
+    """A square PNG (colour gradients) standing in for a reference image in a Ref2VA-only warmup."""
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, 64, dtype=np.float32)
+    rgb = np.stack([ramp[None, :].repeat(64, 0), ramp[:, None].repeat(64, 1), 255 - ramp[None, :].repeat(64, 0)], -1)
+    buffer = io.BytesIO()
+    Image.fromarray(rgb.astype(np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _peak_memory_mb(device: torch.device) -> float:

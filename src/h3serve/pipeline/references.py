@@ -35,11 +35,16 @@ from PIL import Image
 
 from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, SAMPLE_RATE, SPATIAL_RATIO
 from h3serve.pipeline.layout import MediaGeometry, Reference, validate_references
-from h3serve.pipeline.request import CanvasRule, FrameRule, RequestError, decode_keyframe, resolve_canvas
+from h3serve.pipeline.request import (
+    RELEASED_RULES,
+    CanvasRule,
+    RequestError,
+    RequestRules,
+    decode_keyframe,
+    resolve_canvas,
+)
 
 IMAGE, VIDEO, AUDIO = "image", "video", "audio"
-REFERENCE_IMAGE_SHORT_EDGE = 2048  # diffusers' `reference_image_short_edge`
-REFERENCE_CANVAS = CanvasRule()  # a reference video goes on the target's canvas rule, at its own aspect ratio
 # The fewest frames a reference video may have on the 24 fps grid: the shortest clip the video VAE encodes (17n+5,
 # n >= 1). diffusers has no such check (it would hand the VAE a shorter clip); this is our own refusal.
 MIN_REFERENCE_VIDEO_FRAMES = CLIP_FRAMES + LATENTS_PER_CLIP
@@ -88,7 +93,9 @@ def snap_frames_down(num_frames: int) -> int:
     return max(1, (num_frames - LATENTS_PER_CLIP) // CLIP_FRAMES) * CLIP_FRAMES + LATENTS_PER_CLIP
 
 
-def reference_image_size(width: int, height: int, short_edge: int = REFERENCE_IMAGE_SHORT_EDGE, multiple: int = 32):
+def reference_image_size(
+    width: int, height: int, short_edge: int = RELEASED_RULES.reference_short_edge, multiple: int = 32
+):
     """(width, height) an image reference is encoded at: short edge `short_edge`, each side rounded to `multiple`."""
     scale = short_edge / min(width, height)
     return max(multiple, round(width * scale / multiple) * multiple), max(
@@ -181,16 +188,18 @@ def decode_references(
     *,
     num_frames: int | None = None,
     mute: Collection[int] = (),
+    rules: RequestRules = RELEASED_RULES,
 ) -> tuple[DecodedReference, ...]:
     """Decode and validate a Ref2VA request's reference files, in request order.
 
     items: encoded files, each `bytes` or `(name, bytes)` (the name only appears in messages). num_frames: the
     request's generated frame count on the 17n+5 grid (None: the longest the model allows); videos and soundtracks
-    are truncated to it. mute: positions of video references whose soundtrack is dropped.
+    are truncated to it. mute: positions of video references whose soundtrack is dropped. rules: the model's canvas
+    rule (a video's canvas) and reference image short edge.
     Raises RequestError with field "references[i]" (or "references" for an empty list).
     """
     if num_frames is None:
-        num_frames = FrameRule().max_frames
+        num_frames = rules.frames.max_frames
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
         raise RequestError("num_frames", f"num_frames must be a positive integer, got {num_frames!r}")
     named = [_split(i, item) for i, item in enumerate(items)]
@@ -203,9 +212,9 @@ def decode_references(
     decoded = []
     for i, ((name, data), kind) in enumerate(zip(named, kinds, strict=True)):
         if kind == IMAGE:
-            decoded.append(_decode_image(i, name, data))
+            decoded.append(_decode_image(i, name, data, rules))
         elif kind == VIDEO:
-            decoded.append(_decode_video(i, name, data, num_frames, keep_sound=i not in mute))
+            decoded.append(_decode_video(i, name, data, num_frames, rules.canvas, keep_sound=i not in mute))
         else:
             decoded.append(_decode_audio(i, name, data, max_seconds))
     return tuple(decoded)
@@ -265,7 +274,7 @@ def _check_counts(kinds: Sequence[str]) -> None:
         raise RequestError(match.group(0) if match else "references", str(e)) from e
 
 
-def _decode_image(i: int, name: str | None, data: bytes) -> DecodedReference:
+def _decode_image(i: int, name: str | None, data: bytes, rules: RequestRules) -> DecodedReference:
     field = f"references[{i}]"
     try:
         image = Image.open(io.BytesIO(data))
@@ -280,13 +289,14 @@ def _decode_image(i: int, name: str | None, data: bytes) -> DecodedReference:
         raise RequestError(field, f"{_where(i, name)}: {e}".replace(f"keyframes[{i}] ", "")) from e
     width, height = image.size
     ratio = width / height
-    if not REFERENCE_CANVAS.min_aspect <= ratio <= REFERENCE_CANVAS.max_aspect:
+    canvas = rules.canvas
+    if not canvas.min_aspect <= ratio <= canvas.max_aspect:
         raise RequestError(
             field,
             f"{_where(i, name)}: the image's aspect ratio {width}x{height} ({ratio:.3g}) must be within "
-            f"[{REFERENCE_CANVAS.min_aspect:g}, {REFERENCE_CANVAS.max_aspect:g}]",
+            f"[{canvas.min_aspect:g}, {canvas.max_aspect:g}]",
         )
-    size = reference_image_size(width, height, multiple=REFERENCE_CANVAS.multiple)
+    size = reference_image_size(width, height, rules.reference_short_edge, canvas.multiple)
     if image.size != size:
         image = image.resize(size, Image.Resampling.LANCZOS)
     return DecodedReference(
@@ -294,7 +304,9 @@ def _decode_image(i: int, name: str | None, data: bytes) -> DecodedReference:
     )
 
 
-def _decode_video(i: int, name: str | None, data: bytes, num_frames: int, keep_sound: bool) -> DecodedReference:
+def _decode_video(
+    i: int, name: str | None, data: bytes, num_frames: int, rule: CanvasRule, keep_sound: bool
+) -> DecodedReference:
     field = f"references[{i}]"
     where = _where(i, name)
     try:
@@ -312,7 +324,7 @@ def _decode_video(i: int, name: str | None, data: bytes, num_frames: int, keep_s
                     width, height = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
                     source_size = (width, height)
                     try:
-                        canvas = resolve_canvas(width, height, REFERENCE_CANVAS)
+                        canvas = resolve_canvas(width, height, rule)
                     except ValueError as e:
                         raise RequestError(field, f"{where}: {e}") from e
                 rgb = frame.to_ndarray(format="rgb24")

@@ -18,18 +18,23 @@ from __future__ import annotations
 import io
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from PIL import Image, ImageOps
 
 from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, VIDEO_SHIFT
+from h3serve.model.folder import REF2VA
 from h3serve.pipeline.layout import TASK_ANCHORS
 from h3serve.pipeline.schedule import DualSchedule
 
 log = logging.getLogger(__name__)
 
-TASKS = tuple(TASK_ANCHORS)
+if TYPE_CHECKING:
+    from h3serve.pipeline.references import DecodedReference
+
+TASKS = (*TASK_ANCHORS, REF2VA)  # the four base modes run the FL2VA DiT; ref2va runs the Ref2VA DiT
 MAX_SEED = 2**63 - 1
 
 
@@ -132,6 +137,9 @@ class RequestRules:
     # The startup warmup's shape: the production request's canvas and frame count (None: the rules' defaults).
     warmup_size: tuple[int, int] | None = (768, 448)
     warmup_frames: int | None = 56
+    # Ref2VA: a reference image is resized so that its short edge is this (diffusers' `reference_image_short_edge`);
+    # a reference video goes onto `canvas` at its own aspect ratio.
+    reference_short_edge: int = 2048
 
 
 RELEASED_RULES = RequestRules()
@@ -142,6 +150,7 @@ TINY_RULES = RequestRules(
     frames=FrameRule(default_frames=22),
     warmup_size=None,
     warmup_frames=None,
+    reference_short_edge=128,
 )
 
 
@@ -159,11 +168,12 @@ class RenderRequest:
     video_shift: float
     audio_shift: float
     keyframes: tuple[Image.Image, ...] = ()
+    references: tuple[DecodedReference, ...] = ()  # ref2va: decoded references, in request order
     notices: tuple[str, ...] = ()
 
     @property
     def anchors(self) -> tuple[str, ...]:
-        return TASK_ANCHORS[self.task]
+        return TASK_ANCHORS.get(self.task, ())
 
 
 def resolve_canvas(aspect_width: float, aspect_height: float, rule: CanvasRule = CanvasRule()) -> tuple[int, int]:
@@ -224,14 +234,21 @@ def validate_request(
     video_shift: float = VIDEO_SHIFT,
     audio_shift: float = AUDIO_SHIFT,
     keyframes: Sequence[Image.Image | bytes] = (),
+    references: Sequence[bytes | tuple[str | None, bytes]] = (),
+    mute_references: Collection[int] = (),
     rules: RequestRules = RELEASED_RULES,
 ) -> RenderRequest:
     """Check a request against the model's rules; return it normalised, with notices for any adjustment.
 
-    num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio.
+    num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio (ref2va:
+    16:9, as the reference pipeline does). references: ref2va's encoded files, each `bytes` or `(name, bytes)`,
+    decoded here (`pipeline.references`); mute_references: positions of video references whose soundtrack is left
+    out.
     """
-    if task not in TASK_ANCHORS:
+    if task not in TASKS:
         raise RequestError("task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task != REF2VA and (references or mute_references):
+        raise RequestError("references", f"references: only task ref2va takes references, got task {task}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt", "prompt must be a non-empty string")
     images = _check_keyframes(task, keyframes)
@@ -240,6 +257,13 @@ def validate_request(
     num_frames, frame_notices = rules.frames.check(requested)
     notices += frame_notices
     steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules)
+    decoded = ()
+    if task == REF2VA:
+        from h3serve.pipeline.references import decode_references  # it builds on this module
+
+        if not references:
+            raise RequestError("references", "references: task ref2va needs at least one reference file")
+        decoded = decode_references(references, num_frames=num_frames, mute=mute_references, rules=rules)
 
     for notice in notices:
         log.info("request: %s", notice)
@@ -254,18 +278,19 @@ def validate_request(
         video_shift=float(video_shift),
         audio_shift=float(audio_shift),
         keyframes=images,
+        references=decoded,
         notices=tuple(notices),
     )
 
 
 def _check_keyframes(task: str, keyframes: Sequence[Image.Image | bytes]) -> tuple[Image.Image, ...]:
     """As many keyframes as the task packs, each decoded to RGB."""
-    expected = len(TASK_ANCHORS[task])
+    expected = len(TASK_ANCHORS.get(task, ()))
     keyframes = tuple(keyframes or ())
     if len(keyframes) != expected:
         raise RequestError(
             "keyframes",
-            f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS[task]) or 'none'}), "
+            f"keyframes: task {task} takes {expected} keyframe(s) ({', '.join(TASK_ANCHORS.get(task, ())) or 'none'}), "
             f"got {len(keyframes)}",
         )
     return tuple(decode_keyframe(i, k) for i, k in enumerate(keyframes))

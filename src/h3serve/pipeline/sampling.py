@@ -1,9 +1,9 @@
 """Initial noise and the denoise loop.
 
-The request's one CPU generator draws, in this order: one tensor per keyframe (its conditioning noise), the
-video noise as a latent `(1, C, F, H, W)`, then the audio noise directly as channel-major rows. (Keyframe VAE
-posteriors are sampled with their own generator, in the conditioning stage.) Changing any of this changes every
-render of a seed.
+The request's one CPU generator draws, in this order: one tensor per visual condition (a keyframe, or a Ref2VA image
+or video reference, in packed order; each shaped like its latent), the video noise as a latent `(1, C, F, H, W)`,
+then the audio noise directly as channel-major rows. (VAE posteriors are sampled with their own generator, in the
+conditioning stage; reference audio is never noised.) Changing any of this changes every render of a seed.
 
 The loop is a stateless function over a model callable: the text rows, RoPE table, tags and scatter indices of
 a request are bound once (`bind_model`) and the loop only passes rows and timesteps.
@@ -29,7 +29,7 @@ StepCallback = Callable[[int, int], None]
 class InitialNoise:
     """float32 CPU noise of one request, in draw order."""
 
-    condition: tuple[torch.Tensor, ...]  # one per keyframe, each shaped like its latent (1, C, 1, H, W)
+    condition: tuple[torch.Tensor, ...]  # one per keyframe / visual reference, shaped like its latent (1, C, F, H, W)
     video: torch.Tensor  # (1, C, F, H, W)
     audio: torch.Tensor  # (channels * Na, C_audio), channel-major rows
 
@@ -57,12 +57,18 @@ def draw_noise(
 def draw_layout_noise(
     generator: torch.Generator, layout: PackedLayout, video_channels: int, audio_channels: int
 ) -> InitialNoise:
-    """`draw_noise` with the shapes a layout implies: one latent frame per keyframe, the target video latent, and
-    the channel-major audio rows. video_channels / audio_channels: the DiT's latents_dim / audio_latents_dim."""
+    """`draw_noise` with the shapes a layout implies: one latent frame per keyframe (or each visual reference's
+    latent), the target video latent, and the channel-major audio rows. video_channels / audio_channels: the DiT's
+    latents_dim / audio_latents_dim."""
     g = layout.geometry
     frame = (1, video_channels, 1, g.latent_height, g.latent_width)
+    conditions = [frame] * len(layout.anchors) + [
+        (1, video_channels, ref.latent_frames, ref.latent_height, ref.latent_width)
+        for ref in layout.references
+        if ref.has_video
+    ]
     video = (1, video_channels, g.latent_frames, g.latent_height, g.latent_width)
-    return draw_noise(generator, [frame] * len(layout.anchors), video, (layout.num_audio_rows, audio_channels))
+    return draw_noise(generator, conditions, video, (layout.num_audio_rows, audio_channels))
 
 
 def request_generator(seed: int) -> torch.Generator:
@@ -76,12 +82,22 @@ def noise_condition(latents: torch.Tensor, noise: torch.Tensor, level: float = C
 
 
 def initial_rows(
-    layout: PackedLayout, noise: InitialNoise, condition_latents: Sequence[torch.Tensor] = ()
+    layout: PackedLayout,
+    noise: InitialNoise,
+    condition_latents: Sequence[torch.Tensor] = (),
+    condition_audio: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed video rows (keyframe rows first) and audio rows the loop starts from, float32."""
-    if len(condition_latents) != len(layout.anchors) or len(noise.condition) != len(layout.anchors):
+    """The packed video rows (conditioning rows first) and audio rows (reference audio rows first) the loop starts
+    from, float32.
+
+    condition_latents: the normalised latent of each keyframe or visual reference, in packed order, noised here to
+    the conditioning level. condition_audio: Ref2VA's clean reference audio rows, one (2 * Na_i, C_a) tensor per
+    audio-bearing reference in packed order.
+    """
+    expected = len(layout.anchors) + sum(ref.has_video for ref in layout.references)
+    if len(condition_latents) != expected or len(noise.condition) != expected:
         raise ValueError(
-            f"the layout packs {len(layout.anchors)} keyframe(s) but got {len(condition_latents)} latent(s) "
+            f"the layout packs {expected} visual condition(s) but got {len(condition_latents)} latent(s) "
             f"and {len(noise.condition)} noise tensor(s)"
         )
     rows = [
@@ -94,7 +110,13 @@ def initial_rows(
         raise ValueError(f"{video.shape[0]} video rows do not fit the layout's {layout.video_indices.numel()}")
     if noise.audio.shape[0] != layout.num_audio_rows:
         raise ValueError(f"{noise.audio.shape[0]} audio rows do not fit the layout's {layout.num_audio_rows}")
-    return video, noise.audio
+    audio = torch.cat([*(a.float().cpu() for a in condition_audio), noise.audio])
+    if audio.shape[0] != layout.num_condition_audio_rows + layout.num_audio_rows:
+        raise ValueError(
+            f"{audio.shape[0] - noise.audio.shape[0]} reference audio rows do not fit the layout's "
+            f"{layout.num_condition_audio_rows}"
+        )
+    return video, audio
 
 
 def step_timesteps(layout: PackedLayout, schedule: DualSchedule) -> list[torch.Tensor]:
@@ -143,23 +165,31 @@ def denoise(
     schedule: DualSchedule,
     on_step: StepCallback | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the schedule's forwards; return the final (video rows, audio rows), keyframe rows included and unchanged.
+    """Run the schedule's forwards; return the final (video rows, audio rows), conditioning rows included and
+    unchanged.
 
-    Only generated rows are stepped. Video and audio advance by the same index i; each forward sees every row at
+    Only generated rows are stepped: the keyframe or reference video rows, and Ref2VA's reference audio rows, ride
+    through every step as they came in. Video and audio advance by the same index i; each forward sees every row at
     its own timestep (`layout.timestep_plan`). Inputs are not modified.
     """
     device = video_rows.device
-    n_cond = layout.num_condition_video_rows
-    cond = video_rows[:n_cond]
+    n_cond, n_cond_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
+    cond, cond_audio = video_rows[:n_cond], audio_rows[:n_cond_audio]
     video = video_rows[n_cond:].float()
-    audio = audio_rows.float()
+    audio = audio_rows[n_cond_audio:].float()
     sv, sa = schedule.video, schedule.audio
     num_steps = schedule.num_steps
     for i in range(num_steps):
         timesteps, timestep_indices = layout.timestep_plan(sv.timesteps[i], sa.timesteps[i])
-        v_video, v_audio = model(torch.cat([cond, video]), audio, timesteps.to(device), timestep_indices.to(device), i)
+        v_video, v_audio = model(
+            torch.cat([cond, video]),
+            torch.cat([cond_audio, audio]),
+            timesteps.to(device),
+            timestep_indices.to(device),
+            i,
+        )
         video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
-        audio = euler_step(audio, v_audio, sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
+        audio = euler_step(audio, v_audio[n_cond_audio:], sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
         if on_step is not None:
             on_step(i + 1, num_steps)
-    return torch.cat([cond, video]), audio
+    return torch.cat([cond, video]), torch.cat([cond_audio, audio])
