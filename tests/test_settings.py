@@ -179,14 +179,45 @@ def test_video_sync_timeout_bounds_accepted(timeout):
         ({"H3_CACHE_CONFIG": '{"Fn": 1}'}, ("H3_CACHE_CONFIG", "H3_CACHE_BACKEND is none")),
         ({"H3_CACHE_BACKEND": "cache_dit"}, ("H3_CACHE_BACKEND", "requires an explicit", "H3_CACHE_CONFIG")),
         (
-            {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"Fn": 1}'},
-            ("H3_CACHE_BACKEND", "cache_dit", "not available in this build", "allowed: none"),
+            {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"Fn_compute_block": 1}'},
+            ("H3_CACHE_CONFIG", "'Fn_compute_block'", "unknown", "did you mean 'Fn_compute_blocks'"),
+        ),
+        (
+            {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"max_warmup_steps": "4"}'},
+            ("H3_CACHE_CONFIG", "max_warmup_steps", "must be an integer"),
+        ),
+        (
+            {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"residual_diff_threshold": -0.1}'},
+            ("H3_CACHE_CONFIG", "residual_diff_threshold", "out of range"),
+        ),
+        (
+            {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"enable_taylorseer": true}'},
+            ("H3_CACHE_CONFIG", "enable_taylorseer", "not built"),
         ),
     ],
-    ids=["invalid-json", "json-list", "config-without-cache", "cache-without-config", "cache-not-built"],
+    ids=[
+        "invalid-json",
+        "json-list",
+        "config-without-cache",
+        "cache-without-config",
+        "misspelt-key",
+        "wrong-type",
+        "out-of-range",
+        "taylorseer",
+    ],
 )
 def test_cache_rules(env, needles):
     refused(env, *needles)
+
+
+def test_cache_dit_with_the_balanced_profile_starts():
+    """The profile operators ran with the seed's Cache-DiT (H3_CACHE_CONFIG keeps cache-dit's key names)."""
+    balanced = (
+        '{"Fn_compute_blocks":1,"Bn_compute_blocks":0,"max_warmup_steps":4,"max_cached_steps":-1,'
+        '"residual_diff_threshold":0.10,"max_continuous_cached_steps":1,"enable_taylorseer":false}'
+    )
+    s = load_settings(env={"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": balanced})
+    assert (s.cache_backend, s.cache_config) == ("cache_dit", balanced)
 
 
 def test_humming_refuses_compile():

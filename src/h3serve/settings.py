@@ -294,22 +294,20 @@ def _rules(s: Settings, failed: set[str], env: Mapping[str, str], check_profile:
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
 
-    # Step caching: an explicit, tested config or nothing; the cache itself is not built yet.
+    # Step caching: an explicit, tested config or nothing. The config is cache-dit's DBCache options, checked key by
+    # key (accel/stepcache.py): an unknown key, a wrong type, a value out of range or a field not built is refused.
     if ok("cache_backend", "cache_config"):
         if s.cache_config is not None:
+            from h3serve.accel.stepcache import parse_cache_config
+
             try:
-                parsed = json.loads(s.cache_config)
-            except json.JSONDecodeError as err:
-                out.append(f"{_label('cache_config')}: not valid JSON ({err}); expected a JSON object")
-            else:
-                if not isinstance(parsed, dict):
-                    out.append(f"{_label('cache_config')}: must be a JSON object, got {type(parsed).__name__}")
+                parse_cache_config(s.cache_config)
+            except ValueError as err:
+                out.append(f"{_label('cache_config')}: {err}")
             if s.cache_backend == "none":
                 out.append(f"{_label('cache_config')}: given, but H3_CACHE_BACKEND is none; set cache_dit or remove it")
-        if s.cache_backend == "cache_dit":
-            if s.cache_config is None:
-                out.append(f"{_label('cache_backend')}: cache_dit requires an explicit, tested H3_CACHE_CONFIG")
-            out.append(f"{_label('cache_backend')}: cache_dit is not available in this build yet; allowed: none")
+        if s.cache_backend == "cache_dit" and s.cache_config is None:
+            out.append(f"{_label('cache_backend')}: cache_dit requires an explicit, tested H3_CACHE_CONFIG")
     # HUMMING is the deterministic profile: eager and no cache only.
     if ok("linear_backend", "execution_mode", "cache_backend") and s.linear_backend == "HUMMING":
         import torch
