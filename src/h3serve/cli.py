@@ -53,6 +53,24 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--first", type=Path, help="first keyframe image (I2VA, or FL2VA with --last)")
     p.add_argument("--last", type=Path, help="last keyframe image (L2VA, or FL2VA with --first)")
+    p.add_argument(
+        "--ref",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a reference image, video (with its sound) or audio file, its kind read from the content; repeat in "
+        "request order (<= 9 images, 3 videos, 3 audios, 12 in all; audio never alone). Selects Ref2VA, which runs "
+        "the Ref2VA DiT",
+    )
+    p.add_argument(
+        "--mute-ref",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="leave out the soundtrack of the video given as the N-th --ref (0-based); repeatable",
+    )
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
     length = p.add_mutually_exclusive_group()
@@ -226,9 +244,14 @@ def _check_model(settings):
             raise CliError("H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set")
         return None
     try:
-        return resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
+        folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
     except (ValueError, OSError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    try:
+        folder.check_task_type(settings.task_type)
+    except ValueError as err:
+        raise CliError(f"H3_TASK_TYPE (--task-type) {settings.task_type}: {err}") from err
+    return folder
 
 
 def _check_output_dir(path: Path) -> None:
@@ -258,7 +281,7 @@ def _check_memory(settings, folder, free: tuple[float, float, bool] | None = Non
     from h3serve.pipeline.request import RELEASED_RULES
 
     profile = settings.profile()
-    budget = plan_budget(folder, profile, RELEASED_RULES)
+    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)
     device_free, host_free, shared = free if free is not None else free_memory(profile.torch_device)
     problems = check_fits(budget, device_free, host_free, shared)
     if problems:
@@ -327,7 +350,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("memory budget before load:\n%s", _check_memory(settings, folder).table())
     start = time.perf_counter()
     try:
-        engine = Engine.load(folder, settings.profile())
+        engine = Engine.load(folder, settings.profile(), task_type=settings.task_type, step_cache=settings.step_cache())
     except (ValueError, OSError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
@@ -384,6 +407,21 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is None:
         raise CliError("a prompt is required (as an argument or with --prompt-file)")
     return args.prompt
+
+
+def _read_references(args: argparse.Namespace) -> list[tuple[str, bytes]]:
+    """The --ref files, read in the order given (decoded and checked with the request)."""
+    if args.ref and (args.first is not None or args.last is not None):
+        raise CliError("--ref selects Ref2VA, which takes references instead of keyframes; drop --first/--last")
+    if args.mute_ref and not args.ref:
+        raise CliError("--mute-ref applies to a video given with --ref; no --ref is given")
+    files = []
+    for path in args.ref:
+        try:
+            files.append((path.name, path.read_bytes()))
+        except OSError as err:
+            raise CliError(f"--ref {path}: cannot read it ({err.strerror or err})") from err
+    return files
 
 
 def _read_keyframes(args: argparse.Namespace) -> tuple[str, list]:
@@ -445,7 +483,8 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, validate_request
 
     prompt = _read_prompt(args)
-    task, keyframes = _read_keyframes(args)
+    references = _read_references(args)
+    task, keyframes = ("ref2va", []) if references else _read_keyframes(args)
     _check_output(args.output)
     try:
         check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, args.threads)
@@ -461,6 +500,8 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         )
         # Every config read and cross-checked, every weight header opened; no weights yet.
         folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
+        if folder is not None:
+            folder.check_task_type(_task_type(task))
         request = validate_request(
             prompt,
             task=task,
@@ -472,11 +513,24 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
             video_shift=args.video_shift,
             audio_shift=args.audio_shift,
             keyframes=keyframes,
+            references=references,
+            mute_references=args.mute_ref,
             rules=TINY_RULES if tiny else RELEASED_RULES,
         )
     except (ValueError, FileNotFoundError) as err:
+        field = getattr(err, "field", "")
+        if field.startswith("references["):  # name the file the user gave, not our list position
+            path = args.ref[int(field[len("references[") : -1])]
+            raise CliError(f"--ref {path}: {err}") from err
         raise CliError(str(err)) from err
     return _RenderPlan(request, profile, folder)
+
+
+def _task_type(task: str) -> str:
+    """The one DiT a render of `task` needs (`model.folder.TASK_TYPES`)."""
+    from h3serve.model.folder import FL2VA, REF2VA
+
+    return REF2VA if task == REF2VA else FL2VA
 
 
 def _render(engine, request, progress: bool):
@@ -525,7 +579,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise CliError(f"--cache-dir {cache_dir}: {err}") from err
     start = time.perf_counter()
     try:
-        engine = Engine.load(plan.folder, profile)
+        engine = Engine.load(plan.folder, profile, task_type=_task_type(request.task))
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"--model {args.model}: {err}") from err
     load_s = time.perf_counter() - start
@@ -546,6 +600,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise CliError(f"--output {args.output}: {err}") from err
     encode_s = time.perf_counter() - encode_start
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
+    if result.step_cache is not None and result.step_cache.enabled:
+        cached = result.step_cache.cached
+        stages += f" | step cache: {len(cached)} of {result.step_cache.forwards} forwards cached {list(cached)}"
     frames = result.frames
     print(
         f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "

@@ -63,6 +63,11 @@ class Settings(BaseModel):
     served_model_name: str | None = Field(
         None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
     )
+    task_type: Literal["fl2va", "ref2va", "both"] = Field(
+        "fl2va",
+        description="which DiTs to load: fl2va (t2va, i2va, l2va, fl2va), ref2va (Ref2VA), or both (twice the DiT "
+        "memory)",
+    )
     qkv_layout: Literal["stacked", "interleaved"] | None = Field(
         None, description="QKV row order of a single-file DiT with original key names (stacked unless told)"
     )
@@ -159,6 +164,15 @@ class Settings(BaseModel):
             self.text_encoder_linear,
         )
         return dataclasses.replace(profile, adaln_resident=self.adaln_resident)
+
+    def step_cache(self):
+        """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
+        Valid once load_settings returned (the config was parsed there)."""
+        if self.cache_backend != "cache_dit":
+            return None
+        from h3serve.accel.stepcache import parse_cache_config
+
+        return parse_cache_config(self.cache_config)
 
     def resolved(self) -> dict[str, Any]:
         """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`

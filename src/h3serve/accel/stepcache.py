@@ -332,6 +332,8 @@ class StepCache:
     def _run_block(self, i: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         inner = self._inner[i]
         if not (self._in_request and self._enabled):
+            if self._in_request and i == 0:
+                self._forward += 1  # counted for the report, nothing else
             return inner(x, *args, **kwargs)
         cfg = self._active
         fn, bn = cfg.Fn_compute_blocks, cfg.Bn_compute_blocks

@@ -96,14 +96,19 @@ def _fp8_bytes(linear: nn.Linear) -> int:
     return n * k + 4 * n + bias  # e4m3 weight, float32 scale per output channel
 
 
-def plan_budget(folder: ModelFolder, profile: Profile, rules: RequestRules, schedules_kept: int = 4) -> Budget:
-    """The budget of loading `folder` under `profile`, from its configurations (see the module docstring)."""
+def plan_budget(
+    folder: ModelFolder, profile: Profile, rules: RequestRules, schedules_kept: int = 4, task_type: str = "fl2va"
+) -> Budget:
+    """The budget of loading `folder` under `profile`, from its configurations (see the module docstring).
+    `task_type`: which DiTs load (`model.folder.TASK_TYPES`); both are two DiTs of one size, each with its own AdaLN
+    weights and tables."""
     from transformers import Qwen3VLConfig
 
     from h3serve.accel.linear import DECODER_LAYERS, _block_linears
     from h3serve.config import DEFAULT_STEPS
     from h3serve.model.audio_vae import AudioVAE
     from h3serve.model.dit import TABLE_ROWS, H3DiT, is_fp32_name
+    from h3serve.model.folder import TASK_TYPES
     from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, truncated_qwen3vl
     from h3serve.model.video_vae import VideoVAE
 
@@ -151,8 +156,9 @@ def plan_budget(folder: ModelFolder, profile: Profile, rules: RequestRules, sche
                 video_bytes -= sum(p.numel() * (4 - half.itemsize) for p in module.parameters(recurse=False))
     audio_bytes = sum(t.numel() * 4 for t in (*audio.parameters(), *audio.buffers()))
 
+    dits = TASK_TYPES[task_type]
     device = {
-        "dit": dit_bytes / GIB,
+        **{("dit" if kind == "fl2va" else "ref_dit"): dit_bytes / GIB for kind in dits},
         "text_encoder": text_bytes / GIB,
         "video_vae": video_bytes / GIB,
         "audio_vae": audio_bytes / GIB,
@@ -162,8 +168,9 @@ def plan_budget(folder: ModelFolder, profile: Profile, rules: RequestRules, sche
     tables = schedules_kept * steps * len(dit.blocks) * TABLE_ROWS * 6 * folder.dit.hidden_size * dtype_bytes
     host: dict[str, float] = {}
     if adaln_bytes:
-        host["adaln_weights"] = adaln_bytes / GIB
-    (host if adaln_bytes else device)[f"adaln_tables ({schedules_kept} schedules of {steps} steps)"] = tables / GIB
+        host["adaln_weights"] = len(dits) * adaln_bytes / GIB
+    label = f"adaln_tables ({schedules_kept} schedules of {steps} steps{' per DiT' if len(dits) > 1 else ''})"
+    (host if adaln_bytes else device)[label] = len(dits) * tables / GIB
     largest = largest_request_rows(folder.dit, rules)
     return Budget(
         device=device,

@@ -29,6 +29,8 @@ import torch
 from h3serve.accel import apply_profile, load_hooks
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
+from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
+from h3serve.accel.stepcache import attach as attach_step_cache
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import FL2VA, REF2VA, Components, ModelFolder, load_components, resolve_model_folder
@@ -201,6 +203,7 @@ class RenderResult:
     request: RenderRequest
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, and "total"
     peak_memory_mb: float = 0.0  # CUDA: peak allocated during this render; CPU: the process's peak RSS so far
+    step_cache: StepCacheReport | None = None  # which forwards reused cached blocks (None: no step cache attached)
 
 
 @dataclass(frozen=True)
@@ -229,8 +232,11 @@ class Engine:
         profile: Profile,
         rules: RequestRules = RELEASED_RULES,
         video_processing: VideoProcessing = RELEASED_VIDEO_PROCESSING,
+        step_cache: StepCacheConfig | None = None,
     ):
         components.check()
+        if step_cache is not None and profile.linear == "HUMMING":
+            raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
         self.components = components
         self.profile = profile
         self.rules = rules
@@ -239,14 +245,28 @@ class Engine:
         self.compiled: GraphCounter | None = apply_profile(components, profile)
         # One AdaLN table cache per loaded DiT (FL2VA, Ref2VA): same architecture, different weights.
         self.tables = {kind: AdalnTables(dit, resident=profile.adaln_resident) for kind, dit in components.dits.items()}
+        # Step caching (lossy, opt-in): attached after compiling, around each DiT's blocks (`accel.stepcache`).
+        self.step_cache = step_cache
+        self.step_caches: dict[str, StepCache] = {}
+        if step_cache is not None:
+            self.step_caches = {kind: attach_step_cache(dit, step_cache) for kind, dit in components.dits.items()}
 
     @classmethod
-    def load(cls, model: str | Path | ModelFolder | None, profile: Profile, task_type: str = FL2VA) -> Engine:
+    def load(
+        cls,
+        model: str | Path | ModelFolder | None,
+        profile: Profile,
+        task_type: str = FL2VA,
+        step_cache: StepCacheConfig | None = None,
+    ) -> Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
-        `task_type`: which DiTs to load (fl2va, ref2va or both; `model.folder.TASK_TYPES`), checked first."""
+        `task_type`: which DiTs to load (fl2va, ref2va or both; `model.folder.TASK_TYPES`), checked first.
+        `step_cache`: the DBCache profile every request runs with unless it asks otherwise (None: no caching)."""
+        if step_cache is not None and profile.linear == "HUMMING":
+            raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
-            return cls(components, profile, TINY_RULES)
+            return cls(components, profile, TINY_RULES, step_cache=step_cache)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
         config = folder.processor / "video_preprocessor_config.json"
@@ -254,7 +274,7 @@ class Engine:
         components = load_components(
             folder, device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type, **load_hooks(profile)
         )
-        return cls(components, profile, RELEASED_RULES, video_processing or RELEASED_VIDEO_PROCESSING)
+        return cls(components, profile, RELEASED_RULES, video_processing or RELEASED_VIDEO_PROCESSING, step_cache)
 
     @property
     def name(self) -> str:
@@ -279,9 +299,21 @@ class Engine:
             f"and serves only {', '.join(self.tasks)}; restart it with H3_TASK_TYPE (--task-type) set to include it",
         )
 
+    def check_quality(self, quality: str | None) -> None:
+        """RequestError("quality") for quality=high on an engine without a step cache: the operator chose full
+        compute, and a lossy render is never something a request turns on by itself."""
+        if quality == "high" and not self.step_caches:
+            raise RequestError(
+                "quality",
+                "quality high runs the conservative step-cache profile, but this server runs without step caching "
+                "(H3_CACHE_BACKEND=none); leave quality out or send lossless, or start the server with "
+                "H3_CACHE_BACKEND=cache_dit",
+            )
+
     def validate(self, prompt: str, **kwargs) -> RenderRequest:
         """`validate_request` under this model's canvas and frame rules, for a task whose DiT is loaded."""
         self.check_task(kwargs.get("task", "t2va"))
+        self.check_quality(kwargs.get("quality"))
         return validate_request(prompt, rules=self.rules, **kwargs)
 
     @contextmanager
@@ -370,9 +402,19 @@ class Engine:
 
         with self._stage(timings, "denoise", ctx):
             model = bind_model(dit, layout, text.states, tables)
-            video_rows, audio_rows = denoise(
-                model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
-            )
+            cache = self.step_caches.get(kind)
+            self.check_quality(request.quality)
+            if cache is not None:
+                high = request.quality == "high"
+                cache.begin_request(
+                    request.steps - 1, enabled=request.quality != "lossless", config=HIGH_QUALITY if high else None
+                )
+            try:
+                video_rows, audio_rows = denoise(
+                    model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
+                )
+            finally:
+                cache_report = cache.end_request() if cache is not None else None
         check_finite(video_rows, audio_rows)
 
         with self._stage(timings, "video", ctx):
@@ -392,6 +434,7 @@ class Engine:
             fps=FPS,
             request=request,
             timings=timings,
+            step_cache=cache_report,
         )
 
     def memory_budget(self, text_rows: int = 1024) -> dict[str, float]:

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 
 TASKS = (*TASK_ANCHORS, REF2VA)  # the four base modes run the FL2VA DiT; ref2va runs the Ref2VA DiT
 MAX_SEED = 2**63 - 1
+# Per-request step caching (vLLM-Omni's `quality`): None follows the server, lossless runs without the cache, high
+# with the conservative profile (`accel.stepcache.HIGH_QUALITY`) on a server started with one.
+QUALITIES = ("lossless", "high")
 
 
 class RequestError(ValueError):
@@ -169,6 +172,7 @@ class RenderRequest:
     audio_shift: float
     keyframes: tuple[Image.Image, ...] = ()
     references: tuple[DecodedReference, ...] = ()  # ref2va: decoded references, in request order
+    quality: str | None = None  # step caching for this request: None (the server's), lossless or high
     notices: tuple[str, ...] = ()
 
     @property
@@ -236,6 +240,7 @@ def validate_request(
     keyframes: Sequence[Image.Image | bytes] = (),
     references: Sequence[bytes | tuple[str | None, bytes]] = (),
     mute_references: Collection[int] = (),
+    quality: str | None = None,
     rules: RequestRules = RELEASED_RULES,
 ) -> RenderRequest:
     """Check a request against the model's rules; return it normalised, with notices for any adjustment.
@@ -243,7 +248,7 @@ def validate_request(
     num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio (ref2va:
     16:9, as the reference pipeline does). references: ref2va's encoded files, each `bytes` or `(name, bytes)`,
     decoded here (`pipeline.references`); mute_references: positions of video references whose soundtrack is left
-    out.
+    out. quality: step caching for this request (`QUALITIES`), None for the server's setting.
     """
     if task not in TASKS:
         raise RequestError("task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -257,6 +262,8 @@ def validate_request(
     num_frames, frame_notices = rules.frames.check(requested)
     notices += frame_notices
     steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules)
+    if quality is not None and quality not in QUALITIES:
+        raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
     decoded = ()
     if task == REF2VA:
         from h3serve.pipeline.references import decode_references  # it builds on this module
@@ -279,6 +286,7 @@ def validate_request(
         audio_shift=float(audio_shift),
         keyframes=images,
         references=decoded,
+        quality=quality,
         notices=tuple(notices),
     )
 
