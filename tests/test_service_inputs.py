@@ -175,7 +175,7 @@ BAD_FIELDS = [
         id="task-unknown",
     ),
     pytest.param(
-        {"extra_params": extra(task="ref2va")}, "extra_params.task", ["Ref2VA DiT", "does not load"], id="task-ref2va"
+        {"extra_params": extra(task="ref2va")}, "extra_params.task", ["Ref2VA DiT", "H3_TASK_TYPE"], id="task-ref2va"
     ),
     pytest.param({"extra_params": extra(task=["t2va"])}, "extra_params.task", ["t2va, fl2va"], id="task-list"),
     pytest.param(

@@ -1,9 +1,9 @@
 """The HTTP app: `create_app(settings, engine)` builds the vLLM-Omni/OpenAI-compatible video API over a loaded engine.
 
-    GET    /health                    liveness, readiness, warmup result, profile (no auth)
+    GET    /health                    liveness, readiness, warmup result, profile, tasks served (no auth)
     GET    /ready                     200 once the startup warmup has passed, else 503
     GET    /metrics                   Prometheus text
-    GET    /v1/models                 the served model
+    GET    /v1/models                 the served model (its entry lists the tasks served, from H3_TASK_TYPE)
     POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout)
     POST   /v1/videos                 queue an async job; returns its record at once
     GET    /v1/videos                 jobs, newest first (limit, after)
@@ -35,14 +35,22 @@ from h3serve.pipeline.engine import Engine
 from h3serve.service.errors import ApiError, bad_request
 from h3serve.service.jobs import ACTIVE, JobStatus, JobStore, QueueFull, Scheduler, Work, job_record, new_job_id
 from h3serve.service.metrics import Metrics
-from h3serve.service.schemas import FILE_FIELDS, Upload, decode_data_url, map_request
+from h3serve.service.schemas import (
+    FILE_FIELDS,
+    MAX_FILES,
+    MAX_KEYFRAMES,
+    MAX_REFERENCES,
+    REF2VA,
+    Upload,
+    decode_data_url,
+    map_request,
+)
 from h3serve.service.security import bearer_auth
 from h3serve.settings import Settings
 
 log = logging.getLogger(__name__)
 
 MAX_FIELD_BYTES = 1 << 20  # any non-file form field (the prompt cap is far below this)
-MAX_FILES = 2
 RETRY_AFTER_S = "5"
 MAX_PAGE = 100
 
@@ -61,6 +69,9 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     metrics.watch(scheduler, store)
     model_id = settings.model_id
     upload_cap = settings.max_upload_mb << 20
+    # The body cap counts the files a request to this server can carry: 2 keyframes, or 12 Ref2VA references when the
+    # Ref2VA DiT is loaded, each up to H3_MAX_UPLOAD_MB, plus the form fields.
+    body_files = MAX_REFERENCES if REF2VA in engine.tasks else MAX_KEYFRAMES
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -116,6 +127,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
             },
             "model": model_id,
             "profile": engine.profile.__dict__,
+            "tasks": list(engine.tasks),
             "queue_depth": scheduler.depth,
             "version": __version__,
         }
@@ -134,7 +146,8 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "owned_by": "h3serve"}]}
+        entry = {"id": model_id, "object": "model", "owned_by": "h3serve", "tasks": list(engine.tasks)}
+        return {"object": "list", "data": [entry]}
 
     def require_ready() -> None:
         if scheduler.ready:
@@ -149,7 +162,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
 
     async def parse(request: Request):
         require_ready()
-        fields, uploads = await read_body(request, upload_cap)
+        fields, uploads = await read_body(request, upload_cap, body_files)
         try:
             return map_request(fields, uploads, engine, model_id, settings.max_prompt_chars)
         except ApiError:
@@ -282,10 +295,13 @@ def _capped(request: Request, cap: int) -> Request:
     return Request(request.scope, counted)
 
 
-async def read_body(request: Request, upload_cap: int) -> tuple[dict[str, Any], list[Upload]]:
-    """The request's fields and keyframe uploads, from a multipart/urlencoded form or a JSON object, size-capped."""
+async def read_body(
+    request: Request, upload_cap: int, body_files: int = MAX_KEYFRAMES
+) -> tuple[dict[str, Any], list[Upload]]:
+    """The request's fields and file uploads (keyframes or references, in request order), from a multipart/urlencoded
+    form or a JSON object, size-capped: each file at `upload_cap`, the body at `body_files` files plus the fields."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    body_cap = MAX_FILES * upload_cap + MAX_FIELD_BYTES
+    body_cap = body_files * upload_cap + MAX_FIELD_BYTES
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > body_cap:
         raise ApiError(413, "too_large", f"the request body is {int(length)} bytes; the limit is {body_cap}")
@@ -320,7 +336,10 @@ async def _read_form(request: Request, upload_cap: int) -> tuple[dict[str, Any],
         form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_FIELD_BYTES)
     except StarletteHTTPException as err:  # malformed multipart, too many files or fields
         if "files" in str(err.detail).lower():
-            message = f"input_references: at most {MAX_FILES} keyframes ({err.detail})"
+            message = (
+                f"input_references: at most {MAX_FILES} files ({MAX_REFERENCES} Ref2VA references, "
+                f"{MAX_KEYFRAMES} keyframes) ({err.detail})"
+            )
             raise bad_request("input_references", message) from err
         raise bad_request(None, f"the form could not be read: {err.detail}") from err
     fields: dict[str, Any] = {}

@@ -3,9 +3,23 @@
 Accepted fields are OpenAI's video fields (`prompt`, `model`, `seconds`, `size` as WxH, `input_reference`, `user`)
 and vLLM-Omni's extensions (`width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `flow_shift`, `seed`,
 `aspect_ratio`, `short_edge`, `quality`, repeated `input_references`, and `extra_params` as a JSON object with
-`task`, `duration`, `audio_flow_shift`, `frame_indices`). Any other field is refused by name rather than ignored:
-a setting the server would not honour must not look accepted. The mapped values go through the same
+`task`, `duration`, `audio_flow_shift`, `frame_indices`, `mute_references`). Any other field is refused by name rather
+than ignored: a setting the server would not honour must not look accepted. The mapped values go through the same
 `validate_request` as the CLI, and every refusal names the API field.
+
+Files (multipart file parts, or base64 strings / data: URLs in a JSON body) mean one of two things:
+
+* keyframes, unless `extra_params.task` is `ref2va` (as before): one or two images, first and last frame,
+  placed by `extra_params.frame_indices` (t2va/i2va/l2va/fl2va, the FL2VA DiT);
+* Ref2VA references, only with an explicit `extra_params.task=ref2va` (the Ref2VA DiT; the server must be started
+  with H3_TASK_TYPE ref2va or both): any mix of images, videos (with or without sound) and audio files, the kind
+  read from the content, at most 9 images, 3 videos, 3 audios and 12 in all, audio never alone. Their order is the
+  request order, and positions count from 0: repeated `input_references` parts in the order they were sent, or a
+  JSON list. A request uses one of the two names for all its references (`input_reference` repeated works too);
+  mixing `input_reference` and `input_references` in a ref2va request is refused, since a JSON object (and a form
+  grouped by field name) has no order between two fields. `extra_params.mute_references` lists the positions of
+  video references whose soundtrack is left out; `frame_indices` does not apply to references. A refusal about one
+  file names it by position as the field was sent, e.g. `input_references[2]`.
 """
 
 from __future__ import annotations
@@ -22,6 +36,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from h3serve.config import DEFAULT_STEPS, FPS
+from h3serve.model.folder import REF2VA
+from h3serve.pipeline.layout import MAX_REFERENCES
 from h3serve.pipeline.request import MAX_SEED, RenderRequest, RequestError, resolve_canvas
 from h3serve.service.errors import ApiError, bad_request
 
@@ -30,7 +46,7 @@ FIELDS = (
     "num_frames", "fps", "num_inference_steps", "flow_shift", "seed", "extra_params", "aspect_ratio", "short_edge",
     "quality",
 )  # fmt: skip
-EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices")
+EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices", "mute_references")
 FILE_FIELDS = ("input_reference", "input_references")
 # Fields other servers take that H3 has no use for: refused with the reason, not silently dropped.
 NOT_USED = {
@@ -42,8 +58,10 @@ NOT_USED = {
 }
 ASPECT_RATIOS = {"21:9": (21, 9), "16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1), "3:4": (3, 4), "9:16": (9, 16)}
 QUALITIES = ("lossless", "high")
-TASKS = ("t2va", "fl2va", "i2va", "l2va")  # fl2va with one keyframe is i2va or l2va by frame_indices
+TASKS = ("t2va", "fl2va", "i2va", "l2va", REF2VA)  # fl2va with one keyframe is i2va or l2va by frame_indices
 FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
+MAX_KEYFRAMES = 2  # first and last frame
+MAX_FILES = max(MAX_KEYFRAMES, MAX_REFERENCES)  # files one request may carry (ref2va: 12 references)
 MAX_SECONDS = 3600.0
 SIZE = re.compile(r"^(\d{1,5})[xX](\d{1,5})$")
 
@@ -117,12 +135,25 @@ def decode_data_url(param: str, value: Any) -> bytes:
 
 
 def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tuple[str, list[Upload]]:
-    """The engine task and the keyframes in packed order (first before last) from task, frame_indices and files."""
+    """The engine task and the keyframes in packed order (first before last) from task, frame_indices and files;
+    for ref2va, the references in request order."""
     if task is not None and task not in TASKS:
-        if task == "ref2va":
-            raise bad_request("extra_params.task", "task ref2va needs the Ref2VA DiT, which this server does not load")
         raise bad_request("extra_params.task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
     n = len(uploads)
+    if task == REF2VA:
+        if indices is not None:
+            raise bad_request(
+                "extra_params.frame_indices",
+                "frame_indices places keyframes and does not apply to task ref2va, whose files are references",
+            )
+        names = list(dict.fromkeys(u.field for u in uploads))
+        if len(names) > 1:
+            raise bad_request(
+                "input_references",
+                "input_references: send all of a ref2va request's references under one field name (repeated "
+                "input_references, in order), not both input_reference and input_references",
+            )
+        return REF2VA, list(uploads)
     if task == "t2va" or (task is None and n == 0):
         if n:
             raise bad_request("input_reference", f"input_reference: task t2va takes no keyframes, got {n} file(s)")
@@ -131,8 +162,12 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
         return "t2va", []
     if n == 0:
         raise bad_request("input_reference", f"task {task} needs one or two keyframe images as input_reference(s)")
-    if n > 2:
-        raise bad_request("input_references", f"input_references: at most 2 keyframes (first and last), got {n}")
+    if n > MAX_KEYFRAMES:
+        raise bad_request(
+            "input_references",
+            f"input_references: at most {MAX_KEYFRAMES} keyframes (first and last), got {n}; to send the files as "
+            "Ref2VA references, set extra_params.task to ref2va",
+        )
     if indices is None:
         indices = {"i2va": [0], "l2va": [-1]}.get(task or "", [0] if n == 1 else [0, -1])
     if not (isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
@@ -147,6 +182,37 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
     if task in ("i2va", "l2va") and task != resolved:
         raise bad_request("extra_params.frame_indices", f"task {task} does not match frame_indices {indices}")
     return resolved, ordered
+
+
+def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
+    """extra_params.mute_references: distinct positions of the request's references (the engine checks that each
+    one is a video)."""
+    param = "extra_params.mute_references"
+    if value is None:
+        return []
+    if task != REF2VA:
+        raise bad_request(param, f"mute_references applies only to task ref2va (its video references), not {task}")
+    if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        raise bad_request(param, f"mute_references must be a list of integer positions, got {value!r}")
+    n = len(uploads)
+    for i in value:
+        if not 0 <= i < n:
+            raise bad_request(param, f"mute_references: position {i} is not one of the {n} reference(s) (0..{n - 1})")
+    if len(set(value)) != len(value):
+        raise bad_request(param, f"mute_references lists a position twice: {value}")
+    return value
+
+
+def _reference_error(err: RequestError, field: str) -> ApiError:
+    """The engine's refusal of a reference, renamed to the API field: references[i] -> input_references[i]."""
+    message = re.sub(r"\breferences\[", f"{field}[", str(err))
+    if err.field == "mute_references" or (err.field == "references" and message.startswith("mute:")):
+        param = "extra_params.mute_references"
+        message = re.sub(r"^mute: ", "", message)
+        return bad_request(param, f"{param}: {message} (only a video reference has a soundtrack to leave out)")
+    match = re.fullmatch(r"references\[(\d+)\]", err.field)
+    param = f"{field}[{match[1]}]" if match else field
+    return bad_request(param, message if message.startswith(param) else f"{param}: {message}")
 
 
 def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_model: str, max_prompt: int) -> Mapped:
@@ -217,6 +283,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     if not 0 <= seed <= MAX_SEED:
         raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {seed}")
     task, ordered = _task_and_order(extra.get("task"), extra.get("frame_indices"), uploads)
+    mute = _mute_references(task, extra.get("mute_references"), uploads)
 
     names = {
         "task": "extra_params.task",
@@ -238,13 +305,23 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         kwargs["video_shift"] = _float("flow_shift", fields["flow_shift"])
     if "audio_flow_shift" in extra:
         kwargs["audio_shift"] = _float("extra_params.audio_flow_shift", extra["audio_flow_shift"])
+    if task == REF2VA:
+        kwargs["references"] = [(u.filename or None, u.data) for u in ordered]
+        kwargs["mute_references"] = mute
+    else:
+        kwargs["keyframes"] = [u.data for u in ordered]
     try:
-        request = engine.validate(prompt, keyframes=[u.data for u in ordered], **kwargs)
+        request = engine.validate(prompt, **kwargs)
     except RequestError as err:
+        if err.field == "references" or err.field.startswith(("references[", "mute_references")):
+            raise _reference_error(err, ordered[0].field if ordered else "input_references") from err
         param = names.get(err.field, err.field)
+        message = str(err)
+        if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
+            message += "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
         if err.field == "keyframes" and ordered:
             param = ordered[0].field
-        raise bad_request(param, f"{param}: {err}") from err
+        raise bad_request(param, f"{param}: {message}") from err
     return Mapped(request, quality)
 
 
