@@ -3,8 +3,10 @@ with deterministic random weights, for end-to-end parity runs of our engine agai
 
 The shapes are the built-in tiny model's (`h3serve.model.tiny`): the DiT is `TINY_DIT` under its diffusers key names,
 the VAEs keep the released geometry (1/16 spatial, 1/4 temporal, hop 800 at 32 kHz) at toy widths, and the text encoder
-is the tiny Qwen3-VL with 51 decoder layers, because both pipelines read `hidden_states[50]`. The DiT is stored as the
-release stores it (bfloat16 with float32 islands), which our loader insists on; the VAEs and text encoder in float32.
+is the tiny Qwen3-VL with 51 decoder layers, because both pipelines read `hidden_states[50]`. The DiTs (`transformer/`
+for t2va/fl2va and, on request, `transformer_ref/` for ref2va: same configuration, weights of their own) are stored as
+the release stores them (bfloat16 with float32 islands), which our loader insists on; the VAEs and text encoder in
+float32.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ RELEASED_INDEX = Path(__file__).parent / "data" / "reference" / "model_index.jso
 
 
 @torch.no_grad()
-def write_tiny_checkpoint(root: Path, seed: int = SEED) -> Path:
-    """Write the tiny checkpoint under `root` (diffusers layout) and return `root`."""
+def write_tiny_checkpoint(root: Path, seed: int = SEED, *, ref2va: bool = False) -> Path:
+    """Write the tiny checkpoint under `root` (diffusers layout) and return `root`; with `ref2va`, the Ref2VA DiT's
+    `transformer_ref/` too (off by default: a folder with it is a both-partitions release, which some folder tests
+    rewrite in part, e.g. `transformer/` alone as one original-names file, and then refuse as mixed)."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -70,12 +74,14 @@ def write_tiny_checkpoint(root: Path, seed: int = SEED) -> Path:
 
     root.mkdir(parents=True, exist_ok=True)
 
-    # Random weights rounded to the dtype the release stores: bfloat16 except the float32 islands.
-    dit = randomize(MiniMaxH3Transformer3DModel(**TINY_DIT_DIFFUSERS), seed)
-    for name, p in dit.named_parameters():
-        if not is_ref_fp32(name):
-            p.data = p.data.to(torch.bfloat16)
-    dit.save_pretrained(root / "transformer")
+    # Random weights rounded to the dtype the release stores: bfloat16 except the float32 islands. The Ref2VA DiT
+    # (`transformer_ref/`, the release's second partition) has the same configuration and weights of its own.
+    for subfolder, dit_seed in (("transformer", seed), ("transformer_ref", seed + 4))[: 2 if ref2va else 1]:
+        dit = randomize(MiniMaxH3Transformer3DModel(**TINY_DIT_DIFFUSERS), dit_seed)
+        for name, p in dit.named_parameters():
+            if not is_ref_fp32(name):
+                p.data = p.data.to(torch.bfloat16)
+        dit.save_pretrained(root / subfolder)
 
     randomize(AutoencoderKLMiniMaxH3(**TINY_VAE_DIFFUSERS), seed + 1).save_pretrained(root / "vae")
     # The audio VAE's Kaiser resampling filters and its zero key bias are fixed buffers, kept as constructed.
