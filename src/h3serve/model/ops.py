@@ -36,11 +36,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q, k, v: (S, H, D) for one sequence or (B, S, H, D) for a batch; returns the same layout. The kernel sees
     (B, H, S, D): a 4-D call picks the same kernels as the reference's batched calls (on the CPU the 3-D and 4-D
     bfloat16 paths round differently).
+
+    Float32 attention always runs the reference `sdpa`: the chosen kernel is for the half-precision attention of
+    the DiT and the video decoder (cuDNN's fused attention has no float32 kernel), and the only float32 attention
+    in the pipeline is the audio VAE's encoder (Ref2VA's reference audio), a few hundred rows.
     """
     single = q.ndim == 3
     if single:
         q, k, v = q[None], k[None], v[None]
-    out = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+    kernel = sdpa if q.dtype == torch.float32 else _kernel
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
     out = out.transpose(1, 2)  # (B, S, H, D)
     return out[0] if single else out
 

@@ -145,6 +145,8 @@ class Profile:
         from h3serve.accel import attention, humming, linear
 
         attention.check(self.attention, device)
+        if self.attention == "CUDNN_ATTN" and self.dtype == "float32":
+            raise ValueError("attention CUDNN_ATTN has no float32 kernel: use dtype bfloat16, or attention TORCH_SDPA")
         linear.check(self.linear, device)
         if self.linear == "HUMMING":
             if self.execution != "eager":
