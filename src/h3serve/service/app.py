@@ -4,7 +4,8 @@
     GET    /ready                     200 once the startup warmup has passed, else 503
     GET    /metrics                   Prometheus text
     GET    /v1/models                 the served model (its entry lists the tasks served, from H3_TASK_TYPE)
-    POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout)
+    POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout); step caching in
+                                      the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`)
     POST   /v1/videos                 queue an async job; returns its record at once
     GET    /v1/videos                 jobs, newest first (limit, after)
     GET    /v1/videos/{id}            one job record
@@ -44,6 +45,7 @@ from h3serve.service.schemas import (
     Upload,
     decode_data_url,
     map_request,
+    step_cache_mode,
 )
 from h3serve.service.security import bearer_auth
 from h3serve.settings import Settings
@@ -223,13 +225,14 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
             "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
             "x-seed": str(mapped.request.seed),
             "x-num-frames": str(mapped.request.num_frames),
+            **step_cache_headers(result.step_cache, mapped.request.quality),
         }
         return Response(mp4, media_type="video/mp4", headers=headers)
 
     @router.post("/v1/videos")
     async def create_job(request: Request) -> dict[str, Any]:
         mapped = await parse(request)
-        record = job_record(new_job_id(), mapped.request, model_id, mapped.quality)
+        record = job_record(new_job_id(), mapped.request, model_id)
         submit(Work(record.id, mapped.request, persist=True), record)
         return record.model_dump()
 
@@ -277,6 +280,19 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
 
     app.include_router(router)
     return app
+
+
+def step_cache_headers(report, quality: str | None) -> dict[str, str]:
+    """A sync render's step caching: `X-H3-Step-Cache` is `off` (no step cache on this server, or quality=lossless),
+    `server` (H3_CACHE_CONFIG's profile) or `high` (quality=high's conservative one); `X-H3-Cached-Steps` lists the
+    DiT forwards (0-based, in denoise order, comma-separated) that reused cached blocks, empty when none did; and
+    `X-H3-DiT-Forwards` counts the forwards the render ran, present when the server has a step cache (which counts
+    them)."""
+    cached = report.cached if report is not None else ()
+    headers = {"X-H3-Step-Cache": step_cache_mode(report, quality), "X-H3-Cached-Steps": ",".join(map(str, cached))}
+    if report is not None:
+        headers["X-H3-DiT-Forwards"] = str(report.forwards)
+    return headers
 
 
 def _capped(request: Request, cap: int) -> Request:

@@ -31,7 +31,7 @@ from h3serve.media.mp4 import encode_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine, RenderResult, WarmupResult
 from h3serve.pipeline.request import RenderRequest
-from h3serve.service.schemas import JobError, VideoJob
+from h3serve.service.schemas import JobError, VideoJob, step_cache_mode
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,11 @@ INTERRUPTED = "the server stopped before this job finished (restart or crash); s
 _COLUMNS = (
     "id", "status", "progress", "model", "prompt", "size", "seconds", "quality", "created_at", "completed_at",
     "error_code", "error_message", "file_name", "inference_time_s", "stage_durations", "peak_memory_mb", "task",
-    "num_frames", "num_inference_steps", "seed",
+    "num_frames", "num_inference_steps", "seed", "step_cache", "cached_steps",
 )  # fmt: skip
+_JSON_COLUMNS = ("stage_durations", "cached_steps")
+# Columns added after the first schema: a store written by an older build gains them (NULL in its old rows).
+_ADDED_COLUMNS = {"step_cache": "TEXT", "cached_steps": "TEXT"}  # cached_steps: a JSON list of forward indices
 
 
 def new_job_id() -> str:
@@ -85,8 +88,13 @@ class JobStore:
                 "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, status TEXT NOT NULL, progress INTEGER, "
                 "model TEXT, prompt TEXT, size TEXT, seconds TEXT, quality TEXT, created_at INTEGER, completed_at "
                 "INTEGER, error_code TEXT, error_message TEXT, file_name TEXT, inference_time_s REAL, stage_durations "
-                "TEXT, peak_memory_mb REAL, task TEXT, num_frames INTEGER, num_inference_steps INTEGER, seed INTEGER)"
+                "TEXT, peak_memory_mb REAL, task TEXT, num_frames INTEGER, num_inference_steps INTEGER, seed INTEGER, "
+                "step_cache TEXT, cached_steps TEXT)"
             )
+            present = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in _ADDED_COLUMNS.items():
+                if name not in present:
+                    self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
         self.recovered = self._recover()
 
     def _recover(self) -> int:
@@ -114,8 +122,9 @@ class JobStore:
         if "error" in changes:
             error = changes.pop("error")
             changes["error_code"], changes["error_message"] = (error.code, error.message) if error else (None, None)
-        if "stage_durations" in changes and changes["stage_durations"] is not None:
-            changes["stage_durations"] = json.dumps(changes["stage_durations"])
+        for name in _JSON_COLUMNS:
+            if name in changes and changes[name] is not None:
+                changes[name] = json.dumps(changes[name])
         assert set(changes) <= set(_COLUMNS), changes
         with self._lock:
             self._db.execute(
@@ -168,8 +177,9 @@ class JobStore:
         error = values.pop("error")
         values["error_code"] = error["code"] if error else None
         values["error_message"] = error["message"] if error else None
-        if values["stage_durations"] is not None:
-            values["stage_durations"] = json.dumps(values["stage_durations"])
+        for name in _JSON_COLUMNS:
+            if values[name] is not None:
+                values[name] = json.dumps(values[name])
         return values
 
     @staticmethod
@@ -177,12 +187,13 @@ class JobStore:
         values = {k: row[k] for k in row.keys() if k not in ("error_code", "error_message")}  # noqa: SIM118
         if row["error_code"]:
             values["error"] = JobError(code=row["error_code"], message=row["error_message"])
-        if values["stage_durations"]:
-            values["stage_durations"] = json.loads(values["stage_durations"])
+        for name in _JSON_COLUMNS:
+            if values[name]:
+                values[name] = json.loads(values[name])
         return VideoJob(**values)
 
 
-def job_record(job_id: str, request: RenderRequest, model: str, quality: str | None) -> VideoJob:
+def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
     return VideoJob(
         id=job_id,
         status=JobStatus.QUEUED,
@@ -190,7 +201,7 @@ def job_record(job_id: str, request: RenderRequest, model: str, quality: str | N
         prompt=request.prompt,
         size=f"{request.width}x{request.height}",
         seconds=f"{request.num_frames / FPS:.3f}".rstrip("0").rstrip("."),
-        quality=quality,
+        quality=request.quality,
         created_at=int(time.time()),
         task=request.task,
         num_frames=request.num_frames,
@@ -380,6 +391,8 @@ class Scheduler:
                 inference_time_s=round(result.timings["total"], 4),
                 stage_durations=stages,
                 peak_memory_mb=round(result.peak_memory_mb, 1),
+                step_cache=step_cache_mode(result.step_cache, work.request.quality),
+                cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
         work.future.set_result(payload)
 

@@ -24,6 +24,14 @@ class Metrics:
         self.rejected = Counter(
             "h3serve_rejected_requests", "Render requests refused, by reason", ["reason"], registry=self.registry
         )
+        # Step caching, counted by the step cache (so only on a server with one): DiT forwards the completed renders
+        # ran, and those of them that reused cached blocks. cached / forwards is the share of forwards skipped.
+        self.dit_forwards = Counter(
+            "h3serve_dit_forwards", "DiT forwards run by completed renders (with a step cache)", registry=self.registry
+        )
+        self.dit_forwards_cached = Counter(
+            "h3serve_dit_forwards_cached", "DiT forwards that reused cached blocks (step cache)", registry=self.registry
+        )
         self.queue_depth = Gauge("h3serve_queue_depth", "Renders waiting for the GPU", registry=self.registry)
         self.ready = Gauge("h3serve_ready", "1 once the startup warmup has passed", registry=self.registry)
         self._job_counts = None
@@ -48,6 +56,9 @@ class Metrics:
             self.render_seconds.observe(result.timings["total"])
             for stage in STAGES:
                 self.stage_seconds.labels(stage).observe(result.timings[stage])
+            if result.step_cache is not None:
+                self.dit_forwards.inc(result.step_cache.forwards)
+                self.dit_forwards_cached.inc(result.step_cache.num_cached)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,9 @@ and vLLM-Omni's extensions (`width`, `height`, `num_frames`, `fps`, `num_inferen
 `aspect_ratio`, `short_edge`, `quality`, repeated `input_references`, and `extra_params` as a JSON object with
 `task`, `duration`, `audio_flow_shift`, `frame_indices`, `mute_references`). Any other field is refused by name rather
 than ignored: a setting the server would not honour must not look accepted. The mapped values go through the same
-`validate_request` as the CLI, and every refusal names the API field.
+`validate_request` as the CLI, and every refusal names the API field. `quality` (step caching for the request:
+`lossless` runs without the step cache, `high` the conservative profile) goes to the engine, which refuses `high` on a
+server started without a step cache.
 
 Files (multipart file parts, or base64 strings / data: URLs in a JSON body) mean one of two things:
 
@@ -38,7 +40,7 @@ from pydantic import BaseModel
 from h3serve.config import DEFAULT_STEPS, FPS
 from h3serve.model.folder import REF2VA
 from h3serve.pipeline.layout import MAX_REFERENCES
-from h3serve.pipeline.request import MAX_SEED, RenderRequest, RequestError, resolve_canvas
+from h3serve.pipeline.request import MAX_SEED, QUALITIES, RenderRequest, RequestError, resolve_canvas
 from h3serve.service.errors import ApiError, bad_request
 
 FIELDS = (
@@ -57,7 +59,6 @@ NOT_USED = {
     "num_outputs_per_prompt": "one video per request; send several requests",
 }
 ASPECT_RATIOS = {"21:9": (21, 9), "16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1), "3:4": (3, 4), "9:16": (9, 16)}
-QUALITIES = ("lossless", "high")
 TASKS = ("t2va", "fl2va", "i2va", "l2va", REF2VA)  # fl2va with one keyframe is i2va or l2va by frame_indices
 FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
 MAX_KEYFRAMES = 2  # first and last frame
@@ -75,10 +76,9 @@ class Upload:
 
 @dataclass(frozen=True)
 class Mapped:
-    """A request ready for the engine, plus what the job record echoes."""
+    """A request ready for the engine (its `quality` is the request's, echoed by the job record)."""
 
     request: RenderRequest
-    quality: str | None
 
 
 def _int(param: str, value: Any) -> int:
@@ -276,6 +276,8 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     if "fps" in fields and _int("fps", fields["fps"]) != FPS:
         raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {fields['fps']!r}")
 
+    # Step caching for this request; the engine owns the rule (and refuses high without a step cache). Checked here
+    # too so that a misspelt value is refused before any file is decoded.
     quality = fields.get("quality")
     if quality is not None and quality not in QUALITIES:
         raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
@@ -297,7 +299,9 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         "video_shift": "flow_shift",
         "audio_shift": "extra_params.audio_flow_shift",
     }
-    kwargs: dict[str, Any] = {"task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed}
+    kwargs: dict[str, Any] = {
+        "task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed, "quality": quality,
+    }  # fmt: skip
     kwargs["steps"] = (
         _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else DEFAULT_STEPS
     )
@@ -322,7 +326,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         if err.field == "keyframes" and ordered:
             param = ordered[0].field
         raise bad_request(param, f"{param}: {message}") from err
-    return Mapped(request, quality)
+    return Mapped(request)
 
 
 class JobError(BaseModel):
@@ -355,3 +359,15 @@ class VideoJob(BaseModel):
     num_frames: int
     num_inference_steps: int
     seed: int
+    # Step caching, set when the render completes: the mode it ran with (`step_cache_mode`) and the DiT forwards
+    # (0-based, in denoise order) that reused cached blocks instead of running them; [] when none were.
+    step_cache: str | None = None
+    cached_steps: list[int] | None = None
+
+
+def step_cache_mode(report, quality: str | None) -> str:
+    """What a render's step caching was: `off` (the server has no step cache, or quality=lossless turned it off for
+    this request), `server` (the server's H3_CACHE_CONFIG profile) or `high` (quality=high: the conservative one)."""
+    if report is None or not report.enabled:
+        return "off"
+    return "high" if quality == "high" else "server"
