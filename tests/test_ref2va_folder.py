@@ -75,3 +75,32 @@ def test_a_ref2va_config_that_differs_is_refused_naming_both_files(release, tmp_
     config.write_text(json.dumps(values))
     with pytest.raises(ValueError, match=r"transformer_ref/config\.json: the Ref2VA DiT.s configuration differs"):
         resolve_model_folder(broken)
+
+
+def test_community_single_file_ref2va_loads_the_same_weights(release, tmp_path):
+    """The third layout: the Ref2VA DiT as one original-names file (`minimax_h3_ref2va_bf16.safetensors`, QKV rows
+    stacked as every published single file holds them) beside its config, in transformer_ref/."""
+    from safetensors.torch import save_file
+
+    from dit_fixtures import export_state_dict
+
+    root = tmp_path / "FL2VA"
+    shutil.copytree(release, root, ignore=shutil.ignore_patterns("transformer_ref"))
+    (root / "transformer_ref").mkdir()
+    shutil.copyfile(release / "transformer_ref" / "config.json", root / "transformer_ref" / "config.json")
+    expected = load_dit(release / "transformer_ref", dtype=torch.bfloat16)
+    single = root / "transformer_ref" / "minimax_h3_ref2va_bf16.safetensors"
+    save_file(export_state_dict(expected, "stacked"), single)
+    folder = resolve_model_folder(root)
+    assert folder.ref_transformer == root / "transformer_ref" and folder.ref_qkv_layout == "stacked"
+    loaded = load_ref_dit(folder, device="cpu", dtype=torch.bfloat16).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in expected.state_dict().items())
+    # Strict, as the FL2VA DiT: a key missing from the file is named.
+    from safetensors.torch import load_file
+
+    state = load_file(single)
+    missing = next(k for k in state if k.startswith("blocks.1."))
+    del state[missing]
+    save_file(state, single)
+    with pytest.raises(ValueError, match=missing.replace(".", r"\.")):
+        load_ref_dit(resolve_model_folder(root), device="cpu", dtype=torch.bfloat16)
