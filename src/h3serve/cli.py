@@ -185,7 +185,10 @@ def _accept_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_accept)
 
 
-BENCHES = ("dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check")
+BENCHES = (
+    "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
+    "humming-check", "adaln-tables", "stepcache", "ref2va-smoke",
+)  # fmt: skip
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -102,7 +102,9 @@ class Settings(BaseModel):
         "none", description="step caching (lossy): none, or cache_dit with cache_config"
     )
     cache_config: str | None = Field(
-        None, description="Cache-DiT settings as a JSON object; required with cache_dit, refused without it"
+        None,
+        description="Cache-DiT DBCache settings as a JSON object (cache-dit's key names); required with cache_dit, "
+        "refused without it",
     )
     startup_warmup: bool = Field(
         True, description="render a 2-step clip at the production shape before reporting ready"
@@ -128,7 +130,9 @@ class Settings(BaseModel):
     output_dir: Path = Field(Path("output"), description="folder for the job database and the async jobs' MP4s")
     max_queue: int = Field(8, ge=1, le=1024, description="renders that may wait; more are answered 429")
     max_prompt_chars: int = Field(7000, ge=1, le=100_000, description="longest prompt accepted, in characters")
-    max_upload_mb: int = Field(20, ge=1, le=512, description="largest keyframe upload accepted, in MiB")
+    max_upload_mb: int = Field(
+        20, ge=1, le=512, description="largest upload (a keyframe or a reference file) accepted, in MiB"
+    )
 
     # ---------------------------------------------------------------------------------------------------------
     @property
