@@ -1,7 +1,9 @@
-"""One DiT forward at the reference shape, every profile of ours and the peer, in one process on one GPU.
+"""One DiT forward at the reference (or released default) shape, every profile of ours and the peer, on one GPU.
 
 The full-size DiT from the released config with random weights (fixed seed, never zeros), the reference packed
-shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), then:
+shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), or with
+`--shape default` the released default request (T2VA 1344x768, 124 frames: 537 text + 414 audio + 37296 video rows =
+38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
    compile), HUMMING eager, plus compile with static shapes (which recompiles for every new row count; here to
@@ -15,9 +17,20 @@ shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 vi
 Ours runs as the engine does, with the blocks' AdaLN tables made once before the forwards (bitwise the same
 modulation); the peer computes its AdaLN projection inside every forward, as it always does.
 
+With `--kernels`, every compiled profile (ours and the peer's) gets a per-op breakdown of one forward
+(torch.profiler): the top kernels by time (`kernels`), and `kernel_breakdown`: kernel time per category (GEMM,
+attention, element-wise and reductions, other) in ms per forward and share of the kernels' total, and every Triton
+kernel with the ops Inductor fused into it.
+
 Results go to `--out` as JSON after every step, so a run cut short keeps what it measured.
 
     PYTHONPATH=src:tests python bench/dit_step.py --out bench/results/dit_step.json
+    PYTHONPATH=src:tests python bench/dit_step.py --kernels --only CUDNN_ATTN+compile+BF16,CUDNN_ATTN+compile+CUTLASS,\
+        diffusers+compile --out bench/results/dit_step_kernels.json    # add --shape default for 1344x768x124
+
+`--only` picks our profiles by name; the peer runs eager and compiled unless `--only` names a `diffusers+` profile,
+then only those named (the errors against the peer need `diffusers+eager`). A CPU dry run of the plumbing:
+`--tiny` (`--shape default` then takes a tiny canvas 4x the tiny reference's rows; CPU ops instead of kernels).
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import argparse
 import functools
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -39,7 +53,7 @@ from benchlib import call_peer, run_header, time_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from full_size_smoke import REFERENCE, build_dit
 
-from h3serve.accel import attention
+from h3serve.accel import attention, fused
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
 from h3serve.accel.linear import quantize_blocks, restore
@@ -62,6 +76,12 @@ class Record:
 
 SHAPE = {"height": 448, "width": 768, "frames": 56, "text": 537, "other_text": 300}
 TINY_SHAPE = {"height": 128, "width": 224, "frames": 22, "text": 20, "other_text": 12}
+# The released default request (1344x768, 124 frames = 5 s at 24 fps), with the reference's 537 text rows.
+DEFAULT_SHAPE = {"height": 768, "width": 1344, "frames": 124, "text": 537, "other_text": 300}
+TINY_DEFAULT_SHAPE = {"height": 224, "width": 384, "frames": 39, "text": 20, "other_text": 12}
+SHAPES = {"reference": (SHAPE, TINY_SHAPE), "default": (DEFAULT_SHAPE, TINY_DEFAULT_SHAPE)}
+# --warmup, --iters when not given: a default-shape forward takes ~6 s, so fewer there.
+TIMING = {"reference": (2, 5), "default": (1, 3)}
 
 
 def inputs(dit, n_text: int, shape: dict, dev: str, seed: int = 0) -> dict:
@@ -119,16 +139,21 @@ def uncompile(model, *inputs: dict) -> None:
 
 
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
-# compile: the engine's (the row count symbolic). compile-static: static shapes (a recompile for every new row
-# count; what the symbolic row count costs).
-EXECUTIONS = ("eager", "compile", "compile-static")
-KERNEL_TABLES = ("CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+compile-static+BF16")
+# compile: the engine's (the row count symbolic; on CUDA the fused qk-norm + rotary pass, `accel.fused`).
+# compile-unfused: the same with the reference qk-norm + rotary ops (what the fused pass saves). compile-static:
+# static shapes, unfused (a recompile for every new row count; what the symbolic row count costs).
+EXECUTIONS = ("eager", "compile", "compile-unfused", "compile-static")
+
+
+def kernel_tabled(name: str) -> bool:
+    """Which profiles `--kernels` breaks down: every compiled one, ours (BF16 and CUTLASS) and the peer's."""
+    return "+eager" not in name
 
 
 def wanted(linear: str, attn: str, execution: str) -> bool:
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
         return execution == "eager"
-    return execution != "compile-static" or attn == "CUDNN_ATTN"
+    return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
 
 
 def swap_linears(dit, linear: str) -> dict | None:
@@ -141,30 +166,90 @@ def swap_linears(dit, linear: str) -> dict | None:
     return None
 
 
-def kernel_table(fn, top: int = 30) -> list[dict]:
-    """The GPU kernels of one call by total time (torch.profiler), to see where two variants differ."""
+def kernel_table(fn, top: int = 30) -> tuple[list[dict], dict]:
+    """The GPU kernels of one call by total time (torch.profiler), to see where two variants differ: the `top` kernels,
+    and the per-op breakdown (`breakdown`). On a CPU dry run: the CPU ops by self time instead of kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    cuda = torch.cuda.is_available()
     fn()
     _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
         _sync()
-    rows = []
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:top]:
-        rows.append({"name": e.key[:160], "calls": e.count, "ms": round(e.device_time_total / 1e3, 3)})
-    return rows
+    events = [
+        (e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3) for e in prof.key_averages()
+    ]
+    events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
+    rows = [{"name": name[:160], "calls": calls, "ms": round(ms, 3)} for name, calls, ms in events[:top]]
+    return rows, breakdown(events, "CUDA kernels" if cuda else "CPU ops, self time (dry run)")
+
+
+# Kernel categories, tried in this order (Triton first: Inductor names a kernel after the ops it fused, which can
+# include an attention op whose input it lays out; a Triton template doing a matmul counts as GEMM).
+CATEGORIES = (
+    ("gemm", re.compile(r"^triton_tem_.*mm")),
+    ("elementwise", re.compile(r"^triton_|cpp_fused")),
+    ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)),
+    ("gemm", re.compile(r"nvjet|cutlass|xmma|gemm|gemv|scaled_mm|f8f8bf16|cublas|^aten::(mm|addmm|bmm)$", re.I)),
+    ("elementwise", re.compile(r"at::native|elementwise|reduce|^aten::", re.I)),
+)
+CATEGORY_NAMES = {
+    "gemm": "GEMM (nvjet, CUTLASS, xmma/cuBLAS, _scaled_mm)",
+    "attention": "attention (cuDNN SDPA, flash, fmha)",
+    "elementwise": "element-wise and reductions (Triton, at::native)",
+    "other": "other (memset, memcpy, the rest)",
+}
+TRITON = re.compile(r"^triton_(?P<kind>[a-z]+)_(?:fused_)?(?P<ops>.*?)(?:_\d+)?$")
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def breakdown(events: list[tuple[str, int, float]], source: str) -> dict:
+    """Kernel time of one forward per category (ms and share of the kernels' total), and every Triton kernel with
+    the ops Inductor fused into it (the name after `triton_<kind>_fused_`)."""
+    total = sum(ms for _, _, ms in events)
+    cats = {
+        cat: {"what": what, "ms": 0.0, "share": 0.0, "calls": 0, "kernels": 0} for cat, what in CATEGORY_NAMES.items()
+    }
+    triton = []
+    for name, calls, ms in events:
+        c = cats[category(name)]
+        c["ms"] += ms
+        c["calls"] += calls
+        c["kernels"] += 1
+        if m := TRITON.match(name):
+            triton.append({
+                "name": name, "kind": m["kind"], "ops": m["ops"], "calls": calls, "ms": round(ms, 3),
+                "share": round(ms / total, 4) if total else 0.0,
+            })  # fmt: skip
+    for c in cats.values():
+        c["share"] = round(c["ms"] / total, 4) if total else 0.0
+        c["ms"] = round(c["ms"], 3)
+    return {"source": source, "forwards": 1, "total_ms": round(total, 3), "categories": cats, "triton": triton}
 
 
 @torch.no_grad()
 def run_ours(rec: Record, args) -> tuple[dict, dict]:
     torch.manual_seed(0)
     dev = "cpu" if args.tiny else "cuda"
-    shape = TINY_SHAPE if args.tiny else SHAPE
+    shape = SHAPES[args.shape][1 if args.tiny else 0]
     dit = tiny_dit() if args.tiny else build_dit(torch.device("cuda"))
     rec.data["weights_gib"] = round(_allocated() / 2**30, 2)
     x = inputs(dit, shape["text"], shape, dev)
     other = inputs(dit, shape["other_text"], shape, dev, seed=1)
+    layout = x["layout"]
+    rec.data["shape"] = {
+        "name": args.shape + (" (tiny)" if args.tiny else ""),
+        **shape,
+        "rows": {"text": shape["text"], "audio": layout.num_audio_rows, "video": layout.num_video_rows},
+    }
+    rec.data["warmup"], rec.data["iters"] = args.warmup, args.iters
     # The engine makes every block's modulation table before the denoise loop (h3serve.accel.adaln); so does this
     # benchmark, once: the 26 GB AdaLN projection is not part of a forward any more (the peer's forward includes it).
     x["tables"] = other["tables"] = AdalnTables(dit, resident=True).for_steps([x["timesteps"]])[0]
@@ -185,9 +270,10 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     uncompile(dit, x, other)
                     torch._dynamo.reset()
                     counter = None
+                    fused.use(execution == "compile" and fused.available())  # as the engine chooses (apply_profile)
                     if execution != "eager":  # as the engine compiles (apply_profile)
                         counter = compile_repeated_blocks(
-                            dit, dynamic=execution == "compile", eager_precision=linear == "BF16"
+                            dit, dynamic=execution != "compile-static", eager_precision=linear == "BF16"
                         )
                     _reset_peak()
                     start = time.perf_counter()
@@ -201,8 +287,8 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
                     entry["peak_gib"] = round(_peak() / 2**30, 2)
                     outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
-                    if args.kernels and name in KERNEL_TABLES:
-                        entry["kernels"] = kernel_table(functools.partial(forward, dit, x))
+                    if args.kernels and kernel_tabled(name):
+                        entry["kernels"], entry["kernel_breakdown"] = kernel_table(functools.partial(forward, dit, x))
                     if counter is not None:
                         forward(dit, other)  # another sequence length: must not recompile
                         entry["graphs"] = counter.graphs
@@ -211,7 +297,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     entry["error"] = f"{type(err).__name__}: {err}"[:2000]
                 rec.data["profiles"][name] = entry
                 rec.save()
-                print(name, {k: v for k, v in entry.items() if k != "kernels"}, flush=True)
+                print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
         uncompile(dit, x, other)
         if replaced is not None:
             restore(dit, replaced)
@@ -259,8 +345,11 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
     def run():
         return call_peer(peer, h)
 
+    named = [n for n in args.only or () if n.startswith("diffusers+")]
     for execution in ("eager", "compile"):
         name = f"diffusers+{execution}"
+        if named and name not in named:
+            continue
         entry: dict = {}
         try:
             if execution == "compile":
@@ -277,11 +366,13 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
             entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
             entry["peak_gib"] = round(_peak() / 2**30, 2)
             outputs[name] = (a[0][0].float().cpu(), a[1][0].float().cpu())
+            if args.kernels and kernel_tabled(name):
+                entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"[:2000]
         rec.data["profiles"][name] = entry
         rec.save()
-        print(name, entry, flush=True)
+        print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
 
 
 def tiny_dit():
@@ -316,17 +407,32 @@ def _sync() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="reference",
+        help="reference: 768x448, 56 frames (S = 6435); default: the released default 1344x768, 124 frames (S = 38247)",
+    )
+    parser.add_argument("--warmup", type=int, help="forwards before timing (default 2; 1 at --shape default)")
+    parser.add_argument("--iters", type=int, help="timed forwards (default 5; 3 at --shape default)")
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
-    parser.add_argument("--kernels", action="store_true", help="add a per-kernel time table for compile and static")
-    parser.add_argument("--only", type=lambda v: v.split(","), help="comma-separated profile names (the peer always)")
+    parser.add_argument(
+        "--kernels", action="store_true", help="a per-kernel and per-op breakdown of every compiled profile's forward"
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda v: v.split(","),
+        help="comma-separated profile names (the peer: both unless a diffusers+ profile is named)",
+    )
     args = parser.parse_args()
+    warmup, iters = TIMING[args.shape]
+    args.warmup = warmup if args.warmup is None else args.warmup
+    args.iters = iters if args.iters is None else args.iters
     rec = Record(args.out)
     outputs, handoff = run_ours(rec, args)
     run_peer(rec, args, handoff, outputs)
     reference = outputs.get("diffusers+eager")
-    peer_ms = {k: rec.data["profiles"][k].get("ms_median") for k in ("diffusers+eager", "diffusers+compile")}
+    peer_ms = {k: rec.data["profiles"].get(k, {}).get("ms_median") for k in ("diffusers+eager", "diffusers+compile")}
     for name, (video, audio) in outputs.items():
         entry = rec.data["profiles"][name]
         if reference is not None:

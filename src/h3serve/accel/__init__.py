@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from h3serve.accel import attention, humming, linear
+from h3serve.accel import attention, fused, humming, linear
 from h3serve.accel.adaln import AdalnHostHook
 from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
@@ -39,6 +39,8 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     them into Humming's layout; for `compile`,
     compile the repeated blocks (returns their graph counter)."""
     attention.use(profile.attention)
+    # The fused qk-norm + rotary pass under compile on CUDA (eager keeps the reference ops: the exact profile).
+    fused.use(profile.execution == "compile" and profile.torch_device.type == "cuda" and fused.available())
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
     dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each

@@ -15,6 +15,12 @@ from h3serve.model import ops
 
 
 def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    # cuDNN's fused attention has no float32 kernel. The backend is for the half-precision attention of the DiT and
+    # the video decoder; the only float32 attention in the pipeline is the audio VAE's encoder (Ref2VA's reference
+    # audio, a few hundred rows), which runs torch's own choice. A float32 DiT with CUDNN_ATTN is refused up front
+    # (`Profile`), so this is never where the DiT's attention lands.
+    if q.dtype == torch.float32:
+        return ops.sdpa(q, k, v, causal)
     # Held to cuDNN only: if cuDNN cannot run a call, it fails rather than falling back to another kernel.
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

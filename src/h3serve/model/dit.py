@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import MAX_TIMESTEPS, NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
-from h3serve.model.ops import apply_rotary, attention, gated_residual, modulate, rotary_table
+from h3serve.model.ops import attention, gated_residual, modulate, qk_norm_rope, rotary_table
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (S, rotary_dim), float32
 
@@ -79,9 +79,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
         # x (S, hidden) -> q, k, v (S, H, D)
         q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in self.qkv_proj(x).chunk(3, dim=-1))
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:  # one call, so that a fused kernel can do both in one pass (`ops.qk_norm_rope`)
+            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
         out = attention(q, k, v)  # (S, H, D): one document, no mask
         return self.out_proj(out.flatten(1).to(x.dtype))  # (S, hidden)
 

@@ -1,9 +1,10 @@
-"""The small ops every model file shares: attention over (S, H, D) rows, rotate-half rotary embedding, AdaLN
-modulation and the gated residual.
+"""The small ops every model file shares: attention over (S, H, D) rows, rotate-half rotary embedding, the DiT's
+qk-RMSNorm + rotary, AdaLN modulation and the gated residual.
 
 The DiT and both VAEs call these instead of `scaled_dot_product_attention` and their own RoPE, so an outside
-layer has one place to act on: the attention kernel is set once at start (`use_attention_kernel`, from the
-registry in `h3serve.accel.attention`); the rest are the plain references that fused kernels are checked against.
+layer has one place to act on: the attention kernel and the qk-norm + rotary kernel are set once at start
+(`use_attention_kernel`, `use_qk_norm_rope_kernel`, from `h3serve.accel`); the functions here are the plain
+references those kernels are checked against.
 """
 
 from __future__ import annotations
@@ -36,16 +37,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q, k, v: (S, H, D) for one sequence or (B, S, H, D) for a batch; returns the same layout. The kernel sees
     (B, H, S, D): a 4-D call picks the same kernels as the reference's batched calls (on the CPU the 3-D and 4-D
     bfloat16 paths round differently).
-
-    Float32 attention always runs the reference `sdpa`: the chosen kernel is for the half-precision attention of
-    the DiT and the video decoder (cuDNN's fused attention has no float32 kernel), and the only float32 attention
-    in the pipeline is the audio VAE's encoder (Ref2VA's reference audio), a few hundred rows.
     """
     single = q.ndim == 3
     if single:
         q, k, v = q[None], k[None], v[None]
-    kernel = sdpa if q.dtype == torch.float32 else _kernel
-    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+    out = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
     out = out.transpose(1, 2)  # (B, S, H, D)
     return out[0] if single else out
 
@@ -68,6 +64,53 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = rot.chunk(2, dim=-1)
     rot = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rot, rest), dim=-1)
+
+
+QkNormRopeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over each head's D channels (own weight for q and k), then rotate-half RoPE on the leading R."""
+    d = q.shape[-1]
+    q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+_qk_norm_rope_kernel: QkNormRopeKernel = qk_norm_rope_reference
+
+
+def use_qk_norm_rope_kernel(kernel: QkNormRopeKernel | None) -> None:
+    """Set the kernel every `qk_norm_rope` call runs (None: the reference), chosen once at start (`h3serve.accel`)."""
+    global _qk_norm_rope_kernel
+    _qk_norm_rope_kernel = kernel or qk_norm_rope_reference
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DiT attention's qk-RMSNorm and partial rotary in one call, so that one fused pass can replace them.
+
+    q, k: (S, H, D), any strides (views of the fused QKV projection); weights (D,); cos, sin: (S, R) float32, R <= D
+    and even, each half equal (`rotary_table`). Returns the normalised, rotated q and k, (S, H, D) at q's dtype.
+    """
+    return _qk_norm_rope_kernel(q, k, q_weight, k_weight, eps, cos, sin)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
