@@ -35,6 +35,9 @@ class GraphCounter:
 
     Dynamo numbers compilations per frame: (frame, 0) is a frame's first compile, (frame, n > 0) its n-th
     recompile (a guard failed). An analysis restart within one compile is the same compilation, not counted twice.
+    The numbering is the process's: a frame compiled before this counter existed (an earlier compile of the same
+    block class, e.g. another model's) starts above 0, so a recompile is any compile of a frame after the first
+    one this counter saw.
     """
 
     def __init__(self, backend: str = "inductor", inductor_config: dict | None = None):
@@ -48,7 +51,8 @@ class GraphCounter:
 
     @property
     def recompiles(self) -> int:
-        return sum(1 for _, n in self.compiles if n > 0)
+        frames = {frame for frame, _ in self.compiles}
+        return len(self.compiles) - len(frames)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._dynamo.backends.registry import lookup_backend
