@@ -34,8 +34,12 @@ def _norm_rope_tile(
     rstd = tl.rsqrt(ss / D + eps)[:, None]
     w1 = tl.load(w_ptr + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
-    y1 = _round(_round(x1 * rstd, DTYPE) * w1, DTYPE)
-    y2 = _round(_round(x2 * rstd, DTYPE) * w2, DTYPE)
+    if ROUND_NORM:  # ATen's composite rms_norm: the normalised value rounded, then times the weight
+        y1 = _round(_round(x1 * rstd, DTYPE) * w1, DTYPE)
+        y2 = _round(_round(x2 * rstd, DTYPE) * w2, DTYPE)
+    else:  # one rounding of x * rstd * w (a fused rms_norm kernel)
+        y1 = _round(x1 * rstd * w1, DTYPE)
+        y2 = _round(x2 * rstd * w2, DTYPE)
     # rotate-half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product and the sum rounded as eager's
     o1 = _round(y1 * cos1, DTYPE) + _round(-y2 * sin1, DTYPE)
     o2 = _round(y2 * cos2, DTYPE) + _round(y1 * sin2, DTYPE)
@@ -43,7 +47,10 @@ def _norm_rope_tile(
     tl.store(obase + c_half[None, :], o1.to(DTYPE), mask=m_half)
     tl.store(obase + HALF + c_half[None, :], o2.to(DTYPE), mask=m_half)
     w3 = tl.load(w_ptr + 2 * HALF + c_rest, mask=c_rest < REST, other=0.0).to(tl.float32)[None, :]
-    y3 = _round(x3 * rstd, DTYPE) * w3
+    if ROUND_NORM:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+        y3 = _round(x3 * rstd, DTYPE) * w3
+    else:
+        y3 = x3 * rstd * w3
     tl.store(obase + 2 * HALF + c_rest[None, :], y3.to(DTYPE), mask=m_rest)
 
 
@@ -52,7 +59,7 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, S,
     q_row_stride, q_head_stride, k_row_stride, k_head_stride, cs_row_stride, out_row_stride, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
-    BLOCK_M: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = tl.program_id(1)
@@ -67,12 +74,15 @@ def _qk_norm_rope_kernel(
     sin2 = _round(tl.load(sin_ptr + HALF + cs, mask=m_half, other=0.0), DTYPE)
     _norm_rope_tile(q_ptr, qo_ptr, qw_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
                     q_row_stride, q_head_stride, out_row_stride, eps, D, HALF, BLOCK_HALF, REST, BLOCK_REST,
-                    DTYPE)  # fmt: skip
+                    DTYPE, ROUND_NORM)  # fmt: skip
     _norm_rope_tile(k_ptr, ko_ptr, kw_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
                     k_row_stride, k_head_stride, out_row_stride, eps, D, HALF, BLOCK_HALF, REST, BLOCK_REST,
-                    DTYPE)  # fmt: skip
+                    DTYPE, ROUND_NORM)  # fmt: skip
 
 
+# Whether the norm rounds twice (ATen's composite rms_norm) or once; which one eager's CUDA rms_norm matches is
+# measured by tests/test_fused.py (it prints both).
+ROUND_NORM = True
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -85,6 +95,7 @@ def qk_norm_rope_fused(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    round_norm: bool = ROUND_NORM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s, h, d = q.shape
     r = cos.shape[-1]
@@ -100,5 +111,6 @@ def qk_norm_rope_fused(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), h * d, eps,
         D=d, HALF=r // 2, BLOCK_HALF=triton.next_power_of_2(r // 2), REST=d - r,
         BLOCK_REST=triton.next_power_of_2(max(d - r, 1)), BLOCK_M=block_m, DTYPE=_TL_DTYPES[q.dtype],
+        ROUND_NORM=round_norm,
     )  # fmt: skip
     return q_out, k_out
