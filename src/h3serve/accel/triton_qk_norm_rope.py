@@ -19,7 +19,7 @@ def _norm_rope_tile(
     x_ptr, out_ptr, w_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
     x_row_stride, x_head_stride, out_row_stride, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
-    DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr,
 ):  # fmt: skip
     c_half = tl.arange(0, BLOCK_HALF)
     m_half = mask_rows[:, None] & (c_half[None, :] < HALF)
