@@ -129,7 +129,10 @@ def test_fused_under_compile_matches_and_does_not_recompile():
         args = [t[:s] for t in (q, k)] + [qw, kw, 1e-5] + [t[:s] for t in (cos, sin)]
         for t in (args[0], args[1], args[5], args[6]):
             torch._dynamo.mark_dynamic(t, 0)
-        got = compiled(*args)
-        want = fused.qk_norm_rope(*args)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert counter.recompiles == 0
+        got, again = compiled(*args), compiled(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))  # deterministic
+        want = ops.qk_norm_rope_reference(*args)
+        for a, b in zip(got, want, strict=True):  # Inductor launches the kernel with its own settings: not bitwise
+            diff = (a.float() - b.float()).abs()  # the eager launch, but within the parity test's bounds
+            assert diff.max() <= 0.0625 and (diff.norm() / b.float().norm()).item() <= 1e-2, f"max {diff.max():.3g}"
+    assert counter.graphs == 1 and counter.recompiles == 0, counter.compiles
