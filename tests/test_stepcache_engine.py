@@ -87,3 +87,34 @@ def test_both_dits_get_their_own_cache():
     assert set(engine.step_caches) == {"fl2va", "ref2va"}
     assert engine.step_caches["fl2va"] is not engine.step_caches["ref2va"]
     assert render(engine).step_cache.cached == (2, 4, 6, 8)
+
+
+def test_cli_render_with_a_cache_config_reports_the_cached_forwards(tmp_path, capsys):
+    from h3serve.cli import main
+
+    out = tmp_path / "cached.mp4"
+    config = '{"Fn_compute_blocks":1,"Bn_compute_blocks":0,"max_warmup_steps":2,"residual_diff_threshold":0.5,' \
+        '"max_continuous_cached_steps":1}'  # fmt: skip
+    code = main(["render", PROMPT, "-o", str(out), "--steps", "10", "--seed", "1", "--no-progress",
+                 "--cache-config", config])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0 and out.exists(), err
+    assert "step cache (lossy): 4 of 9 forwards cached [2, 4, 6, 8]" in err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ('{"Fn_compute_block":1}', "unknown cache-dit DBCache option; did you mean 'Fn_compute_blocks'"),
+        ("[1]", "must be a JSON object"),
+        ('{"enable_taylorseer":true}', "enable_taylorseer"),
+    ],
+)
+def test_cli_render_refuses_a_bad_cache_config_before_loading(tmp_path, capsys, config, message):
+    from h3serve.cli import main
+
+    out = tmp_path / "x.mp4"
+    code = main(["render", PROMPT, "-o", str(out), "--steps", "3", "--no-progress", "--cache-config", config])
+    err = capsys.readouterr().err
+    assert code == 1 and not out.exists()
+    assert err.startswith("h3serve: error: --cache-config: ") and message in err and err.count("\n") == 1, err

@@ -23,6 +23,7 @@ from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, SAMPLE_RATE, VIDEO_S
 from h3serve.media.mp4 import DEFAULT_THREADS
 
 if TYPE_CHECKING:
+    from h3serve.accel.stepcache import StepCacheConfig
     from h3serve.model.folder import ModelFolder
     from h3serve.pipeline.engine import Profile
     from h3serve.pipeline.request import RenderRequest
@@ -112,6 +113,12 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--cache-dir", type=Path, help="persistent kernel caches (Inductor, Triton) for compile; env H3_CACHE_DIR"
+    )
+    p.add_argument(
+        "--cache-config",
+        metavar="JSON",
+        help="step caching (lossy): cache-dit DBCache options as a JSON object, as H3_CACHE_CONFIG; the summary "
+        "says which forwards were cached (default: none, full compute)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_render)
@@ -475,6 +482,7 @@ class _RenderPlan:
     request: RenderRequest
     profile: Profile
     folder: ModelFolder | None  # None: the built-in tiny model
+    step_cache: StepCacheConfig | None = None
 
 
 def _plan_render(args: argparse.Namespace) -> _RenderPlan:
@@ -493,6 +501,16 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, args.threads)
     except ValueError as err:
         raise CliError(f"--threads: {err}") from err
+    step_cache = None
+    if args.cache_config is not None:
+        from h3serve.accel.stepcache import parse_cache_config
+
+        try:
+            step_cache = parse_cache_config(args.cache_config)
+        except ValueError as err:
+            raise CliError(f"--cache-config: {err}") from err
+        if args.linear == "HUMMING":
+            raise CliError("--cache-config: linear HUMMING is the deterministic profile and runs without a step cache")
     tiny = args.model is None
     if tiny and args.qkv_layout is not None:
         raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
@@ -526,7 +544,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
             path = args.ref[int(field[len("references[") : -1])]
             raise CliError(f"--ref {path}: {err}") from err
         raise CliError(str(err)) from err
-    return _RenderPlan(request, profile, folder)
+    return _RenderPlan(request, profile, folder, step_cache)
 
 
 def _task_type(task: str) -> str:
@@ -582,7 +600,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise CliError(f"--cache-dir {cache_dir}: {err}") from err
     start = time.perf_counter()
     try:
-        engine = Engine.load(plan.folder, profile, task_type=_task_type(request.task))
+        engine = Engine.load(plan.folder, profile, task_type=_task_type(request.task), step_cache=plan.step_cache)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"--model {args.model}: {err}") from err
     load_s = time.perf_counter() - start
@@ -603,14 +621,17 @@ def cmd_render(args: argparse.Namespace) -> int:
         raise CliError(f"--output {args.output}: {err}") from err
     encode_s = time.perf_counter() - encode_start
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
+    cache_note = ""
     if result.step_cache is not None and result.step_cache.enabled:
         cached = result.step_cache.cached
-        stages += f" | step cache: {len(cached)} of {result.step_cache.forwards} forwards cached {list(cached)}"
+        cache_note = (
+            f" | step cache (lossy): {len(cached)} of {result.step_cache.forwards} forwards cached {list(cached)}"
+        )
     frames = result.frames
     print(
         f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "
         f"{result.audio.shape[1] / result.sample_rate:.2f} s stereo {result.sample_rate} Hz | load {load_s:.2f}s "
-        f"{stages} encode {encode_s:.2f}s total {load_s + result.timings['total'] + encode_s:.2f}s",
+        f"{stages} encode {encode_s:.2f}s total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
         file=sys.stderr,
     )
     return 0
