@@ -193,3 +193,17 @@ def test_cli_ref_errors_are_one_line_and_write_nothing(tmp_path, capsys, flags, 
     import re
 
     assert re.search(message, err), err
+
+
+def test_a_request_larger_than_the_memory_plan_is_refused(engine):
+    """The plan covers the largest keyframe request (tiny: 4,258 rows besides the prompt: 362 frames of 224x128 and
+    two keyframes); nine 4:1 images (64 rows each at the tiny short edge) beside the longest target (4,202 rows)
+    pack 4,778; at 300 frames (311 on the grid: 3,250 rows) they fit."""
+    wide = [png(i, 200, 50) for i in range(9)]
+    with pytest.raises(
+        RequestError, match=r"packs 576 reference rows and 4202 rows .* 4778 in all; .* covers 4258"
+    ) as err:
+        engine.validate(PROMPT, task="ref2va", steps=3, num_frames=362, references=wide)
+    assert err.value.field == "references"
+    request = engine.validate(PROMPT, task="ref2va", steps=3, num_frames=300, references=wide)
+    assert len(request.references) == 9

@@ -41,7 +41,10 @@ def dit_activation_bytes(cfg: DiTConfig, rows: int) -> int:
     return rows * 2 * (3 * cfg.hidden_size + 6 * cfg.inner_dim + 3 * cfg.ffn_hidden_size)
 
 
-def largest_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = 1024) -> int:
+PLANNED_TEXT_ROWS = 1024  # the prompt rows the memory plan allows for (a long prompt with two keyframes)
+
+
+def largest_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = PLANNED_TEXT_ROWS) -> int:
     """Packed rows of the largest request the rules allow: FL2VA (two keyframes), the largest 16:9 canvas, the most
     frames, `text_rows` prompt rows."""
     from h3serve.pipeline.layout import MediaGeometry, build_layout

@@ -35,7 +35,7 @@ from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.model.folder import FL2VA, REF2VA, Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.budget import dit_activation_bytes, largest_request_rows
+from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, dit_activation_bytes, largest_request_rows
 from h3serve.pipeline.conditioning import (
     RELEASED_VIDEO_PROCESSING,
     VideoProcessing,
@@ -316,7 +316,34 @@ class Engine:
         """`validate_request` under this model's canvas and frame rules, for a task whose DiT is loaded."""
         self.check_task(kwargs.get("task", "t2va"))
         self.check_quality(kwargs.get("quality"))
-        return validate_request(prompt, rules=self.rules, **kwargs)
+        request = validate_request(prompt, rules=self.rules, **kwargs)
+        if request.task == REF2VA:
+            self.check_rows(request)
+        return request
+
+    def check_rows(self, request: RenderRequest) -> None:
+        """RequestError("references") for a Ref2VA request that packs more rows than the memory plan covers.
+
+        The plan (`pipeline.budget`: `h3serve check --preflight`, the start's gate, `memory_budget`) is made for the
+        largest base-mode request the rules allow. A Ref2VA request can be far larger (each reference image at a 2048
+        short edge is up to 16,384 rows), so it is held to the same count, its prompt's rows excluded as the plan
+        allows them: a request that fits the plan is never one the GPU cannot hold.
+        """
+        cfg = self.components.dit_config
+        _, ph, pw = cfg.patch_size
+        blocks = reference_descriptors(request.references)
+        references = sum(b.video_rows(cfg.patch_size) + b.audio_rows() for b in blocks)
+        g = MediaGeometry.from_pixels(request.height, request.width, request.num_frames)
+        target = g.latent_frames * (g.latent_height // ph) * (g.latent_width // pw) + 2 * g.audio_latents
+        limit = largest_request_rows(cfg, self.rules) - PLANNED_TEXT_ROWS
+        if references + target > limit:
+            raise RequestError(
+                "references",
+                f"references: this request packs {references} reference rows and {target} rows of its own video "
+                f"and audio, {references + target} in all; the server's memory plan covers {limit} (the largest "
+                f"keyframe request, {self.rules.frames.max_frames} frames of 16:9). Use fewer or smaller reference "
+                "images or videos, or fewer frames",
+            )
 
     @contextmanager
     def _stage(self, timings: dict[str, float], name: str, ctx: RenderContext) -> Iterator[None]:
