@@ -248,7 +248,6 @@ class Engine:
         # One AdaLN table cache per loaded DiT (FL2VA, Ref2VA): same architecture, different weights.
         self.tables = {kind: AdalnTables(dit, resident=profile.adaln_resident) for kind, dit in components.dits.items()}
         # Step caching (lossy, opt-in): attached after compiling, around each DiT's blocks (`accel.stepcache`).
-        self.step_cache = step_cache
         self.step_caches: dict[str, StepCache] = {}
         if step_cache is not None:
             self.step_caches = {kind: attach_step_cache(dit, step_cache) for kind, dit in components.dits.items()}
@@ -330,11 +329,11 @@ class Engine:
         allows them: a request that fits the plan is never one the GPU cannot hold.
         """
         cfg = self.components.dit_config
-        _, ph, pw = cfg.patch_size
+        geometry = MediaGeometry.from_pixels(request.height, request.width, request.num_frames)
         blocks = reference_descriptors(request.references)
-        references = sum(b.video_rows(cfg.patch_size) + b.audio_rows() for b in blocks)
-        g = MediaGeometry.from_pixels(request.height, request.width, request.num_frames)
-        target = g.latent_frames * (g.latent_height // ph) * (g.latent_width // pw) + 2 * g.audio_latents
+        layout = build_ref2va_layout([], blocks, geometry, patch_size=cfg.patch_size)  # the rows, no prompt
+        references = layout.num_reference_video_rows + layout.num_reference_audio_rows
+        target = layout.num_video_rows + layout.num_audio_rows
         limit = largest_request_rows(cfg, self.rules) - PLANNED_TEXT_ROWS
         if references + target > limit:
             raise RequestError(
@@ -383,6 +382,7 @@ class Engine:
     ) -> RenderResult:
         c, device = self.components, self.profile.torch_device
         self.check_task(request.task)
+        self.check_quality(request.quality)
         kind = REF2VA if request.task == REF2VA else FL2VA
         dit = c.dits[kind]
         cfg = dit.config
@@ -432,7 +432,6 @@ class Engine:
         with self._stage(timings, "denoise", ctx):
             model = bind_model(dit, layout, text.states, tables)
             cache = self.step_caches.get(kind)
-            self.check_quality(request.quality)
             if cache is not None:
                 high = request.quality == "high"
                 cache.begin_request(
