@@ -489,7 +489,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     import torch
 
     from h3serve.media.mp4 import DEFAULT_CRF, check_settings
-    from h3serve.model.folder import resolve_model_folder
+    from h3serve.model.folder import dit_kind, resolve_model_folder
     from h3serve.pipeline.engine import Profile
     from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, validate_request
 
@@ -509,8 +509,6 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
             step_cache = parse_cache_config(args.cache_config)
         except ValueError as err:
             raise CliError(f"--cache-config: {err}") from err
-        if args.linear == "HUMMING":
-            raise CliError("--cache-config: linear HUMMING is the deterministic profile and runs without a step cache")
     tiny = args.model is None
     if tiny and args.qkv_layout is not None:
         raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
@@ -522,7 +520,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         # Every config read and cross-checked, every weight header opened; no weights yet.
         folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
         if folder is not None:
-            folder.check_task_type(_task_type(task))
+            folder.check_task_type(dit_kind(task))
         request = validate_request(
             prompt,
             task=task,
@@ -547,13 +545,6 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     return _RenderPlan(request, profile, folder, step_cache)
 
 
-def _task_type(task: str) -> str:
-    """The one DiT a render of `task` needs (`model.folder.TASK_TYPES`)."""
-    from h3serve.model.folder import FL2VA, REF2VA
-
-    return REF2VA if task == REF2VA else FL2VA
-
-
 def _render(engine, request, progress: bool):
     bar = None
     if progress:
@@ -574,6 +565,7 @@ def _render(engine, request, progress: bool):
 
 def cmd_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
+    from h3serve.model.folder import dit_kind
     from h3serve.pipeline.engine import STAGES, Engine
 
     # 1. Everything the user gave, checked before any weight loads.
@@ -600,7 +592,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             raise CliError(f"--cache-dir {cache_dir}: {err}") from err
     start = time.perf_counter()
     try:
-        engine = Engine.load(plan.folder, profile, task_type=_task_type(request.task), step_cache=plan.step_cache)
+        engine = Engine.load(plan.folder, profile, task_type=dit_kind(request.task), step_cache=plan.step_cache)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"--model {args.model}: {err}") from err
     load_s = time.perf_counter() - start

@@ -426,6 +426,12 @@ class StepCache:
                 seg.accumulated_diff += diff
 
 
+def check_linear(linear: str) -> None:
+    """A step cache with these block linears: HUMMING is the deterministic profile and runs without one."""
+    if linear == "HUMMING":
+        raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
+
+
 def attach(dit: nn.Module, config: StepCacheConfig | None) -> StepCache:
     """Attach a step cache to `dit.blocks` (after `compile_repeated_blocks`, if the blocks are compiled).
     `config`: the server's profile, or None (requests run uncached unless `begin_request` names a profile)."""

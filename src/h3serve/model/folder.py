@@ -37,6 +37,11 @@ FL2VA, REF2VA = "fl2va", "ref2va"
 TASK_TYPES = {FL2VA: (FL2VA,), REF2VA: (REF2VA,), "both": (FL2VA, REF2VA)}
 
 
+def dit_kind(task: str) -> str:
+    """The DiT a task runs on: `REF2VA` for ref2va, `FL2VA` for the four base modes (also a task type of its own)."""
+    return REF2VA if task == REF2VA else FL2VA
+
+
 @dataclass
 class Components:
     """Every loaded model a render needs; the engine runs them. `dit` is the FL2VA DiT, `ref_dit` the Ref2VA DiT;

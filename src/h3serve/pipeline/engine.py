@@ -29,11 +29,19 @@ import torch
 from h3serve.accel import apply_profile, load_hooks
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import GraphCounter
-from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
+from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport, check_linear
 from h3serve.accel.stepcache import attach as attach_step_cache
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
-from h3serve.model.folder import FL2VA, REF2VA, Components, ModelFolder, load_components, resolve_model_folder
+from h3serve.model.folder import (
+    FL2VA,
+    REF2VA,
+    Components,
+    ModelFolder,
+    dit_kind,
+    load_components,
+    resolve_model_folder,
+)
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, dit_activation_bytes, largest_request_rows
 from h3serve.pipeline.conditioning import (
@@ -237,8 +245,8 @@ class Engine:
         step_cache: StepCacheConfig | None = None,
     ):
         components.check()
-        if step_cache is not None and profile.linear == "HUMMING":
-            raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
+        if step_cache is not None:
+            check_linear(profile.linear)
         self.components = components
         self.profile = profile
         self.rules = rules
@@ -263,8 +271,8 @@ class Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both; `model.folder.TASK_TYPES`), checked first.
         `step_cache`: the DBCache profile every request runs with unless it asks otherwise (None: no caching)."""
-        if step_cache is not None and profile.linear == "HUMMING":
-            raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
+        if step_cache is not None:
+            check_linear(profile.linear)  # before any weight loads
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
             return cls(components, profile, TINY_RULES, step_cache=step_cache)
@@ -383,7 +391,7 @@ class Engine:
         c, device = self.components, self.profile.torch_device
         self.check_task(request.task)
         self.check_quality(request.quality)
-        kind = REF2VA if request.task == REF2VA else FL2VA
+        kind = dit_kind(request.task)
         dit = c.dits[kind]
         cfg = dit.config
         timings: dict[str, float] = {}
