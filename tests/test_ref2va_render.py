@@ -87,7 +87,7 @@ def test_a_task_whose_dit_is_not_loaded_is_refused_before_anything_decodes(task_
         (dict(task="ref2va", references=[b"x"], keyframes=[b"x"]), "keyframes", "takes 0 keyframe"),
         (dict(task="ref2va", references=[wav()]), "references[0]", "audio cannot be the only reference"),
         (dict(task="ref2va", references=[png(1, 64, 64), b"junk"]), "references[1]", "could not be decoded"),
-        (dict(task="ref2va", references=[png(1, 64, 64)], mute_references=[0]), "references", "not a video"),
+        (dict(task="ref2va", references=[png(1, 64, 64)], mute_references=[0]), "mute_references", "not a video"),
         (dict(task="ref2va", references=[png(1, 64, 64)] * 10), "references[9]", "at most 9 image references"),
     ],
 )

@@ -541,6 +541,8 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         if field.startswith("references["):  # name the file the user gave, not our list position
             path = args.ref[int(field[len("references[") : -1])]
             raise CliError(f"--ref {path}: {err}") from err
+        if field == "mute_references":
+            raise CliError(f"--mute-ref: {str(err).removeprefix('mute_references: ')}") from err
         raise CliError(str(err)) from err
     return _RenderPlan(request, profile, folder, step_cache)
 

@@ -6,9 +6,10 @@ qk_norm_rope  the attention's per-head RMSNorm of q and k and the partial rotate
               reductions, a pointwise kernel and two concatenations (about 21 ms of the 514 ms compiled BF16
               forward at the reference shape; bench/results/2026-12-01-h200-dit-step.json).
 
-The arithmetic follows the eager ops' roundings: the norm in float32, its result rounded to the activations' dtype,
-times the weight and rounded again (ATen's composite `rms_norm`); the rotary tables rounded to that dtype, each
-product rounded, then their sum. Only the sum of squares runs in another order than ATen's reduction.
+The arithmetic follows the eager ops' roundings: the norm and its weight in float32, rounded once to the activations'
+dtype (as eager's CUDA `rms_norm` measured; `triton_qk_norm_rope.ROUND_NORM`); the rotary tables rounded to that
+dtype, each product rounded, then their sum. The sum of squares and the rsqrt are the kernel's own, so a few values
+land a rounding step away from the reference ops (tests/test_fused.py bounds it).
 
 The kernel is a `torch.library.triton_op`, so `torch.compile` traces it into the compiled block as a kernel of its
 own (no graph break) and eager calls launch it directly. It needs a CUDA device and Triton (`available`).
@@ -33,14 +34,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-@functools.cache
-def _op():
-    """The custom op (built once, on first use: importing Triton is not free)."""
-    from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
-
-    return qk_norm_rope_fused
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -73,11 +66,13 @@ _FUSED = None
 
 
 def build() -> None:
-    """Import Triton, compile nothing yet, register the custom op (once)."""
+    """Import Triton and register the custom op (once; nothing compiles until the first call)."""
     global _FUSED
     if not available():
         raise ValueError("the fused qk-norm + rotary kernel needs a CUDA device and Triton")
-    _FUSED = _op()
+    from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
+
+    _FUSED = qk_norm_rope_fused
 
 
 def use(enabled: bool) -> None:

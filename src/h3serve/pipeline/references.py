@@ -207,7 +207,7 @@ def decode_references(
     _check_counts(kinds)
     for i in mute:
         if not (0 <= i < len(kinds)) or kinds[i] != VIDEO:
-            raise RequestError("references", f"mute: references[{i}] is not a video reference")
+            raise RequestError("mute_references", f"mute_references: references[{i}] is not a video reference")
     max_seconds = num_frames / FPS
     decoded = []
     for i, ((name, data), kind) in enumerate(zip(named, kinds, strict=True)):

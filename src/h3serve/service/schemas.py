@@ -206,9 +206,9 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
 def _reference_error(err: RequestError, field: str) -> ApiError:
     """The engine's refusal of a reference, renamed to the API field: references[i] -> input_references[i]."""
     message = re.sub(r"\breferences\[", f"{field}[", str(err))
-    if err.field == "mute_references" or (err.field == "references" and message.startswith("mute:")):
+    if err.field == "mute_references":
         param = "extra_params.mute_references"
-        message = re.sub(r"^mute: ", "", message)
+        message = re.sub(r"^mute_references: ", "", message)
         return bad_request(param, f"{param}: {message} (only a video reference has a soundtrack to leave out)")
     match = re.fullmatch(r"references\[(\d+)\]", err.field)
     param = f"{field}[{match[1]}]" if match else field
