@@ -53,9 +53,10 @@ from benchlib import call_peer, run_header, time_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from full_size_smoke import REFERENCE, build_dit
 
-from h3serve.accel import attention, fused
+from h3serve.accel import attention, compile_blocks, fused
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
+from h3serve.accel.graphs import StepGraphs
 from h3serve.accel.linear import quantize_blocks, restore
 from h3serve.config import Modality
 from h3serve.pipeline.layout import MediaGeometry, build_layout
@@ -139,10 +140,13 @@ def uncompile(model, *inputs: dict) -> None:
 
 
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
-# compile: the engine's (the row count symbolic; on CUDA the fused qk-norm + rotary pass, `accel.fused`).
-# compile-unfused: the same with the reference qk-norm + rotary ops (what the fused pass saves). compile-static:
-# static shapes, unfused (a recompile for every new row count; what the symbolic row count costs).
-EXECUTIONS = ("eager", "compile", "compile-unfused", "compile-static")
+# compile: the engine's (`accel.compile_blocks`: the row count symbolic; on CUDA the fused block passes and the fused
+# qk-norm + rotary pass, `accel.fused`). compile-graph: the same, each forward a replay of one CUDA graph
+# (`accel.graphs.StepGraphs`, as the engine runs a request's steps). compile-qk: the fused qk-norm + rotary pass alone;
+# compile-unfused: neither (what the passes save). compile-static: static shapes, unfused (a recompile for every new
+# row count; what the symbolic row count costs).
+EXECUTIONS = ("eager", "compile", "compile-graph", "compile-qk", "compile-unfused", "compile-static")
+FUSE = {"compile": "blocks", "compile-graph": "blocks", "compile-qk": "qk", "compile-unfused": "none"}
 
 
 def kernel_tabled(name: str) -> bool:
@@ -151,6 +155,8 @@ def kernel_tabled(name: str) -> bool:
 
 
 def wanted(linear: str, attn: str, execution: str) -> bool:
+    if execution == "compile-graph" and not torch.cuda.is_available():
+        return False
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
         return execution == "eager"
     return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
@@ -189,7 +195,7 @@ def kernel_table(fn, top: int = 30) -> tuple[list[dict], dict]:
 # include an attention op whose input it lays out; a Triton template doing a matmul counts as GEMM).
 CATEGORIES = (
     ("gemm", re.compile(r"^triton_tem_.*mm")),
-    ("elementwise", re.compile(r"^triton_|cpp_fused")),
+    ("elementwise", re.compile(r"^triton_|cpp_fused|^_\w+_kernel$")),  # Inductor's, then ours (`accel.fused`)
     ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)),
     ("gemm", re.compile(r"nvjet|cutlass|xmma|gemm|gemv|scaled_mm|f8f8bf16|cublas|^aten::(mm|addmm|bmm)$", re.I)),
     ("elementwise", re.compile(r"at::native|elementwise|reduce|^aten::", re.I)),
@@ -200,7 +206,7 @@ CATEGORY_NAMES = {
     "elementwise": "element-wise and reductions (Triton, at::native)",
     "other": "other (memset, memcpy, the rest)",
 }
-TRITON = re.compile(r"^triton_(?P<kind>[a-z]+)_(?:fused_)?(?P<ops>.*?)(?:_\d+)?$")
+TRITON = re.compile(r"^triton_(?P<kind>[a-z]+)_(?:fused_)?(?P<ops>.*?)(?:_\d+)?$|^_(?P<hand>\w+)_kernel$")
 
 
 def category(name: str) -> str:
@@ -225,8 +231,8 @@ def breakdown(events: list[tuple[str, int, float]], source: str) -> dict:
         c["kernels"] += 1
         if m := TRITON.match(name):
             triton.append({
-                "name": name, "kind": m["kind"], "ops": m["ops"], "calls": calls, "ms": round(ms, 3),
-                "share": round(ms / total, 4) if total else 0.0,
+                "name": name, "kind": m["kind"] or "ours", "ops": m["ops"] or m["hand"], "calls": calls,
+                "ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0,
             })  # fmt: skip
     for c in cats.values():
         c["share"] = round(c["ms"] / total, 4) if total else 0.0
@@ -270,25 +276,28 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     uncompile(dit, x, other)
                     torch._dynamo.reset()
                     counter = None
-                    fused.use(execution == "compile" and fused.available())  # as the engine chooses (apply_profile)
-                    if execution != "eager":  # as the engine compiles (apply_profile)
-                        counter = compile_repeated_blocks(
-                            dit, dynamic=execution != "compile-static", eager_precision=linear == "BF16"
-                        )
+                    fused.use(False)
+                    if execution == "compile-static":
+                        counter = compile_repeated_blocks(dit, dynamic=False, eager_precision=linear == "BF16")
+                    elif execution != "eager":  # as the engine compiles (apply_profile)
+                        counter = compile_blocks(dit, linear, torch.device(dev), fuse=FUSE[execution])
+                    run = functools.partial(forward, dit, x)
+                    if execution == "compile-graph":
+                        run = StepGraphs(run)  # called directly, then captured, then replayed
                     _reset_peak()
                     start = time.perf_counter()
-                    forward(dit, x)
+                    run()
                     _sync()
                     entry["first_call_s"] = round(time.perf_counter() - start, 2)
-                    ms = time_ms(functools.partial(forward, dit, x), args.warmup, args.iters)
+                    ms = time_ms(run, args.warmup, args.iters)
                     entry["ms_median"] = round(statistics.median(ms), 2)
                     entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
-                    a, b = forward(dit, x), forward(dit, x)
+                    a, b = run(), run()
                     entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
                     entry["peak_gib"] = round(_peak() / 2**30, 2)
                     outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
                     if args.kernels and kernel_tabled(name):
-                        entry["kernels"], entry["kernel_breakdown"] = kernel_table(functools.partial(forward, dit, x))
+                        entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
                     if counter is not None:
                         forward(dit, other)  # another sequence length: must not recompile
                         entry["graphs"] = counter.graphs

@@ -78,7 +78,7 @@ def test_the_dit_attention_goes_through_the_seam():
 
 def test_the_fused_kernel_is_refused_without_cuda_or_triton(monkeypatch):
     monkeypatch.setattr(fused, "available", lambda: False)
-    with pytest.raises(ValueError, match="needs a CUDA device and Triton"):
+    with pytest.raises(ValueError, match="need a CUDA device and Triton"):
         fused.use(True)
     fused.use(False)
     assert ops._qk_norm_rope_kernel is ops.qk_norm_rope_reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from h3serve.accel import attention, fused, humming, linear
@@ -39,8 +40,7 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     them into Humming's layout; for `compile`,
     compile the repeated blocks (returns their graph counter)."""
     attention.use(profile.attention)
-    # The fused qk-norm + rotary pass under compile on CUDA (eager keeps the reference ops: the exact profile).
-    fused.use(profile.execution == "compile" and profile.torch_device.type == "cuda" and fused.available())
+    fused.use(False)  # eager keeps the reference ops (the exact profile); `compile_blocks` chooses for compile
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
     dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
@@ -53,5 +53,22 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
         linear.quantize_text_encoder(components.text_encoder)
     if profile.execution == "compile":
         # One compile for both DiTs: their blocks share the compiled code and one graph counter.
-        return compile_repeated_blocks(nn.ModuleList(dits), eager_precision=profile.linear == "BF16")
+        return compile_blocks(nn.ModuleList(dits), profile.linear, profile.torch_device)
     return None
+
+
+FUSIONS = ("blocks", "qk", "none")
+
+
+def compile_blocks(model: nn.Module, linear: str, device: torch.device, fuse: str = "blocks") -> GraphCounter:
+    """The engine's compile of the repeated blocks for a linear backend: on CUDA with Triton, the fused passes
+    (`accel.fused`; `fuse`: "blocks", the block passes and the qk-norm + rotary pass, what the engine runs; "qk", that
+    pass alone; "none", neither: the benchmark's comparisons), Inductor for the rest. BF16 keeps eager's roundings
+    (`eager_precision`, and the passes' `eager_rounding`); the FP8 backends, whose rounding dominates, do not."""
+    if fuse not in FUSIONS:
+        raise ValueError(f"fuse {fuse!r}: allowed {', '.join(FUSIONS)}")
+    exact = linear == "BF16"
+    on = device.type == "cuda" and fused.available() and fuse != "none"
+    fused.use(on)
+    forwards = fused.block_forwards(eager_rounding=exact) if on and fuse == "blocks" else None
+    return compile_repeated_blocks(model, eager_precision=exact, forwards=forwards)

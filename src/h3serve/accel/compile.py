@@ -23,6 +23,7 @@ reference shape): 528 ms per forward against 508 ms with the row count alone sym
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -87,13 +88,18 @@ def _call(compiled, module: nn.Module, *args, **kwargs):
 
 
 def compile_repeated_blocks(
-    model: nn.Module, backend: str = "inductor", dynamic: bool = True, eager_precision: bool = False
+    model: nn.Module,
+    backend: str = "inductor",
+    dynamic: bool = True,
+    eager_precision: bool = False,
+    forwards: Mapping[type, Callable] | None = None,
 ) -> GraphCounter:
     """Compile every repeated block of `model` in place (the instance's `forward` becomes the shared compiled code);
     returns the counter of compiled graphs. `dynamic=False` (static shapes: a recompile for every new row count)
     exists to measure what the symbolic row count costs. `eager_precision`: Inductor keeps the low-precision
     roundings eager makes between the ops it fuses (`emulate_precision_casts`), so the compiled block stays as
-    close to the exact (eager) profile as a different GEMM order allows."""
+    close to the exact (eager) profile as a different GEMM order allows. `forwards`: for a block class, the function
+    compiled instead of its own `forward` (same signature; `accel.fused.block_forwards`)."""
     counter = GraphCounter(backend, {"emulate_precision_casts": True} if eager_precision else None)
     compiled: dict[type, object] = {}
     call = _call_marked if dynamic else _call
@@ -101,8 +107,8 @@ def compile_repeated_blocks(
         if isinstance(module, REPEATED_BLOCKS):
             cls = type(module)
             if cls not in compiled:
-                compiled[cls] = torch.compile(cls.forward, fullgraph=True, dynamic=None if dynamic else False,
-                                              backend=counter)  # fmt: skip
+                fn = (forwards or {}).get(cls, cls.forward)
+                compiled[cls] = torch.compile(fn, fullgraph=True, dynamic=None if dynamic else False, backend=counter)
             module.forward = functools.partial(call, compiled[cls], module)
     if not compiled:
         raise ValueError(

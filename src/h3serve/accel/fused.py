@@ -11,17 +11,37 @@ dtype (as eager's CUDA `rms_norm` measured; `triton_qk_norm_rope.ROUND_NORM`); t
 dtype, each product rounded, then their sum. The sum of squares and the rsqrt are the kernel's own, so a few values
 land a rounding step away from the reference ops (tests/test_fused.py bounds it).
 
-The kernel is a `torch.library.triton_op`, so `torch.compile` traces it into the compiled block as a kernel of its
-own (no graph break) and eager calls launch it directly. It needs a CUDA device and Triton (`available`).
+The block passes (`block_forward`, Triton source in `triton_block`), one program per row, each reading its inputs
+once; with FP8 block linears (CUTLASS) they also quantize what the next GEMM reads, per row, as
+`accel.linear.quantize_rows` does (in the compiled CUTLASS forward, Inductor's passes that quantize took 38 ms of
+365, about three times their traffic; bench/results/2026-12-01-h200-dit-step-fused.json):
+
+norm_modulate  [x + gate * y, stored,] then RMSNorm and AdaLN modulation, the modulation rows gathered from the
+               block's table by each row's index [, quantized]: the block's two pre-GEMM passes
+swiglu         value * silu(gate) of fc1's output, quantized for fc2
+quantize_rows  the attention output, quantized for out_proj
+
+`block_forward` is `Block.forward` written with these passes; `block_forward_reference` runs the same passes through
+their reference compositions (`*_reference`, made of the model's own ops and `quantize_rows`), so the restructured
+block is checked bit for bit against `Block.forward` on any device, and each kernel against its reference on the GPU.
+`eager_rounding`: each kernel rounds its intermediates to the activations' dtype where eager does (the BF16
+profile's `eager_precision`); without it they stay float32 (as Inductor's fused code keeps them).
+
+The kernels are `torch.library.triton_op`s, so `torch.compile` traces them into the compiled block as kernels of
+their own (no graph break) and eager calls launch them directly. They need a CUDA device and Triton (`available`).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from h3serve.accel.linear import Fp8Linear, quantize_rows
 from h3serve.model import ops
+from h3serve.model.dit import MODULATIONS, Block, Rope
 
 
 @functools.cache
@@ -66,13 +86,19 @@ _FUSED = None
 
 
 def build() -> None:
-    """Import Triton and register the custom op (once; nothing compiles until the first call)."""
+    """Import Triton and register the custom ops (once; nothing compiles until the first call)."""
     global _FUSED
     if not available():
-        raise ValueError("the fused qk-norm + rotary kernel needs a CUDA device and Triton")
+        raise ValueError("the fused kernels need a CUDA device and Triton")
+    from h3serve.accel import triton_block
     from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
 
     _FUSED = qk_norm_rope_fused
+    KERNELS.update(
+        norm_modulate=triton_block.norm_modulate_op,
+        swiglu=triton_block.swiglu_op,
+        quantize_rows=triton_block.quantize_rows_op,
+    )
 
 
 def use(enabled: bool) -> None:
@@ -80,3 +106,107 @@ def use(enabled: bool) -> None:
     if enabled:
         build()
     ops.use_qk_norm_rope_kernel(qk_norm_rope if enabled else None)
+
+
+# ---- the block passes -------------------------------------------------------------------------------------------
+
+
+def norm_modulate_reference(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    indices: torch.Tensor,
+    eps: float,
+    gate: int,
+    shift: int,
+    scale: int,
+    quantize: bool,
+    eager_rounding: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[x = x + gate * y;] h = modulate(rms_norm(x), shift, scale) [-> quantize_rows(h)], the gate, shift and scale
+    rows gathered from `table`'s chunks of those numbers (`MODULATIONS`) by `indices`, as `Block.forward` does.
+    Returns (x, h or its e4m3 rows, the (S, 1) scales or an empty (0, 1)); `eager_rounding` is the eager ops'."""
+    chunks = table.chunk(len(MODULATIONS), dim=-1)
+    if y is not None:
+        x = ops.gated_residual(x, chunks[gate].index_select(0, indices), y)
+    h = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = ops.modulate(h, chunks[shift].index_select(0, indices), chunks[scale].index_select(0, indices))
+    if quantize:
+        return x, *quantize_rows(h)
+    return x, h, h.new_empty((0, 1), dtype=torch.float32)
+
+
+def swiglu_reference(f: torch.Tensor, quantize: bool, eager_rounding: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's output (S, 2F) as `[gate | value]` -> value * silu(gate) (S, F) [-> quantize_rows]."""
+    gate, value = f.chunk(2, dim=-1)
+    h = value * F.silu(gate)
+    return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
+
+
+REFERENCES: dict[str, Callable] = {
+    "norm_modulate": norm_modulate_reference,
+    "swiglu": swiglu_reference,
+    "quantize_rows": quantize_rows,
+}
+KERNELS: dict[str, Callable] = {}  # filled by `build`
+_STEP = {name: MODULATIONS.index(name) for name in MODULATIONS}
+
+
+def _project(linear: torch.nn.Module, h: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block linear on a pass's output: already quantized rows for an Fp8Linear, else the layer itself."""
+    return linear.matmul_rows(h, scales, dtype) if isinstance(linear, Fp8Linear) else linear(h)
+
+
+def block_forward(
+    block: Block,
+    x: torch.Tensor,
+    table: torch.Tensor,
+    adaln_indices: torch.Tensor,
+    rope: Rope,
+    passes: dict[str, Callable] | None = None,
+    eager_rounding: bool = True,
+) -> torch.Tensor:
+    """`Block.forward` with its element-wise work done by `passes` (the Triton kernels, `KERNELS`, by default; the
+    references with `REFERENCES`). With FP8 block linears each GEMM's input is quantized by the pass that makes it;
+    the two AdaLN passes take the residual add before them; the last gated residual stays with the compiler."""
+    passes = KERNELS if passes is None else passes
+    attn, mlp = block.attn, block.mlp
+    fp8 = isinstance(mlp.fc2, Fp8Linear)
+    dtype = x.dtype
+    norm = passes["norm_modulate"]
+    _, h, s = norm(x, None, block.norm1.weight, table, adaln_indices, block.norm1.eps, 0, _STEP["shift_msa"],
+                   _STEP["scale_msa"], isinstance(attn.qkv_proj, Fp8Linear), eager_rounding)  # fmt: skip
+    q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in _project(attn.qkv_proj, h, s, dtype).chunk(3, dim=-1))
+    q, k = ops.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, *rope)
+    out = ops.attention(q, k, v).flatten(1).to(dtype)
+    if isinstance(attn.out_proj, Fp8Linear):
+        y = attn.out_proj.matmul_rows(*passes["quantize_rows"](out), dtype)
+    else:
+        y = attn.out_proj(out)
+    x, h, s = norm(x, y, block.norm2.weight, table, adaln_indices, block.norm2.eps, _STEP["gate_msa"],
+                   _STEP["shift_mlp"], _STEP["scale_mlp"], isinstance(mlp.fc1, Fp8Linear), eager_rounding)  # fmt: skip
+    f = _project(mlp.fc1, h, s, dtype)
+    if fp8:
+        y = mlp.fc2.matmul_rows(*passes["swiglu"](f, True, eager_rounding), dtype)
+    else:  # Inductor's own pass for the gate is at its traffic floor (PERFORMANCE.md)
+        gate, value = f.chunk(2, dim=-1)
+        y = mlp.fc2(value * F.silu(gate))
+    gate_mlp = table.chunk(len(MODULATIONS), dim=-1)[_STEP["gate_mlp"]].index_select(0, adaln_indices)
+    return ops.gated_residual(x, gate_mlp, y)
+
+
+def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torch.Tensor:
+    """`block_forward` over the reference passes: bit for bit `Block.forward` (tests/test_fused_block.py)."""
+    return block_forward(block, x, table, adaln_indices, rope, passes=REFERENCES)
+
+
+def block_forwards(eager_rounding: bool) -> dict[type, Callable]:
+    """What `compile_repeated_blocks(forwards=...)` compiles instead of `Block.forward` (the kernels; `build` first)."""
+    if not KERNELS:
+        raise RuntimeError("the fused block passes are not built; call fused.build() first")
+
+    def forward(block: Block, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope):
+        return block_forward(block, x, table, adaln_indices, rope, KERNELS, eager_rounding)
+
+    return {Block: forward}

@@ -57,10 +57,13 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, K)
         q, scale = quantize_rows(rows)
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return self.matmul_rows(q, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM on activations already quantized as `quantize_rows` does ((M, K) e4m3, (M, 1) float32 scales), so
+        that a fused pass can quantize them where it makes them (`h3serve.accel.fused`). Returns (M, N)."""
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=out_dtype)
+        return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic in float32 (dequantized operands, exact products): what `forward` approximates with

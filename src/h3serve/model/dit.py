@@ -147,6 +147,9 @@ class TokenRefiner(nn.Module):
 
 
 TABLE_ROWS = MAX_TIMESTEPS * NUM_MODALITIES  # a block's modulation table, padded to a shape fixed for every forward
+# The six (hidden,) chunks of a block's modulation row, in the checkpoint's order.
+MODULATIONS = ("shift_msa", "scale_msa", "gate_msa", "shift_mlp", "scale_mlp", "gate_mlp")
+assert len(MODULATIONS) == NUM_BLOCK_MODULATIONS
 
 
 def pad_table(table: torch.Tensor) -> torch.Tensor:

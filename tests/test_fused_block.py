@@ -1,0 +1,222 @@
+"""The fused block passes (`h3serve.accel.fused.block_forward`): the restructured block against `Block.forward`, bit for
+bit, over the reference passes (CPU); each Triton pass against its reference, and the block over the kernels,
+eager and compiled, against `Block.forward` (marked `gpu`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from h3serve.accel import fused
+from h3serve.accel.linear import FP8, FP8_MAX, quantize_blocks, quantize_rows
+from h3serve.model import ops
+from h3serve.model.dit import MODULATIONS, TABLE_ROWS, Block, H3DiT
+from h3serve.model.tiny import TINY_DIT, randomize
+
+GPU = pytest.mark.skipif(not (torch.cuda.is_available() and fused.available()), reason="needs a CUDA GPU and Triton")
+
+
+def block_inputs(block: Block, s: int, device: str = "cpu", seed: int = 0):
+    """x (S, hidden), a padded modulation table, per-row indices into its used rows, and a rotary table."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = block.norm1.weight.shape[0]
+    d = block.attn.q_norm.weight.shape[0]
+    x = (torch.randn(s, hidden, generator=g) * 2).to(torch.bfloat16)
+    table = (torch.randn(TABLE_ROWS, len(MODULATIONS) * hidden, generator=g) * 0.3).to(torch.bfloat16)
+    indices = torch.randint(0, 6, (s,), generator=g)  # two timesteps' rows, as a keyframe request has
+    cos, sin = ops.rotary_table(torch.rand(s, (d * 3 // 4) // 2, generator=g) * 30)
+    return [t.to(device) for t in (x, table, indices)] + [(cos.to(device), sin.to(device))]
+
+
+def tiny_blocks(config=TINY_DIT, device: str = "cpu") -> H3DiT:
+    dit = randomize(H3DiT(config), seed=3, keep=("rope.inv_freq",))
+    return dit.to(device=device, dtype=torch.bfloat16).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
+def test_the_restructured_block_is_block_forward_bit_for_bit(linear):
+    dit = tiny_blocks()
+    if linear == "CUTLASS":
+        quantize_blocks(dit)  # torch._scaled_mm runs on the CPU too
+    block = dit.blocks[1]
+    x, table, indices, rope = block_inputs(block, 45)
+    with torch.no_grad():
+        want = block(x, table, indices, rope)
+        got = fused.block_forward_reference(block, x, table, indices, rope)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_references_compute_what_they_name():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(9, 16, generator=g), torch.randn(9, 16, generator=g)
+    w = 1 + 0.1 * torch.randn(16, generator=g)
+    table = torch.randn(4, 6 * 16, generator=g)
+    idx = torch.tensor([0, 1, 2, 3, 3, 2, 1, 0, 0])
+    mod = table.view(4, 6, 16)[idx]  # (rows, chunk, hidden)
+    new_x, h, scales = fused.norm_modulate_reference(x, y, w, table, idx, 1e-6, 2, 3, 4, False)
+    want_x = x + mod[:, 2] * y
+    assert torch.allclose(new_x, want_x)
+    norm = want_x / torch.sqrt((want_x**2).mean(-1, keepdim=True) + 1e-6) * w
+    assert torch.allclose(h, norm * (1 + mod[:, 4]) + mod[:, 3], atol=1e-6) and scales.shape == (0, 1)
+    _, q, scales = fused.norm_modulate_reference(x, None, w, table, idx, 1e-6, 0, 0, 1, True)
+    assert q.dtype == FP8 and scales.shape == (9, 1)
+    dequantized = q.float() * scales
+    h = F.rms_norm(x, (16,), w, 1e-6) * (1 + mod[:, 1]) + mod[:, 0]
+    assert torch.allclose(scales[:, 0], h.abs().amax(-1) / FP8_MAX)
+    assert ((dequantized - h).abs() <= h.abs().amax(-1, keepdim=True) / 16).all()  # e4m3: 3 mantissa bits
+    f = torch.randn(9, 32, generator=g)
+    h, _ = fused.swiglu_reference(f, False)
+    assert torch.allclose(h, f[:, 16:] * f[:, :16] * torch.sigmoid(f[:, :16]))
+
+
+def test_compile_takes_the_forward_it_is_given():
+    from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
+
+    dit = tiny_blocks()
+    calls = []
+
+    def forward(block, x, table, indices, rope):
+        calls.append(block)
+        return fused.block_forward_reference(block, x, table, indices, rope)
+
+    x, table, indices, rope = block_inputs(dit.blocks[0], 20)
+    want = dit.blocks[0](x, table, indices, rope)
+    counter = compile_repeated_blocks(dit, backend="eager", forwards={Block: forward})
+    try:
+        got = dit.blocks[0](x, table, indices, rope)
+    finally:
+        uncompile_repeated_blocks(dit)
+    assert calls and counter.graphs == 1 and torch.equal(got, want)
+
+
+def test_the_kernels_are_not_there_before_build():
+    if fused.KERNELS:
+        pytest.skip("built in this process")
+    with pytest.raises(RuntimeError, match="not built"):
+        fused.block_forwards(eager_rounding=True)
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------------------------
+
+HIDDEN, FFN = 5376, 14336  # the released block's widths
+
+
+def mod_inputs(s: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = ((torch.randn(s, n, generator=g) * 2).to(torch.bfloat16).cuda() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).cuda()
+    table = (torch.randn(TABLE_ROWS, 6 * n, generator=g) * 0.3).to(torch.bfloat16).cuda()
+    idx = torch.randint(0, 6, (s,), generator=g).cuda()
+    return x, y, w, table, idx
+
+
+def assert_close_rows(got, want, *, max_ulps: float, frac: float, what: str):
+    """bf16 activations: at most `max_ulps` units of the last place (relative to each value) apart, on at most `frac`
+    of the values."""
+    got, want = got.float(), want.float()
+    diff = (got - want).abs()
+    ulp = want.abs().clamp(min=2**-20) * 2**-7  # bf16 keeps 8 significant bits: a unit is 2^-7 of the value or less
+    far = diff > ulp * max_ulps
+    print(f"{what}: {(diff > 0).float().mean():.2e} differ, {far.float().mean():.2e} beyond {max_ulps} ulp")
+    assert far.float().mean() <= frac, what
+
+
+def assert_quantized_close(got, want, what: str):
+    """(e4m3 rows, scales) against the reference's: the same scales (to float32 rounding), values at most one e4m3
+    step apart (8 steps per binade), on a small share of them."""
+    (q, s), (rq, rs) = got, want
+    assert q.dtype == FP8 and s.shape == rs.shape
+    torch.testing.assert_close(s, rs, rtol=2e-2, atol=0)  # a scale moves only when the row's amax rounds differently
+    a, b = q.float() * s, rq.float() * rs
+    step = b.abs().amax(-1, keepdim=True) / FP8_MAX * 32  # one e4m3 step at the top binade, a bound for the rest
+    diff = (a - b).abs()
+    print(f"{what}: {(q.float() != rq.float()).float().mean():.2e} of e4m3 values differ")
+    assert (diff <= step).all(), what
+    assert (q.float() != rq.float()).float().mean() <= 0.05, what
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_norm_modulate_kernel_against_its_reference(residual, quantize):
+    fused.build()
+    x, y, w, table, idx = mod_inputs(6435, HIDDEN)
+    args = (x, y if residual else None, w, table, idx, 1e-6, 2, 3, 4, quantize)
+    want = fused.norm_modulate_reference(*args)
+    got = fused.KERNELS["norm_modulate"](*args, True)
+    if residual:  # the residual stream: two roundings, the reference's own
+        assert_close_rows(got[0], want[0], max_ulps=1, frac=1e-3, what="residual")
+    if quantize:
+        assert_quantized_close(got[1:], want[1:], "norm_modulate e4m3")
+    else:  # the norm's sum and rsqrt are the kernel's: a rounding step on some values, carried by the modulation
+        assert_close_rows(got[1], want[1], max_ulps=4, frac=0.02, what="norm_modulate")
+    again = fused.KERNELS["norm_modulate"](*args, True)
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, again, strict=True))  # deterministic
+    loose = fused.KERNELS["norm_modulate"](*args, False)  # float32 intermediates (the FP8 profile's)
+    ref = want[1].float() if not quantize else want[1].float() * want[2]
+    out = loose[1].float() if not quantize else loose[1].float() * loose[2]
+    assert ((out - ref).norm() / ref.norm()).item() <= (1e-2 if not quantize else 4e-2)
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
+def test_swiglu_kernel_against_its_reference(quantize):
+    fused.build()
+    g = torch.Generator().manual_seed(5)
+    f = (torch.randn(6435, 2 * FFN, generator=g) * 2).to(torch.bfloat16).cuda()
+    want = fused.swiglu_reference(f, quantize)
+    got = fused.KERNELS["swiglu"](f, quantize, True)
+    if quantize:
+        assert_quantized_close(got, want, "swiglu e4m3")
+    else:
+        assert_close_rows(got[0], want[0], max_ulps=1, frac=0.02, what="swiglu")
+
+
+@GPU
+@pytest.mark.gpu
+def test_quantize_rows_kernel_is_quantize_rows():
+    fused.build()
+    x = (torch.randn(6435, 7168, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16).cuda()
+    q, s = fused.KERNELS["quantize_rows"](x)
+    rq, rs = quantize_rows(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+
+
+MID = dataclasses.replace(TINY_DIT, hidden_size=1024, num_attention_heads=8, attention_head_dim=128,
+                          ffn_hidden_size=2816, num_layers=2, adaln_out_features=18 * 1024,
+                          final_adaln_out_features=2 * 1024, rope_inv_freq_len=16)  # fmt: skip
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_block_against_block_forward(linear, compiled):
+    from h3serve.accel import attention
+
+    fused.use(True)
+    attention.use("CUDNN_ATTN")
+    try:
+        dit = tiny_blocks(MID, "cuda")
+        if linear == "CUTLASS":
+            quantize_blocks(dit)
+        block = dit.blocks[0]
+        x, table, indices, rope = block_inputs(block, 3000, "cuda")
+        fn = fused.block_forwards(eager_rounding=linear == "BF16")[Block]
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True)
+        with torch.no_grad():
+            want = fused.block_forward_reference(block, x, table, indices, rope)  # Block.forward, bit for bit
+            got, again = fn(block, x, table, indices, rope), fn(block, x, table, indices, rope)
+        assert torch.equal(got, again)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"{linear} compiled={compiled}: relative error {err:.2e} against Block.forward")
+        assert err <= (5e-3 if linear == "BF16" else 2e-2)
+    finally:
+        fused.use(False)
+        attention.use("TORCH_SDPA")
