@@ -1,0 +1,109 @@
+"""Each fused block pass (`h3serve.accel.fused`) at the released block's widths, against Inductor's code for the same
+reference ops, and each pass's launch choices (`triton_block.LAUNCH`: chunk width, warps), on one GPU.
+
+Per pass: the median time of `--iters` launches after warm-up (CUDA events), the bytes it must move (each input read
+once, each output written once) and the rate that makes; Inductor's compiled reference in the same run; the pass's
+largest difference from the eager reference. The rows are the reference shape's 6435 (or `--rows`).
+
+    PYTHONPATH=src:bench python bench/fused_passes.py --out bench/results/fused_passes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from benchlib import run_header, time_ms
+
+from h3serve.accel import fused
+from h3serve.model.dit import TABLE_ROWS
+
+HIDDEN, FFN, INNER = 5376, 14336, 7168  # the released block's widths
+CHUNKS = (1024, 2048, 4096, 8192, 16384)
+WARPS = (4, 8, 16)
+
+
+def cases(s: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16).cuda()
+
+    x, y = rand(s, HIDDEN, scale=2), rand(s, HIDDEN)
+    w = (1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(torch.bfloat16).cuda()
+    table = rand(TABLE_ROWS, 6 * HIDDEN, scale=0.3)
+    idx = torch.randint(0, 6, (s,), generator=g).cuda()
+    f, out = rand(s, 2 * FFN, scale=2), rand(s, INNER, scale=3)
+    row = s * HIDDEN * 2  # one (S, hidden) bf16 tensor, bytes
+    return {
+        # name: (pass, args, bytes moved: inputs once + outputs once)
+        "norm_modulate": ("norm_modulate", (x, None, w, table, idx, 1e-6, 0, 0, 1, False), 2 * row),
+        "norm_modulate+residual": ("norm_modulate", (x, y, w, table, idx, 1e-6, 2, 3, 4, False), 4 * row),
+        "norm_modulate+fp8": ("norm_modulate", (x, None, w, table, idx, 1e-6, 0, 0, 1, True), 1.5 * row),
+        "norm_modulate+residual+fp8": ("norm_modulate", (x, y, w, table, idx, 1e-6, 2, 3, 4, True), 3.5 * row),
+        "swiglu+fp8": ("swiglu", (f, True), s * FFN * (4 + 1)),
+        "quantize_rows": ("quantize_rows", (out,), s * INNER * 3),
+    }
+
+
+def max_diff(got, want) -> float:
+    """Largest difference of the pass's main output from the reference's (dequantized for e4m3)."""
+    a, b = (got[1], got[2]) if len(got) == 3 else (got[0], got[1])
+    c, d = (want[1], want[2]) if len(want) == 3 else (want[0], want[1])
+    if a.dtype == torch.float8_e4m3fn:
+        a, c = a.float() * b, c.float() * d
+    return (a.float() - c.float()).abs().max().item()
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=6435)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    fused.build()
+    from h3serve.accel import triton_block
+
+    record = {**run_header(), "rows": args.rows, "passes": {}}
+    chosen = dict(triton_block.LAUNCH)
+    for name, (op, call, nbytes) in cases(args.rows).items():
+        eager_rounding = call[-1] is not True  # the FP8 passes run as the CUTLASS profile does
+        reference = fused.REFERENCES[op]
+        kernel = fused.KERNELS[op]
+        kargs = call if op == "quantize_rows" else (*call, eager_rounding)
+        want = reference(*call)
+        entry: dict = {"bytes": nbytes, "variants": {}}
+        ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
+        ms = statistics.median(time_ms(ref_fn, 3, args.iters))
+        entry["inductor_ms"] = round(ms, 4)
+        entry["inductor_tb_s"] = round(nbytes / ms / 1e9, 2)
+        for chunk in CHUNKS:
+            for warps in WARPS:
+                if chunk // (32 * warps) < 1 or chunk // (32 * warps) > 64:
+                    continue
+                triton_block.LAUNCH[op] = (chunk, warps)
+                try:
+                    got = kernel(*kargs)
+                    ms = statistics.median(time_ms(functools.partial(kernel, *kargs), 3, args.iters))
+                    entry["variants"][f"{chunk}x{warps}"] = {
+                        "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2), "max_diff": max_diff(got, want)
+                    }  # fmt: skip
+                except Exception as err:  # a launch that does not fit (registers): recorded, not fatal
+                    entry["variants"][f"{chunk}x{warps}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        triton_block.LAUNCH[op] = chosen[op]
+        timed = {k: v["ms"] for k, v in entry["variants"].items() if "ms" in v}
+        entry["best"] = min(timed, key=timed.get)
+        entry["best_ms"] = timed[entry["best"]]
+        record["passes"][name] = entry
+        print(name, {k: v for k, v in entry.items() if k != "variants"}, flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
