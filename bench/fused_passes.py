@@ -1,7 +1,8 @@
 """Each fused block pass (`h3serve.accel.fused`) at the released block's widths, against Inductor's code for the same
 reference ops, and each pass's launch choices (`triton_block.LAUNCH`: chunk width, warps), on one GPU.
 
-Per pass: the median time of `--iters` launches after warm-up (CUDA events), the bytes it must move (each input read
+Per pass: the median time of one launch replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`, so the
+host's launch cost is not in it), the bytes it must move (each input read
 once, each output written once) and the rate that makes; Inductor's compiled reference in the same run; the pass's
 largest difference from the eager reference. The rows are the reference shape's 6435 (or `--rows`).
 
@@ -13,11 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 from pathlib import Path
 
 import torch
-from benchlib import run_header, time_ms
+from benchlib import run_header
 
 from h3serve.accel import fused
 from h3serve.model.dit import TABLE_ROWS
@@ -59,11 +59,17 @@ def max_diff(got, want) -> float:
     return (a.float() - c.float()).abs().max().item()
 
 
+def gpu_ms(fn) -> float:
+    """One call's GPU time: median of replays of a CUDA graph of it."""
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=6435)
-    parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     fused.build()
@@ -79,7 +85,8 @@ def main() -> None:
         want = reference(*call)
         entry: dict = {"bytes": nbytes, "variants": {}}
         ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
-        ms = statistics.median(time_ms(ref_fn, 3, args.iters))
+        ref_fn()
+        ms = gpu_ms(ref_fn)
         entry["inductor_ms"] = round(ms, 4)
         entry["inductor_tb_s"] = round(nbytes / ms / 1e9, 2)
         for chunk in CHUNKS:
@@ -89,7 +96,7 @@ def main() -> None:
                 triton_block.LAUNCH[op] = (chunk, warps)
                 try:
                     got = kernel(*kargs)
-                    ms = statistics.median(time_ms(functools.partial(kernel, *kargs), 3, args.iters))
+                    ms = gpu_ms(functools.partial(kernel, *kargs))
                     entry["variants"][f"{chunk}x{warps}"] = {
                         "ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2), "max_diff": max_diff(got, want)
                     }  # fmt: skip

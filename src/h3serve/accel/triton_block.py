@@ -15,6 +15,9 @@ from torch.library import triton_op, wrap_triton
 
 FP8 = torch.float8_e4m3fn
 _FP8_MAX = tl.constexpr(448.0)  # torch.finfo(FP8).max, as accel.linear.FP8_MAX
+# `quantize_rows` divides its amax by the Python float 448, which PyTorch's CUDA division does as a product with the
+# float32 reciprocal; the same product here gives the same scales.
+_INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -24,42 +27,45 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _quantize(h, scale):
-    """e4m3 = clamp(h / scale) with an IEEE division, as `accel.linear.quantize_rows`."""
-    return tl.minimum(tl.maximum(tl.div_rn(h, scale), -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
-
-
-@triton.jit
 def _scale_of(amax):
-    return tl.div_rn(tl.maximum(amax, 1e-12), _FP8_MAX)
+    return tl.maximum(amax, 1e-12) * _INV_FP8_MAX
 
 
 @triton.jit
-def _norm_modulate_chunk(
-    x_ptr, y_ptr, w_ptr, mod, x_out_ptr, row, cols, mask, rstd, N,
-    GATE: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr, ROUND: tl.constexpr,
-    DTYPE: tl.constexpr, READ_BACK: tl.constexpr,
-):  # fmt: skip
-    """One chunk of a row: x (after the residual add, as stored), and, given rstd, the modulated norm h."""
-    if RESIDUAL and READ_BACK:  # the residual this program stored in its first pass (same layout: same threads)
-        x = tl.load(x_out_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+def _quantize(h, scale, inverse, EXACT: tl.constexpr):
+    """e4m3 = clamp(h / scale): an IEEE division as `quantize_rows` (EXACT), else a product with 1 / scale."""
+    if EXACT:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+        q = tl.div_rn(h, scale)
     else:
-        x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        if RESIDUAL:  # x + gate * y
-            y = tl.load(y_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            gate = tl.load(mod + GATE * N + cols, mask=mask, other=0.0).to(tl.float32)
-            if ROUND:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
-                x = _round(x + _round(gate * y, DTYPE), DTYPE)
-            else:
-                x = _round(x + gate * y, DTYPE)
+        q = h * inverse
+    return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
+def _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE: tl.constexpr, RESIDUAL: tl.constexpr,
+              ROUND: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """x, or x + gate * y rounded to the activations' dtype (the residual stream as stored)."""
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        y = tl.load(y_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(mod + GATE * N + cols, mask=mask, other=0.0).to(tl.float32)
+        if ROUND:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+            x = _round(x + _round(gate * y, DTYPE), DTYPE)
+        else:
+            x = _round(x + gate * y, DTYPE)
+    return x
+
+
+@triton.jit
+def _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
+               DTYPE: tl.constexpr):  # fmt: skip
+    """The modulated norm of x given its rstd: rms_norm(x) * (1 + scale) + shift."""
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     shift = tl.load(mod + SHIFT * N + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(mod + SCALE * N + cols, mask=mask, other=0.0).to(tl.float32)
     if ROUND:  # eager's roundings: the norm (x * rstd * w) once, 1 + scale, the product, the sum
-        h = _round(_round(_round(x * rstd * w, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
-    else:
-        h = x * rstd * w * (1.0 + scale) + shift
-    return x, h
+        return _round(_round(_round(x * rstd * w, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
+    return x * rstd * w * (1.0 + scale) + shift
 
 
 @triton.jit
@@ -68,96 +74,128 @@ def _norm_modulate_kernel(
     GATE: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
     ROUND: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """One row per program, in chunks of CHUNK columns: pass 1 the residual (stored) and the sum of squares; pass 2
-    the modulated norm, stored, or (QUANT) its amax; pass 3 (QUANT) the e4m3 values. A chunk re-read is an L2 hit."""
+    """One row per program. CHUNK >= N: the row is held in registers and read once. Else in chunks: pass 1 the
+    residual (stored) and the sum of squares; pass 2 the modulated norm, stored, or (QUANT) its amax; pass 3 (QUANT)
+    the e4m3 values (a chunk read again comes from L2)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(idx_ptr + row).to(tl.int64)  # this row's modulation row: t_index * 3 + tag
     mod = table_ptr + t * table_stride
-    acc = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
+    if CHUNK >= N:
+        cols = tl.arange(0, CHUNK)
         mask = cols < N
-        x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
         if RESIDUAL:
-            y = tl.load(y_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            gate = tl.load(mod + GATE * N + cols, mask=mask, other=0.0).to(tl.float32)
-            if ROUND:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
-                x = _round(x + _round(gate * y, DTYPE), DTYPE)
-            else:
-                x = _round(x + gate * y, DTYPE)
             tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
-        acc += x * x
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < N
-        _, h = _norm_modulate_chunk(x_ptr, y_ptr, w_ptr, mod, x_out_ptr, row, cols, mask, rstd, N, GATE, SHIFT,
-                                    SCALE, RESIDUAL, ROUND, DTYPE, True)  # fmt: skip
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
         if QUANT:  # the row as the reference quantizes it: rounded to the activations' dtype
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
+            h = _round(h, DTYPE)
+            scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
+            tl.store(scale_ptr + row, scale)
+            tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
         else:
             tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
-    if QUANT:
-        scale = _scale_of(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row, scale)
+    else:
+        acc = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, N, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             mask = cols < N
-            _, h = _norm_modulate_chunk(x_ptr, y_ptr, w_ptr, mod, x_out_ptr, row, cols, mask, rstd, N, GATE, SHIFT,
-                                        SCALE, RESIDUAL, ROUND, DTYPE, True)  # fmt: skip
-            tl.store(h_ptr + row * N + cols, _quantize(_round(h, DTYPE), scale), mask=mask)
+            x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
+            if RESIDUAL:
+                tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        src = x_out_ptr if RESIDUAL else x_ptr  # the residual this program stored (same layout: same threads)
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < N
+            x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
+            if QUANT:
+                amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
+            else:
+                tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+        if QUANT:
+            scale = _scale_of(tl.max(amax, axis=0))
+            tl.store(scale_ptr + row, scale)
+            for c0 in range(0, N, CHUNK):
+                cols = c0 + tl.arange(0, CHUNK)
+                mask = cols < N
+                x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+                h = _round(_modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE), DTYPE)
+                tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
 
 
 @triton.jit
-def _swiglu_chunk(f_ptr, row, cols, mask, F, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+def _swiglu(f_ptr, row, cols, mask, F, ROUND: tl.constexpr, DTYPE: tl.constexpr):
     gate = tl.load(f_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
     value = tl.load(f_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = tl.div_rn(gate, 1.0 + tl.exp(-gate))
-    if ROUND:  # eager: silu rounded, then the product
-        return _round(value * _round(silu, DTYPE), DTYPE)
-    return value * silu
+    if ROUND:  # eager: silu = x / (1 + exp(-x)) rounded, then the product
+        return _round(value * _round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE), DTYPE)
+    return value * gate * tl.sigmoid(gate)
 
 
 @triton.jit
 def _swiglu_kernel(
     f_ptr, h_ptr, scale_ptr, F, QUANT: tl.constexpr, ROUND: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr
 ):
-    """value * silu(gate), one row per program in chunks; QUANT: pass 1 the amax, pass 2 the e4m3 values."""
+    """value * silu(gate), one row per program: held in registers (CHUNK >= F), else in chunks (QUANT: pass 1 the
+    amax, pass 2 the e4m3 values)."""
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, F, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
+    if CHUNK >= F:
+        cols = tl.arange(0, CHUNK)
         mask = cols < F
-        h = _swiglu_chunk(f_ptr, row, cols, mask, F, ROUND, DTYPE)
+        h = _swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE)
         if QUANT:
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
+            h = _round(h, DTYPE)
+            scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
+            tl.store(scale_ptr + row, scale)
+            tl.store(h_ptr + row * F + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
         else:
             tl.store(h_ptr + row * F + cols, h.to(DTYPE), mask=mask)
-    if QUANT:
-        scale = _scale_of(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row, scale)
+    else:
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, F, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             mask = cols < F
-            h = _round(_swiglu_chunk(f_ptr, row, cols, mask, F, ROUND, DTYPE), DTYPE)
-            tl.store(h_ptr + row * F + cols, _quantize(h, scale), mask=mask)
+            h = _swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE)
+            if QUANT:
+                amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
+            else:
+                tl.store(h_ptr + row * F + cols, h.to(DTYPE), mask=mask)
+        if QUANT:
+            scale = _scale_of(tl.max(amax, axis=0))
+            tl.store(scale_ptr + row, scale)
+            for c0 in range(0, F, CHUNK):
+                cols = c0 + tl.arange(0, CHUNK)
+                mask = cols < F
+                h = _round(_swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE), DTYPE)
+                tl.store(h_ptr + row * F + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
+    """`quantize_rows` exactly: the row held in registers (CHUNK >= N), else pass 1 the amax, pass 2 the values."""
     row = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
+    if CHUNK >= N:
+        cols = tl.arange(0, CHUNK)
         x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = _scale_of(tl.max(amax, axis=0))
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * N + cols, _quantize(x, scale), mask=cols < N)
+        scale = _scale_of(tl.max(tl.abs(x), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * N + cols, _quantize(x, scale, 1.0, True), mask=cols < N)
+    else:
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(q_ptr + row * N + cols, _quantize(x, scale, 1.0, True), mask=cols < N)
 
 
 # Each pass's chunk width and warps: (CHUNK, num_warps), chosen by `bench/fused_passes.py` on the H200 (a CHUNK of
