@@ -45,6 +45,7 @@ def cases(s: int) -> dict:
         "norm_modulate+residual": ("norm_modulate", (x, y, w, table, idx, 1e-6, 2, 3, 4, False), 4 * row),
         "norm_modulate+fp8": ("norm_modulate", (x, None, w, table, idx, 1e-6, 0, 0, 1, True), 1.5 * row),
         "norm_modulate+residual+fp8": ("norm_modulate", (x, y, w, table, idx, 1e-6, 2, 3, 4, True), 3.5 * row),
+        "swiglu": ("swiglu", (f, False), s * FFN * (4 + 2)),
         "swiglu+fp8": ("swiglu", (f, True), s * FFN * (4 + 1)),
         "quantize_rows": ("quantize_rows", (out,), s * INNER * 3),
     }
@@ -93,7 +94,7 @@ def main() -> None:
             for warps in WARPS:
                 if chunk // (32 * warps) < 1 or chunk // (32 * warps) > 64:
                     continue
-                triton_block.LAUNCH[op] = (chunk, warps)
+                triton_block.LAUNCH[name] = (chunk, warps)
                 try:
                     got = kernel(*kargs)
                     ms = gpu_ms(functools.partial(kernel, *kargs))
@@ -102,7 +103,8 @@ def main() -> None:
                     }  # fmt: skip
                 except Exception as err:  # a launch that does not fit (registers): recorded, not fatal
                     entry["variants"][f"{chunk}x{warps}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
-        triton_block.LAUNCH[op] = chosen[op]
+        triton_block.LAUNCH[name] = chosen[name]
+        entry["chosen"] = "{}x{}".format(*chosen[name])
         timed = {k: v["ms"] for k, v in entry["variants"].items() if "ms" in v}
         entry["best"] = min(timed, key=timed.get)
         entry["best_ms"] = timed[entry["best"]]

@@ -133,7 +133,9 @@ def assert_quantized_close(got, want, what: str):
     a, b = q.float() * s, rq.float() * rs
     step = b.abs().amax(-1, keepdim=True) / FP8_MAX * 32  # one e4m3 step at the top binade, a bound for the rest
     diff = (a - b).abs()
-    print(f"{what}: {(q.float() != rq.float()).float().mean():.2e} of e4m3 values differ")
+    worst = (diff / step).amax(-1).argmax()
+    print(f"{what}: {(q.float() != rq.float()).float().mean():.2e} of e4m3 values differ; worst row {worst.item()}: "
+          f"{(diff / step)[worst].max().item():.3g} steps, scales {s[worst].item():.6g} / {rs[worst].item():.6g}")  # fmt: skip
     assert (diff <= step).all(), what
     assert (q.float() != rq.float()).float().mean() <= 0.05, what
 
@@ -153,6 +155,10 @@ def test_norm_modulate_kernel_against_its_reference(residual, quantize):
         by_hand = (x.float() + (gate * y.float()).to(torch.bfloat16).float()).to(torch.bfloat16)
         print(f"residual: reference = by hand on {(want[0] == by_hand).float().mean():.4f}, kernel = by hand on "
               f"{(got[0] == by_hand).float().mean():.4f}")  # fmt: skip
+        bad = (got[0] != want[0]).nonzero()[:3].tolist()
+        for r, c in bad:
+            print("  x", x[r, c].item(), "gate", gate[r, c].item(), "y", y[r, c].item(), "kernel", got[0][r, c].item(),
+                  "reference", want[0][r, c].item(), "by hand", by_hand[r, c].item())  # fmt: skip
         assert_close_rows(got[0], want[0], max_ulps=1, frac=1e-3, what="residual")
     if quantize:
         assert_quantized_close(got[1:], want[1:], "norm_modulate e4m3")

@@ -64,8 +64,10 @@ def _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: t
     shift = tl.load(mod + SHIFT * N + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(mod + SCALE * N + cols, mask=mask, other=0.0).to(tl.float32)
     if ROUND:  # eager's roundings: the norm (x * rstd * w) once, 1 + scale, the product, the sum
-        return _round(_round(_round(x * rstd * w, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
-    return x * rstd * w * (1.0 + scale) + shift
+        h = _round(_round(_round(x * rstd * w, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
+    else:
+        h = x * rstd * w * (1.0 + scale) + shift
+    return h.to(tl.float32)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def _norm_modulate_kernel(
         x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
         if RESIDUAL:
             tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        rstd = tl.rsqrt((tl.sum(x * x, axis=0) / N + eps).to(tl.float32))
         h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
         if QUANT:  # the row as the reference quantizes it: rounded to the activations' dtype
             h = _round(h, DTYPE)
@@ -104,7 +106,7 @@ def _norm_modulate_kernel(
             if RESIDUAL:
                 tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
             acc += x * x
-        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        rstd = tl.rsqrt((tl.sum(acc, axis=0) / N + eps).to(tl.float32))
         src = x_out_ptr if RESIDUAL else x_ptr  # the residual this program stored (same layout: same threads)
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, N, CHUNK):
@@ -132,8 +134,10 @@ def _swiglu(f_ptr, row, cols, mask, F, ROUND: tl.constexpr, DTYPE: tl.constexpr)
     gate = tl.load(f_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
     value = tl.load(f_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
     if ROUND:  # eager: silu = x / (1 + exp(-x)) rounded, then the product
-        return _round(value * _round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE), DTYPE)
-    return value * gate * tl.sigmoid(gate)
+        h = _round(value * _round(tl.div_rn(gate, 1.0 + tl.exp(-gate)), DTYPE), DTYPE)
+    else:
+        h = value * gate * tl.sigmoid(gate)
+    return h.to(tl.float32)
 
 
 @triton.jit
@@ -198,10 +202,24 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
             tl.store(q_ptr + row * N + cols, _quantize(x, scale, 1.0, True), mask=cols < N)
 
 
-# Each pass's chunk width and warps: (CHUNK, num_warps), chosen by `bench/fused_passes.py` on the H200 (a CHUNK of
-# at least the row is one pass over memory with the row held in registers). Fixed, not autotuned: the chunking
-# decides the reduction order, so a render must not depend on what a tuner picked in this process.
-LAUNCH = {"norm_modulate": (2048, 8), "swiglu": (2048, 8), "quantize_rows": (2048, 8)}
+# Each pass's chunk width and warps, (CHUNK, num_warps), per case: the fastest of bench/fused_passes.py's choices at
+# the released widths on the H200 (bench/results/2026-12-01-h200-fused-passes.json; a CHUNK of at least the row holds
+# it in registers and reads it once). Fixed, not autotuned: the chunking decides the reduction order, so a render
+# must not depend on what a tuner picked in this process.
+LAUNCH = {
+    "norm_modulate": (2048, 8),
+    "norm_modulate+residual": (2048, 8),
+    "norm_modulate+fp8": (8192, 4),
+    "norm_modulate+residual+fp8": (1024, 4),
+    "swiglu": (2048, 8),
+    "swiglu+fp8": (16384, 16),
+    "quantize_rows": (1024, 4),
+}
+
+
+def case(op: str, residual: bool = False, quantize: bool = False) -> str:
+    """The `LAUNCH` key of a call."""
+    return op + ("+residual" if residual else "") + ("+fp8" if quantize else "")
 
 
 def _outputs(x: torch.Tensor, n: int, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +246,7 @@ def norm_modulate_op(
     residual = y is not None
     x_out = torch.empty_like(x) if residual else x.new_empty((0, n))
     h, scales = _outputs(x, n, quantize)
-    chunk, warps = LAUNCH["norm_modulate"]
+    chunk, warps = LAUNCH[case("norm_modulate", residual, quantize)]
     wrap_triton(_norm_modulate_kernel)[(s,)](
         x, y if residual else x, weight, table, indices, x_out, h, scales, n, table.stride(0), eps,
         GATE=gate, SHIFT=shift, SCALE=scale, RESIDUAL=residual, QUANT=quantize, ROUND=eager_rounding, CHUNK=chunk,
@@ -242,7 +260,7 @@ def swiglu_op(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[to
     s, two_f = f.shape
     n = two_f // 2
     h, scales = _outputs(f, n, quantize)
-    chunk, warps = LAUNCH["swiglu"]
+    chunk, warps = LAUNCH[case("swiglu", quantize=quantize)]
     wrap_triton(_swiglu_kernel)[(s,)](
         f, h, scales, n, QUANT=quantize, ROUND=eager_rounding, CHUNK=chunk, DTYPE=_TL_DTYPES[f.dtype], num_warps=warps
     )
