@@ -125,8 +125,9 @@ def assert_close_rows(got, want, *, max_ulps: float, frac: float, what: str):
 
 
 def assert_quantized_close(got, want, what: str):
-    """(e4m3 rows, scales) against the reference's: the same scales (to float32 rounding), values at most one e4m3
-    step apart (8 steps per binade), on a small share of them."""
+    """(e4m3 rows, scales) against the reference's: scales within a bf16 rounding of the row's amax, values at most
+    1.5 e4m3 steps at the row's top binade apart (one step of the value, plus the shift of a scale that moved), on a
+    small share of them."""
     (q, s), (rq, rs) = got, want
     assert q.dtype == FP8 and s.shape == rs.shape
     torch.testing.assert_close(s, rs, rtol=2e-2, atol=0)  # a scale moves only when the row's amax rounds differently
@@ -137,7 +138,7 @@ def assert_quantized_close(got, want, what: str):
     steps = (diff / step)[worst].max().item()
     print(f"{what}: {(q.float() != rq.float()).float().mean():.2e} of e4m3 values differ; worst row {worst.item()}: "
           f"{steps:.3g} steps, scales {s[worst].item():.6g} / {rs[worst].item():.6g}")  # fmt: skip
-    assert (diff <= step).all(), what
+    assert (diff <= 1.5 * step).all(), what
     assert (q.float() != rq.float()).float().mean() <= 0.05, what
 
 

@@ -23,6 +23,14 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 @triton.jit
 def _round(x, DTYPE: tl.constexpr):
+    """x rounded to DTYPE (to nearest even), back in float32: eager's rounding between two ops.
+
+    For bfloat16 the way back is a shift of the bits, not a float extension: with an extension, the compiler narrows
+    `round(round(a * b) + c)` to bfloat16 arithmetic and then fuses it into one bfloat16 FMA, which rounds once
+    (measured on the H200: 14% of a residual add's values one unit off eager's)."""
+    if DTYPE == tl.bfloat16:  # noqa: SIM300 (the constexpr on the left: its own comparison)
+        bits = x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        return bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE).to(tl.float32)
 
 

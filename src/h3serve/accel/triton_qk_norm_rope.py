@@ -8,10 +8,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    return x.to(DTYPE).to(tl.float32)
+from h3serve.accel.triton_block import _round  # the kernels below resolve it from this module's globals
 
 
 @triton.jit
