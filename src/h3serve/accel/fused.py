@@ -7,14 +7,15 @@ qk_norm_rope  the attention's per-head RMSNorm of q and k and the partial rotate
               forward at the reference shape; bench/results/2026-12-01-h200-dit-step.json).
 
 The arithmetic follows the eager ops' roundings: the norm and its weight in float32, rounded once to the activations'
-dtype (as eager's CUDA `rms_norm` measured; `triton_qk_norm_rope.ROUND_NORM`); the rotary tables rounded to that
-dtype, each product rounded, then their sum. The sum of squares and the rsqrt are the kernel's own, so a few values
-land a rounding step away from the reference ops (tests/test_fused.py bounds it).
+dtype (as eager's CUDA `rms_norm`; `triton_qk_norm_rope.ROUND_NORM`); the rotary tables rounded to that dtype, each
+product rounded, then their sum. The sum of squares and the rsqrt are the kernel's own, so a few values land a
+rounding step away from the reference ops (2.7e-6 of bf16 values on the H200; tests/test_fused.py bounds it).
 
-The block passes (`block_forward`, Triton source in `triton_block`), one program per row, each reading its inputs
-once; with FP8 block linears (CUTLASS) they also quantize what the next GEMM reads, per row, as
-`accel.linear.quantize_rows` does (in the compiled CUTLASS forward, Inductor's passes that quantize took 38 ms of
-365, about three times their traffic; bench/results/2026-12-01-h200-dit-step-fused.json):
+The block passes (`block_forward`, Triton source in `triton_block`), one program per row; with FP8 block linears
+(CUTLASS) they also quantize what the next GEMM reads, per row, as `accel.linear.quantize_rows` does. In the compiled
+CUTLASS forward at the reference shape they take 20 ms where Inductor's code for the same ops took 33 (the FP8 SwiGLU
+7.8 against 16.2): 353 ms per forward against 362 (bench/results/2026-12-01-h200-dit-step-block-passes.json). In
+BF16 they cost what Inductor's did.
 
 norm_modulate  [x + gate * y, stored,] then RMSNorm and AdaLN modulation, the modulation rows gathered from the
                block's table by each row's index [, quantized]: the block's two pre-GEMM passes

@@ -1,9 +1,9 @@
 """The Triton source of `h3serve.accel.fused`'s block passes (imported only where Triton is). See `fused` for what
 each computes and which reference it is checked against.
 
-Every kernel here is one program per row: a DiT row (5376 wide, 14336 after the SwiGLU gate) fits in one program's
-registers, so a per-row reduction (the RMSNorm's sum of squares, the FP8 scale's amax) and the values it scales are
-read from memory once, where Inductor's code for the same ops looped over the row two or three times.
+Every kernel here is one program per row, with the row either held in registers (read from memory once) or walked
+in chunks, whose second and third reads come from L2: which one, and how many warps, is `LAUNCH`, measured per case.
+The per-row reductions (the RMSNorm's sum of squares, the FP8 scale's amax) stay within the program.
 """
 
 from __future__ import annotations
