@@ -6,8 +6,8 @@ shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 vi
 38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
-   compile), HUMMING eager, plus compile with static shapes (which recompiles for every new row count; here to
-   measure what the symbolic row count of `compile` costs): median of `--iters` forwards after warm-up (CUDA
+   compile), HUMMING eager, and with cuDNN attention the compile variants `EXECUTIONS` lists (the fused passes in
+   part or not at all, a CUDA-graph replay, static shapes): median of `--iters` forwards after warm-up (CUDA
    events), the first compiled call's time, peak memory, two further forwards compared bit for bit, and for
    compile the graphs compiled and recompiles after a second input of another length (300 text rows);
 2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel

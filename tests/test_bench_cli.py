@@ -18,3 +18,10 @@ def test_bench_outside_a_checkout_is_refused(tmp_path, capsys):
     assert main(["bench", "--repo", str(tmp_path), "render", "--out", "x.json"]) == 1
     err = capsys.readouterr().err
     assert "bench/render.py: not found" in err and "--repo" in err
+
+
+def test_every_bench_name_is_a_script_and_every_script_a_name():
+    from h3serve.cli import BENCHES
+
+    scripts = {p.stem.replace("_", "-") for p in (REPO / "bench").glob("*.py") if p.stem != "benchlib"}
+    assert set(BENCHES) == scripts
