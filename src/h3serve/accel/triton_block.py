@@ -250,6 +250,9 @@ def norm_modulate_op(
     quantize: bool,
     eager_rounding: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The kernels address rows as row * width: dense rows (a no-op for what the block passes them).
+    x, weight, table = x.contiguous(), weight.contiguous(), table.contiguous()
+    y = None if y is None else y.contiguous()
     s, n = x.shape
     residual = y is not None
     x_out = torch.empty_like(x) if residual else x.new_empty((0, n))
@@ -265,6 +268,7 @@ def norm_modulate_op(
 
 @triton_op("h3serve::swiglu", mutates_args={})
 def swiglu_op(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    f = f.contiguous()
     s, two_f = f.shape
     n = two_f // 2
     h, scales = _outputs(f, n, quantize)
@@ -277,6 +281,7 @@ def swiglu_op(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[to
 
 @triton_op("h3serve::quantize_rows", mutates_args={})
 def quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.contiguous()
     s, n = x.shape
     q, scales = _outputs(x, n, True)
     chunk, warps = LAUNCH["quantize_rows"]
