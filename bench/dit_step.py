@@ -203,8 +203,21 @@ LINEARS = ("BF16", "CUTLASS", "HUMMING")
 # (`StepGraphs` below; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
 # compile-unfused: neither (what the passes save). compile-static: static shapes, unfused (a recompile for every new
 # row count; what the symbolic row count costs).
-EXECUTIONS = ("eager", "compile", "compile-graph", "compile-qk", "compile-unfused", "compile-static")
-FUSE = {"compile": "blocks", "compile-graph": "blocks", "compile-qk": "qk", "compile-unfused": "none"}
+# compile-autotune: the engine's compile with Inductor's max-autotune (Triton GEMM templates timed against cuBLAS,
+# epilogues fused into the GEMMs where a template wins): not served (its choice is timed, so it can differ from one
+# process to the next); here to measure whether GEMM epilogues beat cuBLAS plus separate passes.
+EXECUTIONS = (
+    "eager",
+    "compile",
+    "compile-graph",
+    "compile-qk",
+    "compile-unfused",
+    "compile-static",
+    "compile-autotune",
+)
+FUSE = {"compile": "blocks", "compile-graph": "blocks", "compile-qk": "qk", "compile-unfused": "none",
+        "compile-autotune": "blocks"}  # fmt: skip
+AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
 
 
 def kernel_tabled(name: str) -> bool:
@@ -213,7 +226,10 @@ def kernel_tabled(name: str) -> bool:
 
 
 def wanted(linear: str, attn: str, execution: str) -> bool:
+    """Which profiles a run without `--only` measures (`--only` may add compile-autotune, minutes of tuning)."""
     if execution == "compile-graph" and not torch.cuda.is_available():
+        return False
+    if execution == "compile-autotune":
         return False
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
         return execution == "eager"
@@ -327,7 +343,9 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
             attention.use(attn)
             for execution in EXECUTIONS:
                 name = f"{attn}+{execution}+{linear}"
-                if not wanted(linear, attn, execution) or (args.only and name not in args.only):
+                named = bool(args.only) and name in args.only
+                if (args.only and not named) or not (wanted(linear, attn, execution) or
+                                                     (named and execution == "compile-autotune")):  # fmt: skip
                     continue
                 entry: dict = {}
                 try:
@@ -338,7 +356,8 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     if execution == "compile-static":
                         counter = compile_repeated_blocks(dit, dynamic=False, eager_precision=linear == "BF16")
                     elif execution != "eager":  # as the engine compiles (apply_profile)
-                        counter = compile_blocks(dit, linear, torch.device(dev), fuse=FUSE[execution])
+                        extra = AUTOTUNE if execution == "compile-autotune" else None
+                        counter = compile_blocks(dit, linear, torch.device(dev), FUSE[execution], extra)
                     run = functools.partial(forward, dit, x)
                     if execution == "compile-graph":
                         run = StepGraphs(run)  # called directly, then captured, then replayed

@@ -60,15 +60,18 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
 FUSIONS = ("blocks", "qk", "none")
 
 
-def compile_blocks(model: nn.Module, linear: str, device: torch.device, fuse: str = "blocks") -> GraphCounter:
+def compile_blocks(
+    model: nn.Module, linear: str, device: torch.device, fuse: str = "blocks", inductor_config: dict | None = None
+) -> GraphCounter:
     """The engine's compile of the repeated blocks for a linear backend: on CUDA with Triton, the fused passes
     (`accel.fused`; `fuse`: "blocks", the block passes and the qk-norm + rotary pass, what the engine runs; "qk", that
     pass alone; "none", neither: the benchmark's comparisons), Inductor for the rest. BF16 keeps eager's roundings
-    (`eager_precision`, and the passes' `eager_rounding`); the FP8 backends, whose rounding dominates, do not."""
+    (`eager_precision`, and the passes' `eager_rounding`); the FP8 backends, whose rounding dominates, do not.
+    `inductor_config`: a benchmark's further Inductor options (the engine passes none)."""
     if fuse not in FUSIONS:
         raise ValueError(f"fuse {fuse!r}: allowed {', '.join(FUSIONS)}")
     exact = linear == "BF16"
     on = device.type == "cuda" and fused.available() and fuse != "none"
     fused.use(on)
     forwards = fused.block_forwards(eager_rounding=exact) if on and fuse == "blocks" else None
-    return compile_repeated_blocks(model, eager_precision=exact, forwards=forwards)
+    return compile_repeated_blocks(model, eager_precision=exact, forwards=forwards, inductor_config=inductor_config)

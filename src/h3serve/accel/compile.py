@@ -93,14 +93,17 @@ def compile_repeated_blocks(
     dynamic: bool = True,
     eager_precision: bool = False,
     forwards: Mapping[type, Callable] | None = None,
+    inductor_config: Mapping[str, object] | None = None,
 ) -> GraphCounter:
     """Compile every repeated block of `model` in place (the instance's `forward` becomes the shared compiled code);
     returns the counter of compiled graphs. `dynamic=False` (static shapes: a recompile for every new row count)
     exists to measure what the symbolic row count costs. `eager_precision`: Inductor keeps the low-precision
     roundings eager makes between the ops it fuses (`emulate_precision_casts`), so the compiled block stays as
     close to the exact (eager) profile as a different GEMM order allows. `forwards`: for a block class, the function
-    compiled instead of its own `forward` (same signature; `accel.fused.block_forwards`)."""
-    counter = GraphCounter(backend, {"emulate_precision_casts": True} if eager_precision else None)
+    compiled instead of its own `forward` (same signature; `accel.fused.block_forwards`). `inductor_config`: further
+    Inductor options for these graphs (a benchmark's experiments, e.g. `max_autotune`)."""
+    config = {"emulate_precision_casts": True} if eager_precision else {}
+    counter = GraphCounter(backend, {**config, **(inductor_config or {})} or None)
     compiled: dict[type, object] = {}
     call = _call_marked if dynamic else _call
     for module in model.modules():
