@@ -92,6 +92,22 @@ def test_compile_takes_the_forward_it_is_given():
     assert calls and counter.graphs == 1 and torch.equal(got, want)
 
 
+def test_compile_blocks_keeps_the_reference_ops_off_cuda_and_refuses_an_unknown_fusion():
+    from h3serve.accel import compile_blocks
+    from h3serve.accel.compile import uncompile_repeated_blocks
+
+    dit = tiny_blocks()
+    with pytest.raises(ValueError, match="fuse 'all': allowed blocks, qk, none"):
+        compile_blocks(dit, "BF16", torch.device("cpu"), fuse="all")
+    ops.use_qk_norm_rope_kernel(lambda *args: ops.qk_norm_rope_reference(*args))  # something else set before
+    try:
+        compile_blocks(dit, "BF16", torch.device("cpu"))
+        assert ops._qk_norm_rope_kernel is ops.qk_norm_rope_reference  # no Triton kernel on a CPU
+    finally:
+        uncompile_repeated_blocks(dit)
+        ops.use_qk_norm_rope_kernel(None)
+
+
 def test_the_kernels_are_not_there_before_build():
     if fused.KERNELS:
         pytest.skip("built in this process")
@@ -125,21 +141,21 @@ def assert_close_rows(got, want, *, max_ulps: float, frac: float, what: str):
 
 
 def assert_quantized_close(got, want, what: str):
-    """(e4m3 rows, scales) against the reference's: scales within a bf16 rounding of the row's amax, values at most
-    1.5 e4m3 steps at the row's top binade apart (one step of the value, plus the shift of a scale that moved), on a
-    small share of them."""
+    """(e4m3 rows, scales) against the reference's: scales within a bf16 rounding of the row's amax; values one e4m3
+    step of their own apart at most (3 mantissa bits: an eighth of the value, or the subnormal spacing), on at most
+    1e-4 of them (on the H200: equal scales, 4.1e-7 of the values one step apart)."""
     (q, s), (rq, rs) = got, want
     assert q.dtype == FP8 and s.shape == rs.shape
     torch.testing.assert_close(s, rs, rtol=2e-2, atol=0)  # a scale moves only when the row's amax rounds differently
     a, b = q.float() * s, rq.float() * rs
-    step = b.abs().amax(-1, keepdim=True) / FP8_MAX * 32  # one e4m3 step at the top binade, a bound for the rest
+    step = torch.maximum(b.abs() / 8, rs * 2**-9)  # one e4m3 step of each value (2^-9: the subnormal spacing)
     diff = (a - b).abs()
     worst = (diff / step).amax(-1).argmax()
     steps = (diff / step)[worst].max().item()
     print(f"{what}: {(q.float() != rq.float()).float().mean():.2e} of e4m3 values differ; worst row {worst.item()}: "
           f"{steps:.3g} steps, scales {s[worst].item():.6g} / {rs[worst].item():.6g}")  # fmt: skip
-    assert (diff <= 1.5 * step).all(), what
-    assert (q.float() != rq.float()).float().mean() <= 0.05, what
+    assert (diff <= step * 1.001).all(), what
+    assert (q.float() != rq.float()).float().mean() <= 1e-4, what
 
 
 @GPU
@@ -157,15 +173,11 @@ def test_norm_modulate_kernel_against_its_reference(residual, quantize):
         by_hand = (x.float() + (gate * y.float()).to(torch.bfloat16).float()).to(torch.bfloat16)
         print(f"residual: reference = by hand on {(want[0] == by_hand).float().mean():.4f}, kernel = by hand on "
               f"{(got[0] == by_hand).float().mean():.4f}")  # fmt: skip
-        bad = (got[0] != want[0]).nonzero()[:3].tolist()
-        for r, c in bad:
-            print("  x", x[r, c].item(), "gate", gate[r, c].item(), "y", y[r, c].item(), "kernel", got[0][r, c].item(),
-                  "reference", want[0][r, c].item(), "by hand", by_hand[r, c].item())  # fmt: skip
-        assert_close_rows(got[0], want[0], max_ulps=1, frac=1e-3, what="residual")
+        assert torch.equal(got[0], want[0])  # the same two roundings (on the H200: no value differs)
     if quantize:
         assert_quantized_close(got[1:], want[1:], "norm_modulate e4m3")
     else:  # the norm's sum and rsqrt are the kernel's: a rounding step on some values, carried by the modulation
-        assert_close_rows(got[1], want[1], max_ulps=4, frac=0.02, what="norm_modulate")
+        assert_close_rows(got[1], want[1], max_ulps=4, frac=1e-4, what="norm_modulate")  # H200: 3.4e-6 differ
     again = fused.KERNELS["norm_modulate"](*args, True)
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, again, strict=True))  # deterministic
     loose = fused.KERNELS["norm_modulate"](*args, False)  # float32 intermediates (the FP8 profile's)
@@ -186,7 +198,7 @@ def test_swiglu_kernel_against_its_reference(quantize):
     if quantize:
         assert_quantized_close(got, want, "swiglu e4m3")
     else:
-        assert_close_rows(got[0], want[0], max_ulps=1, frac=0.02, what="swiglu")
+        assert torch.equal(got[0], want[0])  # eager's two roundings (on the H200: no value differs)
 
 
 @GPU
@@ -223,12 +235,34 @@ def test_the_fused_block_against_block_forward(linear, compiled):
         if compiled:
             fn = torch.compile(fn, fullgraph=True)
         with torch.no_grad():
-            want = fused.block_forward_reference(block, x, table, indices, rope)  # Block.forward, bit for bit
+            want = fused.block_forward_reference(block, x, table, indices, rope)
+            assert torch.equal(want, block(x, table, indices, rope))  # the restructuring, here too
             got, again = fn(block, x, table, indices, rope), fn(block, x, table, indices, rope)
         assert torch.equal(got, again)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"{linear} compiled={compiled}: relative error {err:.2e} against Block.forward")
-        assert err <= (5e-3 if linear == "BF16" else 2e-2)
+        assert err <= (2.5e-3 if linear == "BF16" else 1e-2)  # H200: 3.8e-4 / 1.2e-3 (eager / compiled), 5.1e-3
     finally:
         fused.use(False)
         attention.use("TORCH_SDPA")
+
+
+@GPU
+@pytest.mark.gpu
+def test_a_non_finite_activation_stays_non_finite_through_the_quantizing_passes():
+    """A NaN must reach the output as the reference's does (the decoder refuses non-finite latents), not turn into a
+    finite e4m3 value by a clamp."""
+    fused.build()
+    x, _, w, table, idx = mod_inputs(64, HIDDEN)
+    x[3, 10] = float("nan")
+    f = (torch.randn(64, 2 * FFN, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16).cuda()
+    f[5, 20] = float("nan")
+    for got, row in (
+        (fused.KERNELS["norm_modulate"](x, None, w, table, idx, 1e-6, 0, 0, 1, True, False)[1:], 3),
+        (fused.KERNELS["swiglu"](f, True, False), 5),
+        (fused.KERNELS["quantize_rows"](x), 3),
+    ):
+        q, scales = got
+        dequantized = q.float() * scales
+        assert not dequantized[row].isfinite().all()
+        assert dequantized[row + 1].isfinite().all()

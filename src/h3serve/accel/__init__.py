@@ -38,7 +38,7 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     """Set the attention kernel; store the video decoder's weights in its autocast dtype (bitwise the same decode);
     for CUTLASS, quantize the DiT's block linears unless the loader already did (`Fp8LoadHook`), for HUMMING turn
     them into Humming's layout; for `compile`,
-    compile the repeated blocks (returns their graph counter)."""
+    compile the repeated blocks with the fused passes on CUDA (`compile_blocks`; returns their graph counter)."""
     attention.use(profile.attention)
     fused.use(False)  # eager keeps the reference ops (the exact profile); `compile_blocks` chooses for compile
     if profile.vae_autocast_dtype is not None:

@@ -24,7 +24,8 @@ quantize_rows  the attention output, quantized for out_proj
 
 `block_forward` is `Block.forward` written with these passes; `block_forward_reference` runs the same passes through
 their reference compositions (`*_reference`, made of the model's own ops and `quantize_rows`), so the restructured
-block is checked bit for bit against `Block.forward` on any device, and each kernel against its reference on the GPU.
+block is checked bit for bit against `Block.forward` (tests/test_fused_block.py), and each kernel against its reference
+on the GPU.
 `eager_rounding`: each kernel rounds its intermediates to the activations' dtype where eager does (the BF16
 profile's `eager_precision`); without it they stay float32 (as Inductor's fused code keeps them).
 
@@ -127,7 +128,8 @@ def norm_modulate_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[x = x + gate * y;] h = modulate(rms_norm(x), shift, scale) [-> quantize_rows(h)], the gate, shift and scale
     rows gathered from `table`'s chunks of those numbers (`MODULATIONS`) by `indices`, as `Block.forward` does.
-    Returns (x, h or its e4m3 rows, the (S, 1) scales or an empty (0, 1)); `eager_rounding` is the eager ops'."""
+    Returns (x, h or its e4m3 rows, the (S, 1) scales or an empty (0, 1)); the kernel returns an empty x without `y`.
+    The reference is eager itself, so `eager_rounding` (the kernel's choice) changes nothing here."""
     chunks = table.chunk(len(MODULATIONS), dim=-1)
     if y is not None:
         x = ops.gated_residual(x, chunks[gate].index_select(0, indices), y)
@@ -139,7 +141,8 @@ def norm_modulate_reference(
 
 
 def swiglu_reference(f: torch.Tensor, quantize: bool, eager_rounding: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's output (S, 2F) as `[gate | value]` -> value * silu(gate) (S, F) [-> quantize_rows]."""
+    """fc1's output (S, 2F) as `[gate | value]` -> value * silu(gate) (S, F) [-> quantize_rows]; eager, whatever
+    `eager_rounding` says (the kernel's choice)."""
     gate, value = f.chunk(2, dim=-1)
     h = value * F.silu(gate)
     return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
@@ -170,7 +173,7 @@ def block_forward(
 ) -> torch.Tensor:
     """`Block.forward` with its element-wise work done by `passes` (the Triton kernels, `KERNELS`, by default; the
     references with `REFERENCES`). With FP8 block linears each GEMM's input is quantized by the pass that makes it;
-    the two AdaLN passes take the residual add before them; the last gated residual stays with the compiler."""
+    the second AdaLN pass takes the attention's gated residual add; the block's last one stays with the compiler."""
     passes = KERNELS if passes is None else passes
     attn, mlp = block.attn, block.mlp
     fp8 = isinstance(mlp.fc2, Fp8Linear)

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-FP8 = torch.float8_e4m3fn
-_FP8_MAX = tl.constexpr(448.0)  # torch.finfo(FP8).max, as accel.linear.FP8_MAX
+from h3serve.accel.linear import FP8, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)  # 448, torch.finfo(FP8).max
 # `quantize_rows` divides its amax by the Python float 448, which PyTorch's CUDA division does as a product with the
 # float32 reciprocal; the same product here gives the same scales.
 _INV_FP8_MAX = tl.constexpr(1.0 / 448.0)
@@ -41,12 +42,13 @@ def _scale_of(amax):
 
 @triton.jit
 def _quantize(h, scale, inverse, EXACT: tl.constexpr):
-    """e4m3 = clamp(h / scale): an IEEE division as `quantize_rows` (EXACT), else a product with 1 / scale."""
+    """e4m3 = clamp(h / scale): an IEEE division as `quantize_rows` (EXACT), else a product with 1 / scale. A NaN
+    stays NaN, as torch's clamp keeps it (the GPU's min and max would return the clamp bound instead)."""
     if EXACT:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
         q = tl.div_rn(h, scale)
     else:
         q = h * inverse
-    return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv)
+    return tl.where(q == q, tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX), q).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -114,6 +116,8 @@ def _norm_modulate_kernel(
             if RESIDUAL:
                 tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
             acc += x * x
+        if RESIDUAL:  # the second pass reads the residual back: every thread's stores done first
+            tl.debug_barrier()
         rstd = tl.rsqrt((tl.sum(acc, axis=0) / N + eps).to(tl.float32))
         src = x_out_ptr if RESIDUAL else x_ptr  # the residual this program stored (same layout: same threads)
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
@@ -212,8 +216,9 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
 
 # Each pass's chunk width and warps, (CHUNK, num_warps), per case: the fastest of bench/fused_passes.py's choices at
 # the released widths on the H200 (bench/results/2026-12-01-h200-fused-passes.json; a CHUNK of at least the row holds
-# it in registers and reads it once). Fixed, not autotuned: the chunking decides the reduction order, so a render
-# must not depend on what a tuner picked in this process.
+# it in registers and reads it once). "swiglu" (bfloat16 out) was not timed and the block does not launch it (its
+# BF16 gate is Inductor's, at its traffic floor). Fixed, not autotuned: the chunking decides the reduction order, so
+# a render must not depend on what a tuner picked in this process.
 LAUNCH = {
     "norm_modulate": (2048, 8),
     "norm_modulate+residual": (2048, 8),

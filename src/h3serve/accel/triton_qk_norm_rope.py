@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from h3serve.accel.triton_block import _round  # the kernels below resolve it from this module's globals
+from h3serve.accel.triton_block import _TL_DTYPES, _round  # the kernels resolve `_round` from these globals
 
 
 @triton.jit
@@ -83,7 +83,6 @@ def _qk_norm_rope_kernel(
 # differences were the compiler fusing a rounded product into the following add; with `_round` going back from
 # bfloat16 through the bits, one rounding differs on 2.7e-6 of values (2026-12-01-h200-pytest-block-passes.txt).
 ROUND_NORM = False
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton_op("h3serve::qk_norm_rope", mutates_args={})
