@@ -52,6 +52,20 @@ def _quantize(h, scale, inverse, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT: tl.constexpr, ROUND: tl.constexpr,
+               DTYPE: tl.constexpr):  # fmt: skip
+    """A row held in registers, stored in the activations' dtype, or (QUANT) as `quantize_rows` makes it from the
+    row rounded to that dtype: its scale, then its e4m3 values."""
+    if QUANT:
+        h = _round(h, DTYPE)
+        scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
+    else:
+        tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+
+
+@triton.jit
 def _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE: tl.constexpr, RESIDUAL: tl.constexpr,
               ROUND: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """x, or x + gate * y rounded to the activations' dtype (the residual stream as stored)."""
@@ -100,13 +114,7 @@ def _norm_modulate_kernel(
             tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
         rstd = tl.rsqrt((tl.sum(x * x, axis=0) / N + eps).to(tl.float32))
         h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
-        if QUANT:  # the row as the reference quantizes it: rounded to the activations' dtype
-            h = _round(h, DTYPE)
-            scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
-            tl.store(scale_ptr + row, scale)
-            tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
-        else:
-            tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+        _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT, ROUND, DTYPE)
     else:
         acc = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, N, CHUNK):
@@ -163,13 +171,7 @@ def _swiglu_kernel(
         cols = tl.arange(0, CHUNK)
         mask = cols < F
         h = _swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE)
-        if QUANT:
-            h = _round(h, DTYPE)
-            scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
-            tl.store(scale_ptr + row, scale)
-            tl.store(h_ptr + row * F + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
-        else:
-            tl.store(h_ptr + row * F + cols, h.to(DTYPE), mask=mask)
+        _store_row(h, h_ptr, scale_ptr, row, cols, mask, F, QUANT, ROUND, DTYPE)
     else:
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, F, CHUNK):
