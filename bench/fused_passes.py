@@ -20,9 +20,11 @@ import torch
 from benchlib import run_header
 
 from h3serve.accel import fused
+from h3serve.config import DiTConfig
 from h3serve.model.dit import TABLE_ROWS
 
-HIDDEN, FFN, INNER = 5376, 14336, 7168  # the released block's widths
+RELEASED = DiTConfig()
+HIDDEN, FFN, INNER = RELEASED.hidden_size, RELEASED.ffn_hidden_size, RELEASED.inner_dim  # the block's widths
 CHUNKS = (1024, 2048, 4096, 8192, 16384)
 WARPS = (4, 8, 16)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from h3serve.accel import fused
 from h3serve.accel.linear import FP8, FP8_MAX, quantize_blocks, quantize_rows
+from h3serve.config import DiTConfig
 from h3serve.model import ops
 from h3serve.model.dit import MODULATIONS, TABLE_ROWS, Block, H3DiT
 from h3serve.model.tiny import TINY_DIT, randomize
@@ -117,7 +118,7 @@ def test_the_kernels_are_not_there_before_build():
 
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
 
-HIDDEN, FFN = 5376, 14336  # the released block's widths
+HIDDEN, FFN = DiTConfig().hidden_size, DiTConfig().ffn_hidden_size  # the released block's widths
 
 
 def mod_inputs(s: int, n: int, seed: int = 0):
