@@ -43,7 +43,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,59 +65,28 @@ from h3serve.pipeline.layout import MediaGeometry, build_layout
 # Measured at the reference shape on the H200 (2026-12-01): 495.2 ms per forward against 494.3 ms launched
 # normally, so the engine does not capture its steps; this stays to measure it again.
 
-Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
+class GraphReplay:
+    """`fn()` (returning a tuple of tensors) run directly on the first call, so that any lazy initialisation happens
+    outside a capture; captured in a CUDA graph on the second; replayed from then on. The results are copies of the
+    graph's own tensors."""
 
-class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: Sequence[torch.Tensor]):
-        self.graph = graph
-        self.inputs = inputs
-        self.outputs = outputs
-
-
-class StepGraphs:
-    """`fn(*tensors) -> tuple of tensors`, run directly on the first call of a signature (lazy initialisation happens
-    outside a capture), captured on the second, replayed from then on. Every argument is a CUDA tensor; the results
-    are fresh tensors (copies of the graph's)."""
-
-    def __init__(self, fn: Callable[..., Sequence[torch.Tensor]]):
+    def __init__(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
         self.fn = fn
-        self.seen: set[Signature] = set()
-        self.captured: dict[Signature, _Captured] = {}
-        self.pool = None
-        self.replays = 0
+        self.called = False
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: tuple[torch.Tensor, ...] = ()
 
-    def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        captured = self.captured.get(key)
-        if captured is None and key not in self.seen:
-            self.seen.add(key)
-            return tuple(self.fn(*tensors))
-        if captured is None:
-            captured = self.captured[key] = self._capture(tensors)
-        for static, value in zip(captured.inputs, tensors, strict=True):
-            static.copy_(value, non_blocking=True)
-        captured.graph.replay()
-        self.replays += 1
-        return tuple(t.clone() for t in captured.outputs)
-
-    def _capture(self, tensors: Sequence[torch.Tensor]) -> _Captured:
-        inputs = [t.clone() for t in tensors]
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        # Entering the capture synchronises and empties the allocator's cache, so the graph's pool of one forward's
-        # activations does not come on top of the idle blocks the direct call left (the memory plan counts one).
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = tuple(self.fn(*inputs))
-        return _Captured(graph, inputs, outputs)
-
-    def release(self) -> None:
-        """Drop every graph and its memory (the end of the request)."""
-        self.captured.clear()
-        self.seen.clear()
-        self.pool = None
-        torch.cuda.empty_cache()
+    def __call__(self) -> tuple[torch.Tensor, ...]:
+        if self.graph is None:
+            if not self.called:
+                self.called = True
+                return self.fn()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # entering it synchronises and empties the allocator's cache
+                self.outputs = tuple(self.fn())
+        self.graph.replay()
+        return tuple(t.clone() for t in self.outputs)
 
 
 class Record:
@@ -200,7 +169,7 @@ def uncompile(model, *inputs: dict) -> None:
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
 # compile: the engine's (`accel.compile_blocks`: the row count symbolic; on CUDA the fused block passes and the fused
 # qk-norm + rotary pass, `accel.fused`). compile-graph: the same, each forward a replay of one CUDA graph
-# (`StepGraphs` below; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
+# (`GraphReplay` above; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
 # compile-unfused: neither (what the passes save). compile-static: static shapes, unfused (a recompile for every new
 # row count; what the symbolic row count costs).
 # compile-autotune: the engine's compile with Inductor's max-autotune (Triton GEMM templates timed against cuBLAS,
@@ -360,7 +329,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                         counter = compile_blocks(dit, linear, torch.device(dev), FUSE[execution], extra)
                     run = functools.partial(forward, dit, x)
                     if execution == "compile-graph":
-                        run = StepGraphs(run)  # called directly, then captured, then replayed
+                        run = GraphReplay(run)  # called directly, then captured, then replayed
                     _reset_peak()
                     start = time.perf_counter()
                     run()
