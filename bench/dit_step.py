@@ -57,7 +57,7 @@ from full_size_smoke import REFERENCE, build_dit
 from h3serve.accel import attention, compile_blocks, fused
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
-from h3serve.accel.linear import quantize_blocks, restore
+from h3serve.accel.linear import Fp8Linear, quantize_blocks, restore
 from h3serve.config import Modality
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 
@@ -167,6 +167,8 @@ def uncompile(model, *inputs: dict) -> None:
 
 
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
+# eager: the engine's (on CUDA the exact passes, `accel.fused.use_eager_passes`: bit for bit the reference ops);
+# eager-unfused: the reference ops alone (what the exact passes save).
 # compile: the engine's (`accel.compile_blocks`: the row count symbolic; on CUDA the fused block passes and the fused
 # qk-norm + rotary pass, `accel.fused`). compile-graph: the same, each forward a replay of one CUDA graph
 # (`GraphReplay` above; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
@@ -175,17 +177,21 @@ LINEARS = ("BF16", "CUTLASS", "HUMMING")
 # compile-autotune: the engine's compile with Inductor's max-autotune (Triton GEMM templates timed against cuBLAS,
 # epilogues fused into the GEMMs where a template wins): not served (its choice is timed, so it can differ from one
 # process to the next); here to measure whether GEMM epilogues beat cuBLAS plus separate passes.
+# compile-fastaccum (CUTLASS): the engine's compile with the FP8 GEMMs' fast accumulation (`Fp8Linear.fast_accum`):
+# what it saves and what it costs in error; not served.
 EXECUTIONS = (
     "eager",
+    "eager-unfused",
     "compile",
     "compile-graph",
     "compile-qk",
     "compile-unfused",
     "compile-static",
     "compile-autotune",
+    "compile-fastaccum",
 )
 FUSE = {"compile": "blocks", "compile-graph": "blocks", "compile-qk": "qk", "compile-unfused": "none",
-        "compile-autotune": "blocks"}  # fmt: skip
+        "compile-autotune": "blocks", "compile-fastaccum": "blocks"}  # fmt: skip
 AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
 
 
@@ -200,8 +206,10 @@ def wanted(linear: str, attn: str, execution: str) -> bool:
         return False
     if execution == "compile-autotune":
         return False
+    if execution == "compile-fastaccum":
+        return linear == "CUTLASS"
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
-        return execution == "eager"
+        return execution in ("eager", "eager-unfused")
     return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
 
 
@@ -324,9 +332,12 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     fused.use(False)
                     if execution == "compile-static":
                         counter = compile_repeated_blocks(dit, dynamic=False, eager_precision=linear == "BF16")
-                    elif execution != "eager":  # as the engine compiles (apply_profile)
+                    elif execution == "eager" and dev == "cuda":  # as the engine runs eager (apply_profile)
+                        fused.use_eager_passes(dit)
+                    elif not execution.startswith("eager"):  # as the engine compiles (apply_profile)
                         extra = AUTOTUNE if execution == "compile-autotune" else None
                         counter = compile_blocks(dit, linear, torch.device(dev), FUSE[execution], extra)
+                    Fp8Linear.fast_accum = execution == "compile-fastaccum"
                     run = functools.partial(forward, dit, x)
                     if execution == "compile-graph":
                         run = GraphReplay(run)  # called directly, then captured, then replayed
@@ -342,6 +353,11 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
                     entry["peak_gib"] = round(_peak() / 2**30, 2)
                     outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
+                    passes = outputs.get(f"{attn}+eager+{linear}")
+                    if execution == "eager-unfused" and passes is not None:  # the exact passes' claim, measured
+                        entry["bitwise_equal_to_eager_passes"] = all(
+                            torch.equal(p, o) for p, o in zip(passes, outputs[name], strict=True)
+                        )
                     if args.kernels and kernel_tabled(name):
                         entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
                     if counter is not None:
@@ -354,6 +370,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                 rec.save()
                 print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
         uncompile(dit, x, other)
+        Fp8Linear.fast_accum = False
         if replaced is not None:
             restore(dit, replaced)
     attention.use("TORCH_SDPA")

@@ -1,5 +1,6 @@
 """Each fused block pass (`h3serve.accel.fused`) at the released block's widths, against Inductor's code for the same
-reference ops, and each pass's launch choices (`triton_block.LAUNCH`: chunk width, warps), on one GPU.
+reference ops (and the reference ops run eagerly), and each pass's launch choices (`triton_block.LAUNCH`: chunk
+width, warps), on one GPU.
 
 Per pass: the median time of one launch replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`, so the
 host's launch cost is not in it), the bytes it must move (each input read
@@ -50,11 +51,17 @@ def cases(s: int) -> dict:
         "swiglu": ("swiglu", (f, False), s * FFN * (4 + 2)),
         "swiglu+fp8": ("swiglu", (f, True), s * FFN * (4 + 1)),
         "quantize_rows": ("quantize_rows", (out,), s * INNER * 3),
+        # the eager profile's exact passes around torch's own rms_norm (x stands for its normalised output)
+        "modulate": ("modulate", (x, table, idx, 0, 1, False), 2 * row),
+        "modulate+fp8": ("modulate", (x, table, idx, 3, 4, True), 1.5 * row),
+        "gated_residual": ("gated_residual", (x, y, table, idx, 2), 3 * row),
     }
 
 
 def max_diff(got, want) -> float:
     """Largest difference of the pass's main output from the reference's (dequantized for e4m3)."""
+    if torch.is_tensor(got):
+        return (got.float() - want.float()).abs().max().item()
     a, b = (got[1], got[2]) if len(got) == 3 else (got[0], got[1])
     c, d = (want[1], want[2]) if len(want) == 3 else (want[0], want[1])
     if a.dtype == torch.float8_e4m3fn:
@@ -84,7 +91,7 @@ def main() -> None:
         eager_rounding = call[-1] is not True  # the FP8 passes run as the CUTLASS profile does
         reference = fused.REFERENCES[op]
         kernel = fused.KERNELS[op]
-        kargs = call if op == "quantize_rows" else (*call, eager_rounding)
+        kargs = (*call, eager_rounding) if op in ("norm_modulate", "swiglu") else call
         want = reference(*call)
         entry: dict = {"bytes": nbytes, "variants": {}}
         ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
@@ -92,6 +99,7 @@ def main() -> None:
         ms = gpu_ms(ref_fn)
         entry["inductor_ms"] = round(ms, 4)
         entry["inductor_tb_s"] = round(nbytes / ms / 1e9, 2)
+        entry["eager_reference_ms"] = round(gpu_ms(functools.partial(reference, *call)), 4)  # what eager ran before
         for chunk in CHUNKS:
             for warps in WARPS:
                 if chunk // (32 * warps) < 1 or chunk // (32 * warps) > 64:

@@ -50,6 +50,22 @@ def test_the_restructured_block_is_block_forward_bit_for_bit(linear):
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
+def test_the_exact_passes_are_block_forward_bit_for_bit(linear):
+    """The eager profile's composition (torch's rms_norm between the modulation and gated residual passes, the block's
+    last residual and the SwiGLU gate as passes of their own), over the reference passes; on the GPU the same over the
+    kernels (`test_the_exact_passes_on_the_gpu_are_the_reference_ops`)."""
+    dit = tiny_blocks()
+    if linear == "CUTLASS":
+        quantize_blocks(dit)
+    block = dit.blocks[1]
+    x, table, indices, rope = block_inputs(block, 45)
+    with torch.no_grad():
+        want = block(x, table, indices, rope)
+        got = fused.block_forward(block, x, table, indices, rope, passes=fused.exact_passes(fused.REFERENCES))
+    assert torch.equal(got, want)
+
+
 def test_the_references_compute_what_they_name():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(9, 16, generator=g), torch.randn(9, 16, generator=g)
@@ -71,6 +87,9 @@ def test_the_references_compute_what_they_name():
     f = torch.randn(9, 32, generator=g)
     h, _ = fused.swiglu_reference(f, False)
     assert torch.allclose(h, f[:, 16:] * f[:, :16] * torch.sigmoid(f[:, :16]))
+    h, scales = fused.modulate_reference(x, table, idx, 5, 0, False)
+    assert torch.allclose(h, x * (1 + mod[:, 0]) + mod[:, 5]) and scales.shape == (0, 1)
+    assert torch.allclose(fused.gated_residual_reference(x, y, table, idx, 1), x + mod[:, 1] * y)
 
 
 def test_compile_takes_the_forward_it_is_given():
@@ -267,3 +286,83 @@ def test_a_non_finite_activation_stays_non_finite_through_the_quantizing_passes(
         dequantized = q.float() * scales
         assert not dequantized[row].isfinite().all()
         assert dequantized[row + 1].isfinite().all()
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", [False, True])
+def test_modulate_and_gated_residual_kernels_are_their_references(quantize):
+    """No sum in either: eager's roundings give eager's values, every one."""
+    fused.build()
+    x, y, w, table, idx = mod_inputs(6435, HIDDEN)
+    n = F.rms_norm(x, (HIDDEN,), w, 1e-6)
+    want = fused.modulate_reference(n, table, idx, 3, 4, quantize)
+    got = fused.KERNELS["modulate"](n, table, idx, 3, 4, quantize)
+    if quantize:
+        assert_quantized_close(got, want, "modulate e4m3")
+        assert torch.equal(got[1], want[1])  # the scales: the amax of eager's own values
+    else:
+        assert torch.equal(got[0], want[0])
+    assert torch.equal(fused.KERNELS["gated_residual"](x, y, table, idx, 2),
+                       fused.gated_residual_reference(x, y, table, idx, 2))  # fmt: skip
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize(("s", "h", "d", "r"), [(6435, 56, 128, 96), (37, 3, 64, 64)])
+def test_the_exact_qk_pass_is_the_reference(s, h, d, r):
+    from tests.test_fused import inputs
+
+    fused.build()
+    q, k, qw, kw, cos, sin = inputs(s, h, d, r, torch.bfloat16, "cuda")
+    want = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-6, cos, sin)
+    got = fused.qk_norm_rope_exact(q, k, qw, kw, 1e-6, cos, sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def dit_forward(dit: H3DiT, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    """One whole forward of a keyframe request at 384x384, 39 frames (about 2,000 rows), two timesteps."""
+    from h3serve.pipeline.layout import MediaGeometry, build_layout
+    from h3serve.pipeline.sampling import bind_model
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = dit.config
+    layout = build_layout([1] * 40, MediaGeometry.from_pixels(384, 384, 39), ("first",))
+    model = bind_model(dit, layout, torch.randn(40, cfg.text_dim, generator=g))
+    video = torch.randn(layout.num_video_rows, cfg.video_patch_dim, generator=g).cuda()
+    audio = torch.randn(layout.num_audio_rows, cfg.audio_latents_dim, generator=g).cuda()
+    t, idx = layout.timestep_plan(0.3, 0.4)
+    return model(video, audio, t.cuda(), idx.cuda(), 0)
+
+
+@GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
+def test_the_exact_passes_on_the_gpu_are_the_reference_ops(linear):
+    """The eager profile on CUDA (`use_eager_passes`): a whole DiT forward at the released head layout, bit for bit the
+    reference ops' with BF16 linears; with FP8 ones the e4m3 values may differ by a step where the reference's own
+    float32 product rounds differently (`assert_quantized_close`), so: close."""
+    from h3serve.accel import attention
+    from h3serve.accel.compile import uncompile_repeated_blocks
+
+    attention.use("CUDNN_ATTN")
+    dit = tiny_blocks(MID, "cuda")
+    if linear == "CUTLASS":
+        quantize_blocks(dit)
+    try:
+        with torch.no_grad():
+            want = dit_forward(dit)
+            assert fused.use_eager_passes(dit) == MID.num_layers
+            got, again = dit_forward(dit), dit_forward(dit)
+    finally:
+        uncompile_repeated_blocks(dit)
+        fused.use(False)
+        attention.use("TORCH_SDPA")
+    for a, b, c in zip(got, want, again, strict=True):
+        assert torch.equal(a, c)
+        if linear == "BF16":
+            assert torch.equal(a, b)
+        else:
+            err = ((a.double() - b.double()).norm() / b.double().norm()).item()
+            print(f"CUTLASS eager passes against the reference ops: {err:.2e}")
+            assert err <= 2e-3

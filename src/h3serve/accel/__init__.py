@@ -3,6 +3,7 @@ once at start from a registry that refuses what it cannot run (the engine's `Pro
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,8 @@ from h3serve.accel.compile import GraphCounter, compile_repeated_blocks
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.vae import decoder_weights_to
 from h3serve.model.loading import chain
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from h3serve.model.folder import Components
@@ -38,9 +41,10 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     """Set the attention kernel; store the video decoder's weights in its autocast dtype (bitwise the same decode);
     for CUTLASS, quantize the DiT's block linears unless the loader already did (`Fp8LoadHook`), for HUMMING turn
     them into Humming's layout; for `compile`,
-    compile the repeated blocks with the fused passes on CUDA (`compile_blocks`; returns their graph counter)."""
+    compile the repeated blocks with the fused passes on CUDA (`compile_blocks`; returns their graph counter); eager
+    on CUDA runs the exact passes (`fused.use_eager_passes`: bit for bit the reference ops)."""
     attention.use(profile.attention)
-    fused.use(False)  # eager keeps the reference ops (the exact profile); `compile_blocks` chooses for compile
+    fused.use(False)  # the reference qk-norm + rotary until a choice below
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
     dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
@@ -54,6 +58,11 @@ def apply_profile(components: Components, profile: Profile) -> GraphCounter | No
     if profile.execution == "compile":
         # One compile for both DiTs: their blocks share the compiled code and one graph counter.
         return compile_blocks(nn.ModuleList(dits), profile.linear, profile.torch_device)
+    if profile.torch_device.type == "cuda":
+        if fused.available():  # the exact passes: the reference ops' numbers, bit for bit, in fewer passes
+            fused.use_eager_passes(nn.ModuleList(dits))
+        else:
+            log.warning("Triton is not importable: eager runs the reference ops unfused (the same numbers, slower)")
     return None
 
 

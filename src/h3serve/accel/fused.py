@@ -100,6 +100,8 @@ def build() -> None:
         norm_modulate=triton_block.norm_modulate_op,
         swiglu=triton_block.swiglu_op,
         quantize_rows=triton_block.quantize_rows_op,
+        modulate=triton_block.modulate_op,
+        gated_residual=triton_block.gated_residual_op,
     )
 
 
@@ -148,13 +150,78 @@ def swiglu_reference(f: torch.Tensor, quantize: bool, eager_rounding: bool = Tru
     return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
 
 
+def modulate_reference(
+    n: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, shift: int, scale: int, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdaLN modulation of already normalised rows, the shift and scale rows gathered from `table` [-> quantize]."""
+    chunks = table.chunk(len(MODULATIONS), dim=-1)
+    h = ops.modulate(n, chunks[shift].index_select(0, indices), chunks[scale].index_select(0, indices))
+    return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
+
+
+def gated_residual_reference(
+    x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, gate: int
+) -> torch.Tensor:
+    """x + gate * y, the gate rows gathered from `table`."""
+    return ops.gated_residual(x, table.chunk(len(MODULATIONS), dim=-1)[gate].index_select(0, indices), y)
+
+
 REFERENCES: dict[str, Callable] = {
     "norm_modulate": norm_modulate_reference,
     "swiglu": swiglu_reference,
     "quantize_rows": quantize_rows,
+    "modulate": modulate_reference,
+    "gated_residual": gated_residual_reference,
 }
 KERNELS: dict[str, Callable] = {}  # filled by `build`
 _STEP = {name: MODULATIONS.index(name) for name in MODULATIONS}
+
+
+def compile_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
+    """What the compiled block runs (`block_forwards`): the kernels' norm + modulation passes, their SwiGLU and row
+    quantization with FP8 linears; the BF16 SwiGLU gate and the block's last gated residual stay the plain ops, left to
+    Inductor (its pass for the gate is at its traffic floor, PERFORMANCE.md; the residual is one pass either way)."""
+
+    def swiglu(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels["swiglu"](f, True, eager_rounding) if quantize else swiglu_reference(f, False)
+
+    return {**kernels, "swiglu": swiglu, "gated_residual": gated_residual_reference}
+
+
+def exact_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
+    """The eager block's passes: exact, so eager stays bit for bit the reference ops (`Block.forward`).
+
+    Every sum stays torch's own: each RMSNorm is torch's `rms_norm`, whose reduction order no other kernel repeats.
+    Around it the kernels do what has no sum, each value rounded where eager rounds: the gathered modulation rows with
+    the gated residual adds and the modulation ([-> e4m3 for an FP8 GEMM]), and the SwiGLU gate. `kernels`: Triton's
+    (`KERNELS`), or `REFERENCES`, with which the composition itself is checked on a CPU (tests/test_fused_block.py)."""
+
+    def norm_modulate(x, y, weight, table, indices, eps, gate, shift, scale, quantize, eager_rounding=True):
+        if y is not None:
+            x = kernels["gated_residual"](x, y, table, indices, gate)
+        n = F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return x, *kernels["modulate"](n, table, indices, shift, scale, quantize)
+
+    return {**kernels, "norm_modulate": norm_modulate}
+
+
+def qk_norm_rope_exact(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.qk_norm_rope_reference` bit for bit: torch's `rms_norm` of q and k, then the kernel's rotary alone (the
+    eager passes' qk pass; one pass over q and k where the reference's rotary takes eight kernels)."""
+    check_shapes(q, k, cos, sin)
+    if _FUSED is None:
+        raise RuntimeError("the fused qk-norm + rotary op is not built; call fused.build() first")
+    d = q.shape[-1]
+    q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+    return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=False)
 
 
 def _project(linear: torch.nn.Module, h: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -174,7 +241,7 @@ def block_forward(
     """`Block.forward` with its element-wise work done by `passes` (the Triton kernels, `KERNELS`, by default; the
     references with `REFERENCES`). With FP8 block linears each GEMM's input is quantized by the pass that makes it;
     the second AdaLN pass takes the attention's gated residual add; the block's last one stays with the compiler."""
-    passes = KERNELS if passes is None else passes
+    passes = compile_passes(KERNELS) if passes is None else passes
     attn, mlp = block.attn, block.mlp
     dtype = x.dtype
     norm = passes["norm_modulate"]
@@ -190,12 +257,8 @@ def block_forward(
     x, h, s = norm(x, y, block.norm2.weight, table, adaln_indices, block.norm2.eps, _STEP["gate_msa"],
                    _STEP["shift_mlp"], _STEP["scale_mlp"], isinstance(mlp.fc1, Fp8Linear), eager_rounding)  # fmt: skip
     f = _project(mlp.fc1, h, s, dtype)
-    if isinstance(mlp.fc2, Fp8Linear):
-        y = mlp.fc2.matmul_rows(*passes["swiglu"](f, True, eager_rounding), dtype)
-    else:  # the plain ops, left to Inductor: its pass for the gate is at its traffic floor (PERFORMANCE.md)
-        y = mlp.fc2(swiglu_reference(f, False)[0])
-    gate_mlp = table.chunk(len(MODULATIONS), dim=-1)[_STEP["gate_mlp"]].index_select(0, adaln_indices)
-    return ops.gated_residual(x, gate_mlp, y)
+    y = _project(mlp.fc2, *passes["swiglu"](f, isinstance(mlp.fc2, Fp8Linear), eager_rounding), dtype)
+    return passes["gated_residual"](x, y, table, adaln_indices, _STEP["gate_mlp"])
 
 
 def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torch.Tensor:
@@ -208,7 +271,23 @@ def block_forwards(eager_rounding: bool) -> dict[type, Callable]:
     if not KERNELS:
         raise RuntimeError("the fused block passes are not built; call fused.build() first")
 
+    passes = compile_passes(KERNELS)
+
     def forward(block: Block, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope):
-        return block_forward(block, x, table, adaln_indices, rope, KERNELS, eager_rounding)
+        return block_forward(block, x, table, adaln_indices, rope, passes, eager_rounding)
 
     return {Block: forward}
+
+
+def use_eager_passes(model: torch.nn.Module) -> int:
+    """The eager profile's passes on CUDA: every `Block` of `model` runs `block_forward` over `exact_passes(KERNELS)`
+    (an instance `forward`, as compiling sets one; `compile.uncompile_repeated_blocks` removes it) and the qk-norm +
+    rotary seam `qk_norm_rope_exact`. Bit for bit the reference ops (tests/test_fused_block.py on the GPU), fewer
+    passes over memory. Returns how many blocks took them."""
+    build()
+    ops.use_qk_norm_rope_kernel(qk_norm_rope_exact)
+    passes = exact_passes(KERNELS)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.forward = functools.partial(block_forward, block, passes=passes, eager_rounding=True)
+    return len(blocks)

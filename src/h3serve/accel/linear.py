@@ -40,7 +40,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Fp8Linear(nn.Module):
-    """y = x W^T (+ b) with W stored in e4m3; see the module docstring."""
+    """y = x W^T (+ b) with W stored in e4m3; see the module docstring.
+
+    `fast_accum` (False; a benchmark's experiment, not a profile): the GEMM's FP8 fast accumulation on sm90, which
+    skips the periodic promotion of partial sums to float32."""
+
+    fast_accum = False
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -62,7 +67,9 @@ class Fp8Linear(nn.Module):
     def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The GEMM on activations already quantized as `quantize_rows` does ((M, K) e4m3, (M, 1) float32 scales), so
         that a fused pass can quantize them where it makes them (`h3serve.accel.fused`). Returns (M, N)."""
-        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=out_dtype)
+        y = torch._scaled_mm(
+            q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=out_dtype, use_fast_accum=self.fast_accum
+        )
         return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -81,17 +81,24 @@ def _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE: tl.constexpr, RESIDUA
 
 
 @triton.jit
+def _modulate(n, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
+              DTYPE: tl.constexpr):  # fmt: skip
+    """AdaLN modulation of a normalised row n: n * (1 + scale) + shift."""
+    shift = tl.load(mod + SHIFT * N + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(mod + SCALE * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if ROUND:  # eager's roundings: the norm once, 1 + scale, the product, the sum
+        h = _round(_round(_round(n, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
+    else:
+        h = n * (1.0 + scale) + shift
+    return h.to(tl.float32)
+
+
+@triton.jit
 def _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
                DTYPE: tl.constexpr):  # fmt: skip
     """The modulated norm of x given its rstd: rms_norm(x) * (1 + scale) + shift."""
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(mod + SHIFT * N + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(mod + SCALE * N + cols, mask=mask, other=0.0).to(tl.float32)
-    if ROUND:  # eager's roundings: the norm (x * rstd * w) once, 1 + scale, the product, the sum
-        h = _round(_round(_round(x * rstd * w, DTYPE) * _round(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
-    else:
-        h = x * rstd * w * (1.0 + scale) + shift
-    return h.to(tl.float32)
+    return _modulate(x * rstd * w, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
 
 
 @triton.jit
@@ -147,6 +154,52 @@ def _norm_modulate_kernel(
                 x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
                 h = _round(_modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE), DTYPE)
                 tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
+
+
+@triton.jit
+def _modulate_kernel(
+    n_ptr, table_ptr, idx_ptr, h_ptr, scale_ptr, N, table_stride,
+    SHIFT: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """AdaLN modulation of rows already normalised (by torch's own rms_norm: the exact eager passes), with eager's
+    roundings, one row per program, in chunks (QUANT: pass 1 the amax, pass 2 the e4m3 values). No sum is taken, so
+    the chunking changes no value."""
+    row = tl.program_id(0).to(tl.int64)
+    mod = table_ptr + tl.load(idx_ptr + row).to(tl.int64) * table_stride
+    amax = tl.zeros((CHUNK,), dtype=tl.float32)
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < N
+        n = tl.load(n_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        h = _modulate(n, mod, cols, mask, N, SHIFT, SCALE, True, DTYPE)
+        if QUANT:
+            amax = tl.maximum(amax, tl.where(mask, tl.abs(h), 0.0))
+        else:
+            tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+    if QUANT:
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < N
+            n = tl.load(n_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            h = _modulate(n, mod, cols, mask, N, SHIFT, SCALE, True, DTYPE)
+            tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, True), mask=mask)
+
+
+@triton.jit
+def _gated_residual_kernel(
+    x_ptr, y_ptr, table_ptr, idx_ptr, out_ptr, N, table_stride,
+    GATE: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
+    """x + gate * y with eager's roundings, the gate row gathered from the table, one row per program."""
+    row = tl.program_id(0).to(tl.int64)
+    mod = table_ptr + tl.load(idx_ptr + row).to(tl.int64) * table_stride
+    for c0 in range(0, N, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = cols < N
+        x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, True, True, DTYPE)
+        tl.store(out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
 
 
 @triton.jit
@@ -229,6 +282,9 @@ LAUNCH = {
     "swiglu": (2048, 8),
     "swiglu+fp8": (16384, 16),
     "quantize_rows": (1024, 4),
+    "modulate": (2048, 8),
+    "modulate+fp8": (2048, 8),
+    "gated_residual": (2048, 8),
 }
 
 
@@ -294,3 +350,33 @@ def quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     chunk, warps = LAUNCH["quantize_rows"]
     wrap_triton(_quantize_rows_kernel)[(s,)](x, q, scales, n, CHUNK=chunk, num_warps=warps)
     return q, scales
+
+
+@triton_op("h3serve::modulate", mutates_args={})
+def modulate_op(
+    n: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, shift: int, scale: int, quantize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n, table = n.contiguous(), table.contiguous()
+    s, width = n.shape
+    h, scales = _outputs(n, width, quantize)
+    chunk, warps = LAUNCH[case("modulate", quantize=quantize)]
+    wrap_triton(_modulate_kernel)[(s,)](
+        n, table, indices, h, scales, width, table.stride(0),
+        SHIFT=shift, SCALE=scale, QUANT=quantize, CHUNK=chunk, DTYPE=_TL_DTYPES[n.dtype], num_warps=warps,
+    )  # fmt: skip
+    return h, scales
+
+
+@triton_op("h3serve::gated_residual", mutates_args={})
+def gated_residual_op(
+    x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, gate: int
+) -> torch.Tensor:
+    x, y, table = x.contiguous(), y.contiguous(), table.contiguous()
+    s, n = x.shape
+    out = torch.empty_like(x)
+    chunk, warps = LAUNCH["gated_residual"]
+    wrap_triton(_gated_residual_kernel)[(s,)](
+        x, y, table, indices, out, n, table.stride(0),
+        GATE=gate, CHUNK=chunk, DTYPE=_TL_DTYPES[x.dtype], num_warps=warps,
+    )  # fmt: skip
+    return out

@@ -12,11 +12,21 @@ from h3serve.accel.triton_block import _TL_DTYPES, _round  # the kernels resolve
 
 
 @triton.jit
+def _rstd_weights(x1, x2, x3, w_ptr, c_half, eps, D: tl.constexpr, HALF: tl.constexpr):
+    """A (row, head) tile's 1 / rms over its D channels, and the norm weight's two rotary halves."""
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
+    rstd = tl.rsqrt(ss / D + eps)[:, None]
+    w1 = tl.load(w_ptr + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
+    return rstd, w1, w2
+
+
+@triton.jit
 def _norm_rope_tile(
     x_ptr, out_ptr, w_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
     x_row_stride, x_head_stride, out_row_stride, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
-    DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr,
+    DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     c_half = tl.arange(0, BLOCK_HALF)
     m_half = mask_rows[:, None] & (c_half[None, :] < HALF)
@@ -27,27 +37,30 @@ def _norm_rope_tile(
     c_rest = tl.arange(0, BLOCK_REST)
     m_rest = mask_rows[:, None] & (c_rest[None, :] < REST)
     x3 = tl.load(base + 2 * HALF + c_rest[None, :], mask=m_rest, other=0.0).to(tl.float32)
-    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
-    rstd = tl.rsqrt(ss / D + eps)[:, None]
-    w1 = tl.load(w_ptr + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + c_half, mask=c_half < HALF, other=0.0).to(tl.float32)[None, :]
-    if ROUND_NORM:  # ATen's composite rms_norm: the normalised value rounded, then times the weight
-        y1 = _round(_round(x1 * rstd, DTYPE) * w1, DTYPE)
-        y2 = _round(_round(x2 * rstd, DTYPE) * w2, DTYPE)
-    else:  # one rounding of x * rstd * w (a fused rms_norm kernel)
-        y1 = _round(x1 * rstd * w1, DTYPE)
-        y2 = _round(x2 * rstd * w2, DTYPE)
+    if NORM:
+        rstd, w1, w2 = _rstd_weights(x1, x2, x3, w_ptr, c_half, eps, D, HALF)
+        if ROUND_NORM:  # ATen's composite rms_norm: the normalised value rounded, then times the weight
+            y1 = _round(_round(x1 * rstd, DTYPE) * w1, DTYPE)
+            y2 = _round(_round(x2 * rstd, DTYPE) * w2, DTYPE)
+        else:  # one rounding of x * rstd * w (a fused rms_norm kernel)
+            y1 = _round(x1 * rstd * w1, DTYPE)
+            y2 = _round(x2 * rstd * w2, DTYPE)
+    else:  # q and k come normalised (torch's own rms_norm: the exact eager passes); the rotary alone
+        y1, y2 = x1, x2
     # rotate-half: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product and the sum rounded as eager's
     o1 = _round(y1 * cos1, DTYPE) + _round(-y2 * sin1, DTYPE)
     o2 = _round(y2 * cos2, DTYPE) + _round(y1 * sin2, DTYPE)
     obase = out_ptr + rows[:, None] * out_row_stride + head * D
     tl.store(obase + c_half[None, :], o1.to(DTYPE), mask=m_half)
     tl.store(obase + HALF + c_half[None, :], o2.to(DTYPE), mask=m_half)
-    w3 = tl.load(w_ptr + 2 * HALF + c_rest, mask=c_rest < REST, other=0.0).to(tl.float32)[None, :]
-    if ROUND_NORM:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
-        y3 = _round(x3 * rstd, DTYPE) * w3
+    if NORM:
+        w3 = tl.load(w_ptr + 2 * HALF + c_rest, mask=c_rest < REST, other=0.0).to(tl.float32)[None, :]
+        if ROUND_NORM:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+            y3 = _round(x3 * rstd, DTYPE) * w3
+        else:
+            y3 = x3 * rstd * w3
     else:
-        y3 = x3 * rstd * w3
+        y3 = x3
     tl.store(obase + 2 * HALF + c_rest[None, :], y3.to(DTYPE), mask=m_rest)
 
 
@@ -56,7 +69,7 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, S,
     q_row_stride, q_head_stride, k_row_stride, k_head_stride, cs_row_stride, out_row_stride, eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr,
-    BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, DTYPE: tl.constexpr, ROUND_NORM: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = tl.program_id(1)
@@ -71,10 +84,10 @@ def _qk_norm_rope_kernel(
     sin2 = _round(tl.load(sin_ptr + HALF + cs, mask=m_half, other=0.0), DTYPE)
     _norm_rope_tile(q_ptr, qo_ptr, qw_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
                     q_row_stride, q_head_stride, out_row_stride, eps, D, HALF, BLOCK_HALF, REST, BLOCK_REST,
-                    DTYPE, ROUND_NORM)  # fmt: skip
+                    DTYPE, ROUND_NORM, NORM)  # fmt: skip
     _norm_rope_tile(k_ptr, ko_ptr, kw_ptr, cos1, sin1, cos2, sin2, rows, mask_rows, head,
                     k_row_stride, k_head_stride, out_row_stride, eps, D, HALF, BLOCK_HALF, REST, BLOCK_REST,
-                    DTYPE, ROUND_NORM)  # fmt: skip
+                    DTYPE, ROUND_NORM, NORM)  # fmt: skip
 
 
 # Whether the norm rounds twice (ATen's composite rms_norm) or once. Measured on the H200 against eager's CUDA
@@ -95,6 +108,7 @@ def qk_norm_rope_fused(
     cos: torch.Tensor,
     sin: torch.Tensor,
     round_norm: bool = ROUND_NORM,
+    norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s, h, d = q.shape
     r = cos.shape[-1]
@@ -110,6 +124,6 @@ def qk_norm_rope_fused(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), h * d, eps,
         D=d, HALF=r // 2, BLOCK_HALF=triton.next_power_of_2(r // 2), REST=d - r,
         BLOCK_REST=triton.next_power_of_2(max(d - r, 1)), BLOCK_M=block_m, DTYPE=_TL_DTYPES[q.dtype],
-        ROUND_NORM=round_norm,
+        ROUND_NORM=round_norm, NORM=norm,
     )  # fmt: skip
     return q_out, k_out
