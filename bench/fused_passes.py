@@ -94,6 +94,7 @@ def main() -> None:
         kargs = (*call, eager_rounding) if op in ("norm_modulate", "swiglu") else call
         want = reference(*call)
         entry: dict = {"bytes": nbytes, "variants": {}}
+        torch._dynamo.reset()  # each case its own compile (they share one wrapper's code: no recompile limit)
         ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
         ref_fn()
         ms = gpu_ms(ref_fn)
