@@ -123,6 +123,50 @@ def main() -> None:
         print(name, {k: v for k, v in entry.items() if k != "variants"}, flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
+    qk_passes(args.rows, record)
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def qk_passes(s: int, record: dict) -> None:
+    """The qk-norm + rotary pass (the compiled block's) and the rotary alone (the eager passes', after torch's
+    rms_norm), over (BLOCK_M, warps) choices (`triton_qk_norm_rope.LAUNCH`), against the reference ops (Inductor's
+    and eager) at the released head layout: q and k views of one fused QKV projection."""
+    from h3serve.accel import triton_qk_norm_rope as qk
+    from h3serve.model import ops
+
+    g = torch.Generator().manual_seed(1)
+    heads, d = RELEASED.num_attention_heads, RELEASED.attention_head_dim
+    qkv = (torch.randn(s, 3 * INNER, generator=g) * 3).to(torch.bfloat16).cuda()
+    q, k, _ = (t.unflatten(-1, (heads, d)) for t in qkv.chunk(3, dim=-1))
+    qw, kw = ((1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16).cuda() for _ in range(2))
+    cos, sin = (t.cuda() for t in ops.rotary_table(torch.rand(s, RELEASED.rotary_dim // 2, generator=g) * 40))
+    call = (q, k, qw, kw, 1e-6, cos, sin)
+    nbytes = 4 * s * INNER * 2  # q and k read, q and k written
+    cases = {"qk_norm_rope": (fused.qk_norm_rope, ops.qk_norm_rope_reference),
+             "qk_rope": (fused.qk_norm_rope_exact, ops.qk_norm_rope_reference)}  # fmt: skip
+    chosen = dict(qk.LAUNCH)
+    for name, (kernel, reference) in cases.items():
+        want = reference(*call)
+        torch._dynamo.reset()
+        ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
+        ref_fn()
+        entry: dict = {"bytes": nbytes, "variants": {}, "inductor_ms": round(gpu_ms(ref_fn), 4)}
+        entry["eager_reference_ms"] = round(gpu_ms(functools.partial(reference, *call)), 4)
+        for block_m in (1, 2, 4, 8, 16, 32):
+            for warps in (1, 2, 4, 8):
+                qk.LAUNCH[name] = (block_m, warps)
+                got = kernel(*call)
+                ms = gpu_ms(functools.partial(kernel, *call))
+                differ = sum((a != b).sum().item() for a, b in zip(got, want, strict=True)) / (2 * q.numel())
+                entry["variants"][f"{block_m}x{warps}"] = {"ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2),
+                                                           "differ": differ}  # fmt: skip
+        qk.LAUNCH[name] = chosen[name]
+        entry["chosen"] = "{}x{}".format(*chosen[name])
+        timed = {key: v["ms"] for key, v in entry["variants"].items()}
+        entry["best"] = min(timed, key=timed.get)
+        entry["best_ms"] = timed[entry["best"]]
+        record["passes"][name] = entry
+        print(name, {key: v for key, v in entry.items() if key != "variants"}, flush=True)
 
 
 if __name__ == "__main__":

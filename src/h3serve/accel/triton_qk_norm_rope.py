@@ -97,6 +97,11 @@ def _qk_norm_rope_kernel(
 # bfloat16 through the bits, one rounding differs on 2.7e-6 of values (2026-12-01-h200-pytest-block-passes.txt).
 ROUND_NORM = False
 
+# (BLOCK_M rows per program, num_warps) of the pass with the norm and of the rotary alone (the eager passes' qk pass,
+# after torch's rms_norm); bench/fused_passes.py times the choices. Fixed, not autotuned (the tile's layout may
+# decide the order of the norm's sum).
+LAUNCH = {"qk_norm_rope": (16, 4), "qk_rope": (16, 4)}
+
 
 @triton_op("h3serve::qk_norm_rope", mutates_args={})
 def qk_norm_rope_fused(
@@ -114,7 +119,7 @@ def qk_norm_rope_fused(
     r = cos.shape[-1]
     q_out = torch.empty((s, h, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((s, h, d), dtype=q.dtype, device=q.device)
-    block_m = 16
+    block_m, warps = LAUNCH["qk_norm_rope" if norm else "qk_rope"]
 
     def grid(meta):
         return (triton.cdiv(s, meta["BLOCK_M"]), h)
@@ -124,6 +129,6 @@ def qk_norm_rope_fused(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), h * d, eps,
         D=d, HALF=r // 2, BLOCK_HALF=triton.next_power_of_2(r // 2), REST=d - r,
         BLOCK_REST=triton.next_power_of_2(max(d - r, 1)), BLOCK_M=block_m, DTYPE=_TL_DTYPES[q.dtype],
-        ROUND_NORM=round_norm, NORM=norm,
+        ROUND_NORM=round_norm, NORM=norm, num_warps=warps,
     )  # fmt: skip
     return q_out, k_out
