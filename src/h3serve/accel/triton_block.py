@@ -270,10 +270,10 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
 
 
 # Each pass's chunk width and warps, (CHUNK, num_warps), per case: the fastest of bench/fused_passes.py's choices at
-# the released widths on the H200 (bench/results/2026-12-01-h200-fused-passes*.json; a CHUNK of at least the row holds
-# it in registers and reads it once; "modulate": 2048x8 at 0.0366 ms against the best, 2048x4, at 0.0364). "swiglu" (bfloat16 out) was not timed and the block does not launch it (its
-# BF16 gate is Inductor's, at its traffic floor). Fixed, not autotuned: the chunking decides the reduction order, so
-# a render must not depend on what a tuner picked in this process.
+# the released widths on the H200, or within 1.5% of it (bench/results/2026-12-01-h200-fused-passes*.json; a CHUNK
+# of at least the row holds it in registers and reads it once). "swiglu" (bfloat16 out) runs in the eager passes
+# only (under compile the BF16 gate is Inductor's, at its traffic floor). Fixed, not autotuned: the chunking decides
+# the reduction order, so a render must not depend on what a tuner picked in this process.
 LAUNCH = {
     "norm_modulate": (2048, 8),
     "norm_modulate+residual": (2048, 8),
