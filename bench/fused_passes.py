@@ -147,7 +147,7 @@ def qk_passes(s: int, record: dict, only: set[str]) -> None:
     call = (q, k, qw, kw, 1e-6, cos, sin)
     nbytes = 4 * s * INNER * 2  # q and k read, q and k written
     cases = {"qk_norm_rope": (fused.qk_norm_rope, ops.qk_norm_rope_reference),
-             "qk_rope": (fused.qk_norm_rope_exact, ops.qk_norm_rope_reference)}  # fmt: skip
+             "qk_rope": (functools.partial(fused.qk_norm_rope, exact=True), ops.qk_norm_rope_reference)}  # fmt: skip
     chosen = dict(qk.LAUNCH)
     for name, (kernel, reference) in cases.items():
         if only and name not in only:

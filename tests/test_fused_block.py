@@ -320,7 +320,7 @@ def test_the_exact_qk_pass_is_the_reference(s, h, d, r):
     fused.build()
     q, k, qw, kw, cos, sin = inputs(s, h, d, r, torch.bfloat16, "cuda")
     want = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-6, cos, sin)
-    got = fused.qk_norm_rope_exact(q, k, qw, kw, 1e-6, cos, sin)
+    got = fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, exact=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 

@@ -36,7 +36,7 @@ kernels do only what has none, each value rounded where eager rounds:
 modulate        AdaLN modulation of torch's normalised rows, the rows gathered from the table [, quantized]
 gated_residual  x + gate * y, the gate rows gathered from the table
 swiglu          as above, with eager's roundings
-qk rotary       `qk_norm_rope_exact`: torch's rms_norm of q and k, then the qk kernel's rotary alone
+qk rotary       `qk_norm_rope(exact=True)`: torch's rms_norm of q and k, then the qk kernel's rotary alone
 
 At the reference shape on the H200 eager takes 531.1 ms per forward with them against 607.8 without, the outputs
 bitwise equal (bench/results/2026-12-01-h200-dit-step-eager-passes.json).
@@ -87,13 +87,19 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.qk_norm_rope_reference` in one Triton pass (CUDA). The op is built by `build` (or `use`) first: a plain
-    global read here, which `torch.compile` traces without a break."""
+    """`ops.qk_norm_rope_reference` in one Triton pass (CUDA). `exact` (the eager passes' qk pass): bit for bit the
+    reference, torch's `rms_norm` of q and k, then the kernel's rotary alone (one pass over q and k where the
+    reference's rotary takes eight kernels). The op is built by `build` (or `use`) first: a plain global read here,
+    which `torch.compile` traces without a break."""
     check_shapes(q, k, cos, sin)
     if _FUSED is None:
         raise RuntimeError("the fused qk-norm + rotary op is not built; call fused.build() or fused.use(True) first")
-    return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float())
+    if exact:
+        d = q.shape[-1]
+        q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+    return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=not exact)
 
 
 _FUSED = None
@@ -217,25 +223,6 @@ def exact_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
     return {**kernels, "norm_modulate": norm_modulate}
 
 
-def qk_norm_rope_exact(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.qk_norm_rope_reference` bit for bit: torch's `rms_norm` of q and k, then the kernel's rotary alone (the
-    eager passes' qk pass; one pass over q and k where the reference's rotary takes eight kernels)."""
-    check_shapes(q, k, cos, sin)
-    if _FUSED is None:
-        raise RuntimeError("the fused qk-norm + rotary op is not built; call fused.build() first")
-    d = q.shape[-1]
-    q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
-    return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=False)
-
-
 def _project(linear: torch.nn.Module, h: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A block linear on a pass's output: already quantized rows for an Fp8Linear, else the layer itself."""
     return linear.matmul_rows(h, scales, dtype) if isinstance(linear, Fp8Linear) else linear(h)
@@ -294,10 +281,10 @@ def block_forwards(eager_rounding: bool) -> dict[type, Callable]:
 def use_eager_passes(model: torch.nn.Module) -> int:
     """The eager profile's passes on CUDA: every `Block` of `model` runs `block_forward` over `exact_passes(KERNELS)`
     (an instance `forward`, as compiling sets one; `compile.uncompile_repeated_blocks` removes it) and the qk-norm +
-    rotary seam `qk_norm_rope_exact`. Bit for bit the reference ops (tests/test_fused_block.py on the GPU), fewer
+    rotary seam `qk_norm_rope(exact=True)`. Bit for bit the reference ops (tests/test_fused_block.py on the GPU), fewer
     passes over memory. Returns how many blocks took them."""
     build()
-    ops.use_qk_norm_rope_kernel(qk_norm_rope_exact)
+    ops.use_qk_norm_rope_kernel(functools.partial(qk_norm_rope, exact=True))
     passes = exact_passes(KERNELS)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:

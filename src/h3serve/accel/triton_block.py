@@ -95,21 +95,25 @@ def _modulate(n, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: tl.constexpr, R
 
 @triton.jit
 def _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: tl.constexpr, ROUND: tl.constexpr,
-               DTYPE: tl.constexpr):  # fmt: skip
-    """The modulated norm of x given its rstd: rms_norm(x) * (1 + scale) + shift."""
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return _modulate(x * rstd * w, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
+               DTYPE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    """The modulated norm of x given its rstd: rms_norm(x) * (1 + scale) + shift (x itself for the norm without
+    NORM: rows torch's rms_norm made)."""
+    if NORM:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x * rstd * w
+    return _modulate(x, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
 
 
 @triton.jit
 def _norm_modulate_kernel(
     x_ptr, y_ptr, w_ptr, table_ptr, idx_ptr, x_out_ptr, h_ptr, scale_ptr, N, table_stride, eps,
     GATE: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
-    ROUND: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
+    ROUND: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """One row per program. CHUNK >= N: the row is held in registers and read once. Else in chunks: pass 1 the
     residual (stored) and the sum of squares; pass 2 the modulated norm, stored, or (QUANT) its amax; pass 3 (QUANT)
-    the e4m3 values (a chunk read again comes from L2)."""
+    the e4m3 values (a chunk read again comes from L2). Without NORM (the exact passes' modulation of rows torch's
+    rms_norm made; no residual then) no sum is taken: pass 1 is skipped, and the chunking changes no value."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(idx_ptr + row).to(tl.int64)  # this row's modulation row: t_index * 3 + tag
     mod = table_ptr + t * table_stride
@@ -119,28 +123,34 @@ def _norm_modulate_kernel(
         x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
         if RESIDUAL:
             tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
-        rstd = tl.rsqrt((tl.sum(x * x, axis=0) / N + eps).to(tl.float32))
-        h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
+        if NORM:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+            rstd = tl.rsqrt((tl.sum(x * x, axis=0) / N + eps).to(tl.float32))
+        else:
+            rstd = 1.0
+        h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
         _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT, ROUND, DTYPE)
     else:
-        acc = tl.zeros((CHUNK,), dtype=tl.float32)
-        for c0 in range(0, N, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            mask = cols < N
-            x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
-            if RESIDUAL:
-                tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
-            acc += x * x
-        if RESIDUAL:  # the second pass reads the residual back: every thread's stores done first
-            tl.debug_barrier()
-        rstd = tl.rsqrt((tl.sum(acc, axis=0) / N + eps).to(tl.float32))
+        if NORM:
+            acc = tl.zeros((CHUNK,), dtype=tl.float32)
+            for c0 in range(0, N, CHUNK):
+                cols = c0 + tl.arange(0, CHUNK)
+                mask = cols < N
+                x = _residual(x_ptr, y_ptr, mod, row, cols, mask, N, GATE, RESIDUAL, ROUND, DTYPE)
+                if RESIDUAL:
+                    tl.store(x_out_ptr + row * N + cols, x.to(DTYPE), mask=mask)
+                acc += x * x
+            if RESIDUAL:  # the second pass reads the residual back: every thread's stores done first
+                tl.debug_barrier()
+            rstd = tl.rsqrt((tl.sum(acc, axis=0) / N + eps).to(tl.float32))
+        else:
+            rstd = 1.0
         src = x_out_ptr if RESIDUAL else x_ptr  # the residual this program stored (same layout: same threads)
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for c0 in range(0, N, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             mask = cols < N
             x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE)
+            h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
             if QUANT:
                 amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
             else:
@@ -152,39 +162,9 @@ def _norm_modulate_kernel(
                 cols = c0 + tl.arange(0, CHUNK)
                 mask = cols < N
                 x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-                h = _round(_modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE), DTYPE)
+                h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
+                h = _round(h, DTYPE)
                 tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
-
-
-@triton.jit
-def _modulate_kernel(
-    n_ptr, table_ptr, idx_ptr, h_ptr, scale_ptr, N, table_stride,
-    SHIFT: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CHUNK: tl.constexpr, DTYPE: tl.constexpr,
-):  # fmt: skip
-    """AdaLN modulation of rows already normalised (by torch's own rms_norm: the exact eager passes), with eager's
-    roundings, one row per program, in chunks (QUANT: pass 1 the amax, pass 2 the e4m3 values). No sum is taken, so
-    the chunking changes no value."""
-    row = tl.program_id(0).to(tl.int64)
-    mod = table_ptr + tl.load(idx_ptr + row).to(tl.int64) * table_stride
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for c0 in range(0, N, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < N
-        n = tl.load(n_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-        h = _modulate(n, mod, cols, mask, N, SHIFT, SCALE, True, DTYPE)
-        if QUANT:
-            amax = tl.maximum(amax, tl.where(mask, tl.abs(h), 0.0))
-        else:
-            tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
-    if QUANT:
-        scale = _scale_of(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row, scale)
-        for c0 in range(0, N, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            mask = cols < N
-            n = tl.load(n_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            h = _modulate(n, mod, cols, mask, N, SHIFT, SCALE, True, DTYPE)
-            tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, True), mask=mask)
 
 
 @triton.jit
@@ -324,7 +304,7 @@ def norm_modulate_op(
     wrap_triton(_norm_modulate_kernel)[(s,)](
         x, y if residual else x, weight, table, indices, x_out, h, scales, n, table.stride(0), eps,
         GATE=gate, SHIFT=shift, SCALE=scale, RESIDUAL=residual, QUANT=quantize, ROUND=eager_rounding, CHUNK=chunk,
-        DTYPE=_TL_DTYPES[x.dtype], num_warps=warps,
+        DTYPE=_TL_DTYPES[x.dtype], NORM=True, num_warps=warps,
     )  # fmt: skip
     return x_out, h, scales
 
@@ -360,9 +340,10 @@ def modulate_op(
     s, width = n.shape
     h, scales = _outputs(n, width, quantize)
     chunk, warps = LAUNCH[case("modulate", quantize=quantize)]
-    wrap_triton(_modulate_kernel)[(s,)](
-        n, table, indices, h, scales, width, table.stride(0),
-        SHIFT=shift, SCALE=scale, QUANT=quantize, CHUNK=chunk, DTYPE=_TL_DTYPES[n.dtype], num_warps=warps,
+    wrap_triton(_norm_modulate_kernel)[(s,)](
+        n, n, n, table, indices, n, h, scales, width, table.stride(0), 0.0,
+        GATE=0, SHIFT=shift, SCALE=scale, RESIDUAL=False, QUANT=quantize, ROUND=True, CHUNK=chunk,
+        DTYPE=_TL_DTYPES[n.dtype], NORM=False, num_warps=warps,
     )  # fmt: skip
     return h, scales
 
