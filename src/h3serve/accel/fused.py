@@ -97,8 +97,7 @@ def qk_norm_rope(
     if _FUSED is None:
         raise RuntimeError("the fused qk-norm + rotary op is not built; call fused.build() or fused.use(True) first")
     if exact:
-        d = q.shape[-1]
-        q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+        q, k = ops.qk_norm(q, k, q_weight, k_weight, eps)
     return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=not exact)
 
 
@@ -234,13 +233,12 @@ def block_forward(
     table: torch.Tensor,
     adaln_indices: torch.Tensor,
     rope: Rope,
-    passes: dict[str, Callable] | None = None,
+    passes: dict[str, Callable],
     eager_rounding: bool = True,
 ) -> torch.Tensor:
-    """`Block.forward` with its element-wise work done by `passes` (the Triton kernels, `KERNELS`, by default; the
-    references with `REFERENCES`). With FP8 block linears each GEMM's input is quantized by the pass that makes it;
-    the second AdaLN pass takes the attention's gated residual add; the block's last one stays with the compiler."""
-    passes = compile_passes(KERNELS) if passes is None else passes
+    """`Block.forward` with its element-wise work done by `passes`: `compile_passes(KERNELS)` (what compile traces),
+    `exact_passes(KERNELS)` (eager on CUDA), or `REFERENCES`. With FP8 block linears each GEMM's input is quantized by
+    the pass that makes it; the second AdaLN pass takes the attention's gated residual add."""
     attn, mlp = block.attn, block.mlp
     dtype = x.dtype
     norm = passes["norm_modulate"]

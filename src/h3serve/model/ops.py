@@ -82,9 +82,17 @@ def qk_norm_rope_reference(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm over each head's D channels (own weight for q and k), then rotate-half RoPE on the leading R."""
-    d = q.shape[-1]
-    q, k = F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
+    q, k = qk_norm(q, k, q_weight, k_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def qk_norm(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's RMSNorm of q and k over each head's D channels, each with its own weight (torch's rms_norm;
+    the exact fused qk pass runs this same call before its rotary)."""
+    d = q.shape[-1]
+    return F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
 
 
 _qk_norm_rope_kernel: QkNormRopeKernel = qk_norm_rope_reference
