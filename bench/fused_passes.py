@@ -76,6 +76,28 @@ def gpu_ms(fn) -> float:
     return do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
+def reference_times(reference, call: tuple) -> dict:
+    """The reference ops' time, compiled by Inductor (each case its own compile: the cases share one wrapper's code,
+    which would hit the recompile limit) and run eagerly (what eager ran before the passes)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(reference, *call), fullgraph=True)
+    compiled()
+    return {
+        "inductor_ms": round(gpu_ms(compiled), 4),
+        "eager_reference_ms": round(gpu_ms(functools.partial(reference, *call)), 4),
+    }
+
+
+def summarized(name: str, entry: dict, chosen: tuple[int, int]) -> dict:
+    """The entry with the chosen launch and the fastest timed one; printed without its variants."""
+    entry["chosen"] = "{}x{}".format(*chosen)
+    timed = {key: v["ms"] for key, v in entry["variants"].items() if "ms" in v}
+    entry["best"] = min(timed, key=timed.get)
+    entry["best_ms"] = timed[entry["best"]]
+    print(name, {key: v for key, v in entry.items() if key != "variants"}, flush=True)
+    return entry
+
+
 @torch.no_grad()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,14 +119,8 @@ def main() -> None:
         kernel = fused.KERNELS[op]
         kargs = (*call, eager_rounding) if op in ("norm_modulate", "swiglu") else call
         want = reference(*call)
-        entry: dict = {"bytes": nbytes, "variants": {}}
-        torch._dynamo.reset()  # each case its own compile (they share one wrapper's code: no recompile limit)
-        ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
-        ref_fn()
-        ms = gpu_ms(ref_fn)
-        entry["inductor_ms"] = round(ms, 4)
-        entry["inductor_tb_s"] = round(nbytes / ms / 1e9, 2)
-        entry["eager_reference_ms"] = round(gpu_ms(functools.partial(reference, *call)), 4)  # what eager ran before
+        entry: dict = {"bytes": nbytes, "variants": {}, **reference_times(reference, call)}
+        entry["inductor_tb_s"] = round(nbytes / entry["inductor_ms"] / 1e9, 2)
         for chunk in CHUNKS:
             for warps in WARPS:
                 if chunk // (32 * warps) < 1 or chunk // (32 * warps) > 64:
@@ -119,12 +135,7 @@ def main() -> None:
                 except Exception as err:  # a launch that does not fit (registers): recorded, not fatal
                     entry["variants"][f"{chunk}x{warps}"] = {"error": f"{type(err).__name__}: {err}"[:300]}
         triton_block.LAUNCH[name] = chosen[name]
-        entry["chosen"] = "{}x{}".format(*chosen[name])
-        timed = {k: v["ms"] for k, v in entry["variants"].items() if "ms" in v}
-        entry["best"] = min(timed, key=timed.get)
-        entry["best_ms"] = timed[entry["best"]]
-        record["passes"][name] = entry
-        print(name, {k: v for k, v in entry.items() if k != "variants"}, flush=True)
+        record["passes"][name] = summarized(name, entry, chosen[name])
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
     qk_passes(args.rows, record, only)
@@ -153,11 +164,7 @@ def qk_passes(s: int, record: dict, only: set[str]) -> None:
         if only and name not in only:
             continue
         want = reference(*call)
-        torch._dynamo.reset()
-        ref_fn = torch.compile(functools.partial(reference, *call), fullgraph=True)
-        ref_fn()
-        entry: dict = {"bytes": nbytes, "variants": {}, "inductor_ms": round(gpu_ms(ref_fn), 4)}
-        entry["eager_reference_ms"] = round(gpu_ms(functools.partial(reference, *call)), 4)
+        entry: dict = {"bytes": nbytes, "variants": {}, **reference_times(reference, call)}
         for block_m in (2, 4, 8, 16, 32):
             for warps in (1, 2, 4, 8):
                 qk.LAUNCH[name] = (block_m, warps)
@@ -167,12 +174,7 @@ def qk_passes(s: int, record: dict, only: set[str]) -> None:
                 entry["variants"][f"{block_m}x{warps}"] = {"ms": round(ms, 4), "tb_s": round(nbytes / ms / 1e9, 2),
                                                            "differ": differ}  # fmt: skip
         qk.LAUNCH[name] = chosen[name]
-        entry["chosen"] = "{}x{}".format(*chosen[name])
-        timed = {key: v["ms"] for key, v in entry["variants"].items()}
-        entry["best"] = min(timed, key=timed.get)
-        entry["best_ms"] = timed[entry["best"]]
-        record["passes"][name] = entry
-        print(name, {key: v for key, v in entry.items() if key != "variants"}, flush=True)
+        record["passes"][name] = summarized(name, entry, chosen[name])
 
 
 if __name__ == "__main__":
