@@ -11,37 +11,17 @@ import torch
 from safetensors.torch import save_file
 
 from dit_fixtures import export_state_dict, packed_inputs, tiny_dit_pair
+from folder_fixtures import DIT_INDEX, write_sharded
 from h3serve.model.loading import CheckpointError, load_dit, open_checkpoint, resolve_dit_layout
+from loading_fixtures import not_owned
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
-INDEX = {
-    "original": ("model.safetensors.index.json", "model-{:05d}-of-{:05d}.safetensors"),
-    "diffusers": (
-        "diffusion_pytorch_model.safetensors.index.json",
-        "diffusion_pytorch_model-{:05d}-of-{:05d}.safetensors",
-    ),
-}
 
 
 @pytest.fixture(scope="module")
 def tiny():
     _, ours = tiny_dit_pair(torch.float32)
     return ours
-
-
-def write_sharded(folder: Path, state: dict[str, torch.Tensor], layout: str, shards: int = 3) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    index_name, shard_name = INDEX[layout]
-    keys = sorted(state)
-    weight_map = {}
-    for i in range(shards):
-        name = shard_name.format(i + 1, shards)
-        part = {k: state[k] for k in keys[i::shards]}
-        save_file(part, folder / name)
-        weight_map.update(dict.fromkeys(part, name))
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return folder
 
 
 def write_layout(root: Path, model, layout: str) -> Path:
@@ -70,7 +50,7 @@ def run(model):
 @pytest.mark.parametrize("layout", ["original", "diffusers"])
 def test_written_keys_match_released_index(tiny, layout, tmp_path):
     folder = write_layout(tmp_path, tiny, layout)
-    index_name = INDEX[layout][0]
+    index_name = DIT_INDEX[layout][0]
     sub = "FL2VA/transformer" if layout == "original" else "transformer"
     written = set(json.loads((folder / index_name).read_text())["weight_map"])
     # the tiny token refiner has 2 blocks like the real one; main blocks are cut to the tiny depth
@@ -128,6 +108,20 @@ def test_bf16_load_places_tensors_once_in_target_dtypes(tiny, tmp_path):
     assert model.blocks[0].attn.qkv_proj.weight.dtype == torch.bfloat16
     assert model.video_patch_proj.weight.dtype == torch.float32
     assert not any(t.is_meta for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", ["original", "diffusers", "stacked", "interleaved"])
+def test_every_layout_loads_into_owned_aligned_tensors(tiny, tmp_path, layout, dtype):
+    """No tensor is a view into the file's mmap: the views sit at the file's offsets (8-byte aligned), which differ
+    from layout to layout, and CPU GEMMs round by alignment, so the same model rendered other frames from another
+    layout (issue 22). Whichever tensors need no conversion (the fp32 islands; in bf16, every block weight too) are
+    the ones a zero-copy load would have left in the file."""
+    path = write_layout(tmp_path, tiny, layout)
+    qkv = layout if layout in ("stacked", "interleaved") else None
+    model = load_dit(path, dtype=dtype, config=tiny.config, qkv_layout=qkv)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    assert not_owned(model, files) == []
 
 
 # ----------------------------------------------------------------------------------------------- corruption

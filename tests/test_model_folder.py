@@ -9,17 +9,19 @@ import pytest
 import torch
 
 from e2e_fixtures import write_tiny_checkpoint
-from folder_fixtures import write_config_folder
+from folder_fixtures import with_dit_layout, write_config_folder
+from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.model.dit import H3DiT
-from h3serve.model.folder import resolve_model_folder
+from h3serve.model.folder import load_components, resolve_model_folder
 from h3serve.model.tiny import (
     TINY_AUDIO_VAE,
     TINY_DIT,
     TINY_VIDEO_VAE,
     tiny_components,
 )
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
+from loading_fixtures import not_owned
 
 
 @pytest.fixture(scope="module")
@@ -117,20 +119,7 @@ def test_engine_refuses_components_that_do_not_fit():
 def single_file_checkpoint(checkpoint, tmp_path_factory):
     """The tiny checkpoint with its DiT rewritten as one original-names file whose QKV rows are interleaved per head
     (a file merged from the original shards), which the file itself cannot reveal."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from dit_fixtures import export_state_dict
-    from h3serve.model.loading import load_dit
-
-    root = tmp_path_factory.mktemp("single") / "FL2VA"
-    shutil.copytree(checkpoint, root)
-    dit = load_dit(checkpoint / "transformer", dtype=torch.float32)
-    for f in (root / "transformer").glob("*.safetensors*"):
-        f.unlink()
-    save_file(export_state_dict(dit, "interleaved"), root / "transformer" / "minimax_h3_fl2va_bf16.safetensors")
-    return root
+    return with_dit_layout(checkpoint, tmp_path_factory.mktemp("single") / "FL2VA", "interleaved")
 
 
 def test_single_file_dit_qkv_layout_is_resolved_before_loading(single_file_checkpoint, checkpoint):
@@ -159,6 +148,48 @@ def test_cli_qkv_layout_decides_how_a_single_file_dit_reads(single_file_checkpoi
     frames = decode_frames(reference)
     assert (decode_frames(right) == frames).all()  # told the truth: the same model as the diffusers folder
     assert not (decode_frames(wrong) == frames).all()  # the default order on an interleaved file: another model
+
+
+# --- the same model from every released DiT layout: the same bytes -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def released_layouts(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with the same DiT weights in each published layout: the original `FL2VA/transformer`
+    shards, the diffusers `transformer/` shards and a community single file (stacked QKV, read by default)."""
+    return {
+        "original": with_dit_layout(checkpoint, tmp_path_factory.mktemp("original") / "FL2VA", "original"),
+        "diffusers": checkpoint,
+        "single file": with_dit_layout(checkpoint, tmp_path_factory.mktemp("community") / "FL2VA", "stacked"),
+    }
+
+
+def test_every_dit_layout_renders_the_same_mp4_bytes(released_layouts, tmp_path):
+    """Each layout puts the fp32 islands at other file offsets; loaded as views, they computed otherwise on AMD EPYC
+    CPUs (issue 22). Owned, aligned copies make the layout invisible to the render."""
+    renders = {}
+    for layout, model in released_layouts.items():
+        out = tmp_path / f"{layout.replace(' ', '-')}.mp4"
+        code = main(["render", "a fox", "--model", str(model), "--width", "64", "--height", "64", "--frames", "22",
+                     "--steps", "3", "--device", "cpu", "--no-progress", "-o", str(out)])  # fmt: skip
+        assert code == 0, layout
+        renders[layout] = out.read_bytes()
+    assert renders["original"] == renders["diffusers"] == renders["single file"]
+
+
+def test_every_component_loads_into_owned_aligned_tensors(released_layouts):
+    """No loaded tensor of any component (either DiT layout's, the text encoder's, both VAEs') is a view into the
+    files it was read from; see `loading_fixtures.not_owned`."""
+    for layout in ("original", "single file"):
+        folder = resolve_model_folder(released_layouts[layout])
+        components = load_components(folder, device="cpu", dtype=torch.bfloat16)
+        for name, module, files in [
+            ("transformer", components.dit, folder.transformer.glob("*.safetensors")),
+            ("text encoder", components.text_encoder.model, folder.text_encoder.glob("*.safetensors")),
+            ("video VAE", components.video_vae, folder.video_vae.rglob("*.safetensors")),
+            ("audio VAE", components.audio_vae, folder.audio_vae.glob("*.safetensors")),
+        ]:
+            assert not_owned(module, files) == [], (layout, name)
 
 
 def test_cli_refuses_a_qkv_layout_that_cannot_apply(checkpoint, tmp_path, capsys):

@@ -72,9 +72,16 @@ class Checkpoint:
         return self._files[key]
 
     def get(self, key: str) -> torch.Tensor:
+        """The stored tensor: a zero-copy view into a mapping of its file, to be copied out (`_owned`), not kept.
+
+        Each call maps the file afresh (a header parse: well under a millisecond), so that the mapping lives only as
+        long as the view and its pages leave this process once the tensor is copied out. Read through one cached
+        handle, every page read would stay mapped until the load ends, and the process would hold the file's pages
+        (60 GB for the released DiT) beside the model it copied them into.
+        """
         file = self._files[key]
         try:
-            return self._handle(file).get_tensor(key)
+            return safe_open(str(file), framework="pt", device="cpu").get_tensor(key)
         except Exception as err:  # safetensors raises its own error types for corrupt data
             raise CheckpointError(f"{file}: cannot read key {key!r}: {err}") from err
 
@@ -217,13 +224,15 @@ def assign_from_checkpoint(
 
     The checkpoint's key set must equal the plan's (plus `unused`: keys known to be there and deliberately not read,
     such as the text encoder's layers past the one H3 reads), each stored tensor must have the expected dtype, and
-    each built tensor the module's shape. Tensors are read with mmap and placed once at their target device and dtype.
+    each built tensor the module's shape. Tensors are read with mmap and copied once into allocations of their own at
+    their target device and dtype (`_owned`): no loaded tensor is a view into the file's buffers.
 
     `hook` transforms tensors as they are read (`hook.transform(name, tensor)` returns the entries to keep in its
     place, e.g. an FP8 weight and its scales), so a transformed layer never exists whole in its stored precision;
     `hook.prepare(module)` then gives the meta module the matching structure before the tensors are assigned.
     """
     expected = dict(module.state_dict(keep_vars=True))
+    device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", to compare with a tensor's device
     if set(plan) != set(expected):
         missing, extra = sorted(set(expected) - set(plan)), sorted(set(plan) - set(expected))
         raise RuntimeError(f"load plan does not cover the module: unplanned {missing[:5]}, unknown {extra[:5]}")
@@ -254,7 +263,7 @@ def assign_from_checkpoint(
             raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
         if tensor.shape != target.shape:
             raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
-        tensor = tensor.to(device=device, dtype=dtype_of(name))
+        tensor = _owned(tensor, tensors, device=device, dtype=dtype_of(name))
         if hook is None:
             state[name] = tensor
         else:
@@ -263,6 +272,38 @@ def assign_from_checkpoint(
     if hook is not None:
         hook.prepare(module)
     module.load_state_dict(state, strict=True, assign=True)
+
+
+# Bytes to which torch's CPU allocator aligns every allocation (c10's gAlignment; CUDA's caching allocator: 512).
+ALIGNMENT = 64
+
+
+def _owned(tensor: torch.Tensor, read: list[torch.Tensor], *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` at `device` and `dtype` in a contiguous, 64-byte aligned allocation of its own.
+
+    safetensors hands out zero-copy views into its mmap at the offsets the file's header gives (8-byte aligned at
+    best), and `.to()` of a view already at its target dtype and device returns the view. A model made of such views
+    computes differently with the layout of the file it came from: CPU GEMM kernels take other paths, and round
+    otherwise, for a weight that is not 64-byte aligned, so the same weights rendered other frames from the diffusers
+    folder than from a single file (issue 22, on AMD EPYC). So every tensor is copied, once, straight from the
+    mapping into a fresh allocation of its final dtype on its final device; a build that already made a fresh tensor
+    there (a QKV reorder, a concatenation) is kept, not copied again. One tensor at a time: the model never exists
+    twice.
+    """
+    views = {t.untyped_storage().data_ptr() for t in read}
+    fresh = (
+        tensor.device == device
+        and tensor.dtype == dtype
+        and tensor.is_contiguous()
+        and tensor.data_ptr() % ALIGNMENT == 0
+        and tensor.untyped_storage().nbytes() == tensor.nbytes  # holds this tensor and nothing else
+        and tensor.untyped_storage().data_ptr() not in views
+    )
+    if fresh:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=dtype, device=device)
+    out.copy_(tensor)  # converts and transfers in the one copy
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- the DiT
