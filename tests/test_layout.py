@@ -89,7 +89,7 @@ def test_timestep_plan_matches_reference(task):
 
 
 def test_layout_structure_and_positions():
-    """Facts of §1.4/§1.5 checked directly, independent of the reference code."""
+    """Facts of docs/model.md §1/§2 checked directly, independent of the reference code."""
     tags = text_tags(2)
     g = MediaGeometry.from_pixels(448, 768, 56)
     assert (g.latent_frames, g.latent_height, g.latent_width, g.audio_latents) == (17, 28, 48, 93)
@@ -103,7 +103,7 @@ def test_layout_structure_and_positions():
     video = pos[layout.video_indices[2 * rows :]].reshape(17, rows, 3)
     frame_t = video[:, 0, 0] - n_text
     assert frame_t[0] == 0 and abs(frame_t[1] - 5 / 3) < 1e-12 and abs(frame_t[2] - 5 / 3 * 5) < 1e-12
-    # Aspect-normalised grid: h = 3.780 + 1.7457 k, w = -4.949 + 1.7457 k (ARCHITECTURE §1.5).
+    # Aspect-normalised grid: h = 3.780 + 1.7457 k, w = -4.949 + 1.7457 k (docs/model.md §2).
     assert abs(video[0, 0, 1] - 3.780) < 1e-3 and abs(video[0, 0, 2] + 4.949) < 1e-3
     assert abs(video[0, 1, 2] - video[0, 0, 2] - 1.7457) < 1e-4
     # Keyframes: first at the media origin, last at the time of the last pixel frame, (5/3) * (56 - 1).

@@ -147,7 +147,7 @@ def test_ref2va_timestep_plan_matches_reference(case):
 
 
 def test_ref2va_clocks_and_cursor():
-    """Facts of §1.4/§1.5 checked directly, independent of the reference code."""
+    """Facts of docs/model.md §1/§2 checked directly, independent of the reference code."""
     refs = [Reference.image(8, 12), Reference.audio(50), Reference.video(7, 12, 8, 37), Reference.video(17, 4, 4)]
     g = MediaGeometry.from_pixels(448, 768, 56)
     tags = torch.full((20,), Modality.TEXT)
@@ -224,11 +224,11 @@ def images(n):
     "refs,match",
     [
         ([], "at least one reference"),
-        (images(10), r"references\[9\] \('image'\): at most 9 image"),
-        ([Reference.video(2, 4, 4)] * 4, r"references\[3\] \('video'\): at most 3 video"),
-        ([*images(1), *[Reference.audio(5)] * 4], r"references\[4\] \('audio'\): at most 3 audio"),
-        ([*images(9), *[Reference.video(2, 4, 4)] * 3, Reference.audio(5)], r"references\[12\]: at most 12"),
-        ([Reference.audio(5)], r"references\[0\] \('audio'\).*only reference"),
+        (images(10), r"references\[9\] is one image reference too many: at most 9 image"),
+        ([Reference.video(2, 4, 4)] * 4, r"references\[3\] is one video reference too many: at most 3 video"),
+        ([*images(1), *[Reference.audio(5)] * 4], r"references\[4\] is one audio reference too many: at most 3 audio"),
+        ([*images(9), *[Reference.video(2, 4, 4)] * 3, Reference.audio(5)], r"references\[12\] .*at most 12"),
+        ([Reference.audio(5)], r"references\[0\] is audio.*only reference"),
         ([Reference.audio(5)] * 3, "only reference"),
         ([Reference("image", 2, 4, 4)], r"references\[0\] \('image'\): an image reference is one latent frame"),
         ([*images(1), Reference("image", 1, 4, 4, 3)], r"references\[1\] \('image'\).*without audio"),

@@ -15,11 +15,14 @@ from h3serve.pipeline.request import (
     RELEASED_RULES,
     CanvasRule,
     FrameRule,
+    RequestError,
     RequestRules,
     decode_keyframe,
     resolve_canvas,
     validate_request,
 )
+from h3serve.pipeline.schedule import DualSchedule
+from h3serve.vocab import Task
 from oracle import oracle
 
 
@@ -57,8 +60,9 @@ def test_frames_snap_up_to_the_grid_with_a_notice():
     assert r.num_frames == 124 and r.num_frames % 17 == 5
     assert any("snapped up to 124" in n for n in r.notices)
     for asked in range(1, 363):
-        snapped = RELEASED_RULES.frames.snap(asked)
-        assert snapped >= asked and snapped % 17 == 5 and snapped - asked < 17
+        snapped = request(num_frames=asked).num_frames
+        assert snapped >= asked and snapped % 17 == 5 and (snapped - asked < 17 or snapped == 22)
+    assert request(num_frames=5).num_frames == 22  # below the shortest clip: snapped up to it, as 6..21 are
     assert request(num_frames=124).notices == ()
     assert request(num_frames=362).num_frames == 362
 
@@ -116,7 +120,6 @@ ERRORS = [
     (dict(width=1344, height=1344), "area cap"),
     (dict(num_frames=363), r"num_frames must be 22\.\.362"),
     (dict(num_frames=1000), "num_frames"),
-    (dict(num_frames=5), "num_frames"),
     (dict(num_frames=0), "num_frames"),
     (dict(num_frames=-3), "num_frames"),
     (dict(num_frames=56.0), "num_frames must be an integer"),
@@ -148,6 +151,69 @@ ERRORS = [
 def test_validation_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         request(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides,field,index",
+    [
+        (dict(steps=1), "steps", None),
+        (dict(width=770), "width", None),
+        (dict(task="i2va", keyframes=[b"not an image"]), "keyframes", 0),
+        (dict(task="fl2va", keyframes=[png(image(8, 8)), png(image(8, 8))[:40]]), "keyframes", 1),
+        (dict(task="i2va", width=None, height=None, keyframes=[png(image(500, 100))]), "keyframes", 0),
+        (dict(task="t2va", references=[b"x"]), "references", None),
+    ],
+)
+def test_errors_carry_their_field_and_index(overrides, field, index):
+    """What was refused is data: a front end reads `field` and `index`, never the message."""
+    with pytest.raises(RequestError) as excinfo:
+        request(**overrides)
+    err = excinfo.value
+    assert (err.field, err.index) == (field, index), str(err)
+    if index is None:
+        assert err.describe({field: "renamed"}) == str(err) == err.message  # a whole-field message as it is
+    else:
+        assert str(err).startswith(f"keyframes[{index}] ") and not err.message.startswith("keyframes")
+        assert err.describe({"keyframes": "input_reference"}).startswith(f"input_reference[{index}] ")
+
+
+@pytest.mark.parametrize(
+    "module,not_loaded",
+    [
+        (
+            "h3serve.pipeline.rules",
+            (
+                "h3serve.pipeline.request",
+                "h3serve.pipeline.references",
+                "h3serve.pipeline.layout",
+            ),
+        ),
+        ("h3serve.pipeline.references", ("h3serve.pipeline.request",)),
+        ("h3serve.pipeline.layout", ("h3serve.pipeline.request", "h3serve.pipeline.references")),
+    ],
+)
+def test_the_import_graph_follows_the_data_flow(module, not_loaded):
+    """rules <- layout <- references <- request: nothing imports the module that builds on it, so there is no cycle."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('h3serve')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert not [m for m in not_loaded if f"'{m}'" in loaded], loaded
+
+
+def test_task_is_the_vocabulary_enum():
+    r = request(task="fl2va", keyframes=[png(image(8, 8)), png(image(8, 8))])
+    assert r.task is Task.FL2VA and r.task == "fl2va" and f"{r.task}" == "fl2va"
+
+
+def test_forwards_come_from_the_schedule():
+    assert request(steps=50).forwards == 49 == DualSchedule.build(50, 12.0, 3.0).num_steps
+    assert request(steps=2).forwards == 1
+    # Shifts this large push the top of the float32 grid into collisions that the schedule collapses: 39 distinct
+    # timesteps of the 49 that 50 grid points would give, and the request runs exactly those.
+    r = request(steps=50, video_shift=1e6, audio_shift=1e6)
+    assert r.forwards == len(r.schedule.video.timesteps) == len(r.schedule.audio.timesteps) == 39
 
 
 # --- canvas and keyframe arithmetic against diffusers ------------------------------------------------------------

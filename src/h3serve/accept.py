@@ -26,9 +26,9 @@ import httpx
 
 from h3serve.config import AUDIO_SHIFT, FPS, SAMPLE_RATE, VIDEO_SHIFT
 from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, verify_mp4
-from h3serve.pipeline.request import FrameRule
+from h3serve.vocab import SMOKE_REQUEST, Task, seconds_to_frames, snap_up
 
-ACCEPT_PROMPT = "Macro soldering a PCB under warm bench light, soft room tone."
+ACCEPT_PROMPT = SMOKE_REQUEST.prompt
 
 
 @dataclass
@@ -38,9 +38,9 @@ class AcceptPlan:
     key: str | None = None
     expect_model: str | None = None
     prompt: str = ACCEPT_PROMPT
-    width: int = 768
-    height: int = 448
-    duration: float = 2.0
+    width: int = SMOKE_REQUEST.width
+    height: int = SMOKE_REQUEST.height
+    duration: float = SMOKE_REQUEST.seconds
     steps: int = 20
     seed: int = 42
     min_audio_psnr: float = math.inf
@@ -49,11 +49,11 @@ class AcceptPlan:
 
     @property
     def num_frames(self) -> int:
-        return FrameRule().snap(max(1, round(self.duration * FPS)))
+        return snap_up(seconds_to_frames(self.duration))
 
     def form(self) -> dict[str, str]:
         """The seed's smoke request, field for field."""
-        extra = {"task": "t2va", "duration": self.duration, "audio_flow_shift": AUDIO_SHIFT}
+        extra = {"task": Task.T2VA, "duration": self.duration, "audio_flow_shift": AUDIO_SHIFT}
         return {
             "prompt": self.prompt,
             "width": str(self.width),

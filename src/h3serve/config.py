@@ -39,8 +39,9 @@ AUDIO_SHIFT = 3.0  # schedule shift of the audio sigmas
 DEFAULT_STEPS = 50  # the released sampler's default grid (num_inference_steps): 49 DiT forwards
 SPATIAL_RATIO = 16  # video VAE: pixels per latent, each side
 TEMPORAL_RATIO = 4  # video VAE: pixel frames per latent frame
-CLIP_FRAMES = 17  # video VAE: pixel frames per encoded clip; frame counts are CLIP_FRAMES * n + LATENTS_PER_CLIP
+CLIP_FRAMES = 17  # video VAE: pixel frames per encoded clip (the frame grid these give: `vocab.snap_up`)
 LATENTS_PER_CLIP = 5  # latent frames per clip (ceil(17 / 4))
+TOKEN_DROP = 3  # video VAE: latent frames dropped from the end of an encoded video (its config's token_drop)
 PATCH_SIZE = (1, 2, 2)  # DiT patch (t, h, w) over the video latents
 
 # diffusers' `transformer/config.json` names -> the original `FL2VA/transformer/config.json` names.

@@ -27,19 +27,15 @@ from h3serve.model.loading import LoadHook, load_dit, load_text_encoder, open_ch
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, TextEncoder
 from h3serve.model.vae_loading import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.vocab import TASK_TYPES, DiTKind
+from h3serve.vocab import dit_kind as dit_kind  # its home is vocab; importable from here as before
 
 # Component folders both layouts share; the video VAE's differs (see `_video_vae_dir`).
 _SHARED = ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae")
 
-# Which DiTs a process loads (vLLM-Omni's task type): the FL2VA DiT serves t2va, i2va, l2va and fl2va; the Ref2VA DiT
-# serves ref2va. Each is 33 B parameters, so a process usually holds one.
-FL2VA, REF2VA = "fl2va", "ref2va"
-TASK_TYPES = {FL2VA: (FL2VA,), REF2VA: (REF2VA,), "both": (FL2VA, REF2VA)}
-
-
-def dit_kind(task: str) -> str:
-    """The DiT a task runs on: `REF2VA` for ref2va, `FL2VA` for the four base modes (also a task type of its own)."""
-    return REF2VA if task == REF2VA else FL2VA
+# Which DiTs a process loads: `vocab.TaskType` and `vocab.TASK_TYPES` (the FL2VA DiT serves t2va, i2va, l2va and
+# fl2va; the Ref2VA DiT serves ref2va). The two kinds under their old names here:
+FL2VA, REF2VA = DiTKind.FL2VA, DiTKind.REF2VA
 
 
 @dataclass

@@ -12,7 +12,7 @@ Presentation: the prompt is tokenized verbatim (no chat template, no special tok
 in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n <|vision_end|>`; the rows
 of that vision block are tagged video for the DiT's AdaLN, all others text.
 
-Ref2VA presentation (ARCHITECTURE §2, checked against diffusers' ref2va text-encoder step): labels are numbered per
+Ref2VA presentation (docs/model.md §3, checked against diffusers' ref2va text-encoder step): labels are numbered per
 kind and emitted in request order. An image is `"<Picture i>: "` + an image vision block. Audio is `"<Audio j>: "`
 alone (no waveform reaches Qwen). A video that keeps its soundtrack is first `"<Audio j>: "`, then `"<Video k>: "`;
 a video's frames (24 fps) are read at 2 fps, merged in pairs by Qwen's temporal patch (the last one repeated when
@@ -33,17 +33,18 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from h3serve.config import Modality
+from h3serve.config import FPS, Modality
 from h3serve.model.audio_vae import AudioVAE
 from h3serve.model.latents import LatentStats
 from h3serve.model.text_encoder import TextEncoder
 from h3serve.model.video_vae import VideoVAE, posterior_sample
+from h3serve.vocab import ReferenceKind
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 VIDEO_PAD = "<|video_pad|>"
 # The rate Qwen reads a reference video at (diffusers' `video_sample_fps`); reference videos arrive at 24 fps.
 REFERENCE_VIDEO_SAMPLE_FPS = 2.0
-REFERENCE_VIDEO_FPS = 24.0
+REFERENCE_VIDEO_FPS = float(FPS)
 # Keyframe posteriors are sampled with their own generator, so a keyframe always encodes to the same anchor.
 KEYFRAME_POSTERIOR_SEED = 42
 
@@ -143,7 +144,7 @@ def encode_text(
 
 # --- ref2va presentation -----------------------------------------------------------------------------------------
 
-IMAGE_KIND, VIDEO_KIND, AUDIO_KIND = "image", "video", "audio"
+IMAGE_KIND, VIDEO_KIND, AUDIO_KIND = ReferenceKind.IMAGE, ReferenceKind.VIDEO, ReferenceKind.AUDIO
 
 
 @dataclass(frozen=True)
@@ -185,11 +186,11 @@ class VideoProcessing:
 RELEASED_VIDEO_PROCESSING = VideoProcessing()
 
 
-def _reference_kind(reference) -> str:
+def _reference_kind(reference) -> ReferenceKind:
     kind = getattr(reference, "kind", None)
-    if kind not in (IMAGE_KIND, VIDEO_KIND, AUDIO_KIND):
+    if kind not in tuple(ReferenceKind):
         raise ValueError(f"a reference must be an image, a video or audio, got {kind!r}")
-    return kind
+    return ReferenceKind(kind)
 
 
 def _reference_has_audio(reference) -> bool:

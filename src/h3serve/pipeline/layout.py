@@ -5,7 +5,7 @@ H3 denoises a single sequence per request, in the row order
     [ text (Qwen rows) | keyframe rows (0, 1 or 2 frames) | audio L then R | target video ]
 
 A task variant is data: T2VA, I2VA, L2VA and FL2VA differ only in the keyframe anchors they pack
-(`TASK_ANCHORS`). Ref2VA packs reference blocks instead of keyframes (`Reference`, `build_ref2va_layout`):
+(`vocab.TASK_ANCHORS`). Ref2VA packs reference blocks instead of keyframes (`Reference`, `build_ref2va_layout`):
 
     [ text | reference blocks in request order | audio L then R | target video ]
 
@@ -21,23 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h3serve.config import (
-    AUDIO_LATENTS_PER_SECOND,
-    CLIP_FRAMES,
-    FPS,
-    LATENTS_PER_CLIP,
-    PATCH_SIZE,
-    SPATIAL_RATIO,
-    Modality,
-)
-
-# Keyframe anchors per task, in packed order. Ref2VA is a different layout (`build_ref2va_layout`).
-TASK_ANCHORS: dict[str, tuple[str, ...]] = {
-    "t2va": (),
-    "i2va": ("first",),
-    "l2va": ("last",),
-    "fl2va": ("first", "last"),
-}
+from h3serve.config import AUDIO_LATENTS_PER_SECOND, FPS, PATCH_SIZE, SPATIAL_RATIO, Modality
+from h3serve.pipeline.rules import check_reference_kinds
+from h3serve.vocab import ANCHORS, AUDIO_CHANNELS, ReferenceKind, latent_frames
+from h3serve.vocab import TASK_ANCHORS as TASK_ANCHORS  # its home is vocab; importable from here as before
 
 # Conditioning rows are noised once to t = 0.999 and held there (or at t_video when that is cleaner).
 CONDITION_TIMESTEP = 0.999
@@ -59,13 +46,6 @@ CLOCK_CONDITION = 2
 CLOCK_REFERENCE_AUDIO = 3
 NUM_CLOCKS = 4
 
-# Ref2VA reference limits per request (ARCHITECTURE §5); audio references need an image or video beside them.
-MAX_REFERENCE_IMAGES = 9
-MAX_REFERENCE_VIDEOS = 3
-MAX_REFERENCE_AUDIOS = 3
-MAX_REFERENCES = 12
-REFERENCE_KINDS = ("image", "video", "audio")
-
 
 @dataclass(frozen=True)
 class MediaGeometry:
@@ -79,14 +59,11 @@ class MediaGeometry:
     @classmethod
     def from_pixels(cls, height: int, width: int, num_frames: int) -> MediaGeometry:
         """The latent sizes of a canvas and a frame count on the 17n+5 grid."""
-        if num_frames % CLIP_FRAMES != LATENTS_PER_CLIP:
-            raise ValueError(f"num_frames must be of the form {CLIP_FRAMES}n+{LATENTS_PER_CLIP}, got {num_frames}")
+        frames = latent_frames(num_frames)  # ValueError off the grid
         if height % SPATIAL_RATIO or width % SPATIAL_RATIO:
             raise ValueError(f"height and width must be multiples of {SPATIAL_RATIO}, got {height}x{width}")
-        # Each 17-frame clip gives 5 latents and the encoder drops 3 at the end: 17n+5 frames -> 5n+2 latents.
-        latent_frames = (num_frames - LATENTS_PER_CLIP) // CLIP_FRAMES * LATENTS_PER_CLIP + 2
         return cls(
-            latent_frames=latent_frames,
+            latent_frames=frames,
             latent_height=height // SPATIAL_RATIO,
             latent_width=width // SPATIAL_RATIO,
             audio_latents=round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND),
@@ -134,7 +111,7 @@ class Reference:
     Use the `image`, `video` and `audio` constructors; `validate_references` checks a list of them.
     """
 
-    kind: str  # "image" | "video" | "audio"
+    kind: ReferenceKind
     latent_frames: int = 0
     latent_height: int = 0
     latent_width: int = 0
@@ -142,19 +119,19 @@ class Reference:
 
     @classmethod
     def image(cls, latent_height: int, latent_width: int) -> Reference:
-        return cls("image", 1, latent_height, latent_width, 0)
+        return cls(ReferenceKind.IMAGE, 1, latent_height, latent_width, 0)
 
     @classmethod
     def video(cls, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int = 0) -> Reference:
-        return cls("video", latent_frames, latent_height, latent_width, audio_latents)
+        return cls(ReferenceKind.VIDEO, latent_frames, latent_height, latent_width, audio_latents)
 
     @classmethod
     def audio(cls, audio_latents: int) -> Reference:
-        return cls("audio", 0, 0, 0, audio_latents)
+        return cls(ReferenceKind.AUDIO, 0, 0, 0, audio_latents)
 
     @property
     def has_video(self) -> bool:
-        return self.kind in ("image", "video")
+        return self.kind in (ReferenceKind.IMAGE, ReferenceKind.VIDEO)
 
     @property
     def has_audio(self) -> bool:
@@ -164,27 +141,28 @@ class Reference:
         _, ph, pw = patch_size
         return self.latent_frames * (self.latent_height // ph) * (self.latent_width // pw)
 
-    def audio_rows(self, audio_channels: int = 2) -> int:
+    def audio_rows(self, audio_channels: int = AUDIO_CHANNELS) -> int:
         return self.audio_latents * audio_channels
 
 
 def validate_references(
     references: Sequence[Reference], patch_size: tuple[int, int, int] = PATCH_SIZE
 ) -> tuple[Reference, ...]:
-    """Check a Ref2VA reference list: each block's shape, then the limits of ARCHITECTURE §5. ValueError otherwise."""
+    """Check a Ref2VA reference list: each block's shape (ValueError), then the per-request limits of docs/model.md §5
+    (`rules.check_reference_kinds`: a RequestError, which is a ValueError)."""
     references = tuple(references)
     _, ph, pw = patch_size
     for i, ref in enumerate(references):
         where = f"references[{i}] ({getattr(ref, 'kind', None)!r})"
         if not isinstance(ref, Reference):
             raise ValueError(f"references[{i}] must be a Reference, got {type(ref).__name__}")
-        if ref.kind not in REFERENCE_KINDS:
+        if ref.kind not in tuple(ReferenceKind):
             raise ValueError(f"{where}: a reference is an 'image', a 'video' or an 'audio'")
-        if ref.kind == "audio":
+        if ref.kind == ReferenceKind.AUDIO:
             if ref.audio_latents < 1 or ref.latent_frames or ref.latent_height or ref.latent_width:
                 raise ValueError(f"{where}: an audio reference has >= 1 audio latent and no video latents, got {ref}")
             continue
-        if ref.kind == "image" and (ref.latent_frames != 1 or ref.audio_latents):
+        if ref.kind == ReferenceKind.IMAGE and (ref.latent_frames != 1 or ref.audio_latents):
             raise ValueError(f"{where}: an image reference is one latent frame without audio, got {ref}")
         if ref.latent_frames < 1 or ref.audio_latents < 0:
             raise ValueError(f"{where}: a video reference needs >= 1 latent frame and >= 0 audio latents, got {ref}")
@@ -192,26 +170,7 @@ def validate_references(
             raise ValueError(
                 f"{where}: latent {ref.latent_height}x{ref.latent_width} is not divisible by the patch {patch_size}"
             )
-    if not references:
-        raise ValueError("ref2va needs at least one reference (a text-only request is t2va)")
-    kinds = [ref.kind for ref in references]
-    limits = (("image", MAX_REFERENCE_IMAGES), ("video", MAX_REFERENCE_VIDEOS), ("audio", MAX_REFERENCE_AUDIOS))
-    for kind, limit in limits:
-        if kinds.count(kind) > limit:
-            extra = [i for i, k in enumerate(kinds) if k == kind][limit]
-            raise ValueError(
-                f"references[{extra}] ({kind!r}): at most {limit} {kind} references per request, "
-                f"got {kinds.count(kind)}"
-            )
-    if len(references) > MAX_REFERENCES:
-        raise ValueError(
-            f"references[{MAX_REFERENCES}]: at most {MAX_REFERENCES} references in total, got {len(references)}"
-        )
-    if set(kinds) == {"audio"}:
-        raise ValueError(
-            "references[0] ('audio'): an audio reference needs at least one image or video reference beside it; "
-            "audio cannot be the only reference"
-        )
+    check_reference_kinds([ref.kind for ref in references])
     return references
 
 
@@ -301,17 +260,17 @@ def build_layout(
     anchors: Sequence[str] = (),
     *,
     patch_size: tuple[int, int, int] = PATCH_SIZE,
-    audio_channels: int = 2,
+    audio_channels: int = AUDIO_CHANNELS,
 ) -> PackedLayout:
     """Build the `[text | keyframes | audio L, R | video]` layout.
 
     text_tags: the modality tag of every text-encoder row (TEXT, or VIDEO inside a keyframe's vision block).
-    anchors: "first" and/or "last" per keyframe, in packed order (see `TASK_ANCHORS`).
+    anchors: "first" and/or "last" per keyframe, in packed order (see `vocab.TASK_ANCHORS`).
     """
     text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
     anchors = tuple(anchors)
     for anchor in anchors:
-        if anchor not in ("first", "last"):
+        if anchor not in ANCHORS:
             raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
     _, patch_h, patch_w = _check_patch(geometry, patch_size)
     g = geometry
@@ -443,7 +402,7 @@ def build_ref2va_layout(
     geometry: MediaGeometry,
     *,
     patch_size: tuple[int, int, int] = PATCH_SIZE,
-    audio_channels: int = 2,
+    audio_channels: int = AUDIO_CHANNELS,
 ) -> PackedLayout:
     """Build the Ref2VA layout `[text | reference blocks in request order | audio L, R | target video]`.
 
@@ -481,7 +440,7 @@ def build_ref2va_layout(
         if ref.has_audio:  # an audio reference, or a video's soundtrack packed right before its frames
             n = ref.audio_rows(audio_channels)
             w_grid = target_w
-            if ref.kind == "video":
+            if ref.kind == ReferenceKind.VIDEO:
                 w_grid = _frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)[1]
             _fill_audio(pos, row, ref.audio_latents, audio_channels, cursor, w_grid)
             audio_blocks.append(torch.arange(row, row + n))
@@ -494,9 +453,9 @@ def build_ref2va_layout(
             video_blocks.append(torch.arange(row, row + n))
             row_clock[row : row + n] = CLOCK_CONDITION
             row += n
-        if ref.kind == "image":
+        if ref.kind == ReferenceKind.IMAGE:
             cursor += 1.0  # a single frame takes one integer slot, not a latent frame's 5/3
-        elif ref.kind == "audio":
+        elif ref.kind == ReferenceKind.AUDIO:
             cursor += float(ref.audio_latents)
         else:
             cursor += max(float(ref.audio_latents), video_time_span(ref.latent_frames))
@@ -556,6 +515,6 @@ def unpatchify_video(rows: torch.Tensor, geometry: MediaGeometry, patch_size: tu
     return x.reshape(1, c, g.latent_frames, g.latent_height, g.latent_width)
 
 
-def audio_rows_to_latents(rows: torch.Tensor, channels: int = 2) -> torch.Tensor:
+def audio_rows_to_latents(rows: torch.Tensor, channels: int = AUDIO_CHANNELS) -> torch.Tensor:
     """Channel-major rows (channels*Na, D) -> (channels, D, Na), the mono audio VAE's batch of stereo channels."""
     return rows.reshape(channels, -1, rows.shape[-1]).permute(0, 2, 1)

@@ -1,9 +1,9 @@
 """Ref2VA inputs: reference files -> decoded, validated media on the model's grids, in request order.
 
-    decode_references      encoded files (request order) -> `DecodedReference`s, or RequestError("references[i]")
+    decode_references      encoded files (request order) -> `DecodedReference`s, or RequestError("references", index=i)
     reference_descriptors  decoded references -> the layout's `Reference` blocks (latent sizes)
 
-What each kind becomes (the released model's preparation, as in ARCHITECTURE §5 and diffusers' ref2va setup step):
+What each kind becomes (the released model's preparation, as in docs/model.md §5 and diffusers' ref2va setup step):
 
 * image: EXIF orientation applied, RGB, aspect ratio within 1:4..4:1, resized (LANCZOS, upscaling included, no area
   cap) so that its short edge is 2048, each side then rounded to a multiple of 32.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import math
-import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -33,21 +32,23 @@ import numpy as np
 import torch
 from PIL import Image
 
-from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, SAMPLE_RATE, SPATIAL_RATIO
+from h3serve.config import AUDIO_LATENTS_PER_SECOND, FPS, SAMPLE_RATE, SPATIAL_RATIO
 from h3serve.pipeline.layout import MediaGeometry, Reference, validate_references
-from h3serve.pipeline.request import (
+from h3serve.pipeline.rules import (
     RELEASED_RULES,
     CanvasRule,
     RequestError,
     RequestRules,
-    decode_keyframe,
+    check_reference_kinds,
+    decode_image,
     resolve_canvas,
 )
+from h3serve.vocab import AUDIO_CHANNELS, MIN_FRAMES, ReferenceKind, snap_down
 
-IMAGE, VIDEO, AUDIO = "image", "video", "audio"
+IMAGE, VIDEO, AUDIO = ReferenceKind.IMAGE, ReferenceKind.VIDEO, ReferenceKind.AUDIO
 # The fewest frames a reference video may have on the 24 fps grid: the shortest clip the video VAE encodes (17n+5,
 # n >= 1). diffusers has no such check (it would hand the VAE a shorter clip); this is our own refusal.
-MIN_REFERENCE_VIDEO_FRAMES = CLIP_FRAMES + LATENTS_PER_CLIP
+MIN_REFERENCE_VIDEO_FRAMES = MIN_FRAMES
 AUDIO_HOP = SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND  # audio VAE samples per latent (800)
 # Hann-windowed sinc resampler: zero crossings per side and cutoff relative to the lower Nyquist frequency.
 SINC_ZERO_CROSSINGS = 6
@@ -64,7 +65,7 @@ class DecodedReference:
     """
 
     index: int  # position in the request
-    kind: str  # "image" | "video" | "audio"
+    kind: ReferenceKind
     pixels: np.ndarray | None = None
     audio: np.ndarray | None = None
     source_size: tuple[int, int] | None = None  # (width, height) of an image or a video
@@ -75,26 +76,20 @@ class DecodedReference:
     name: str | None = None
 
     @property
-    def field(self) -> str:
-        return f"references[{self.index}]"
-
-    @property
     def vae_frames(self) -> int:
         """Frames of a video the VAE encodes: the frame count snapped down to 17n+5 (1 for an image)."""
         if self.kind == IMAGE:
             return 1
         if self.kind != VIDEO:
             return 0
-        return snap_frames_down(self.pixels.shape[0])
-
-
-def snap_frames_down(num_frames: int) -> int:
-    """The largest 17n+5 (n >= 1) not above `num_frames`; at least 22."""
-    return max(1, (num_frames - LATENTS_PER_CLIP) // CLIP_FRAMES) * CLIP_FRAMES + LATENTS_PER_CLIP
+        return snap_down(self.pixels.shape[0])
 
 
 def reference_image_size(
-    width: int, height: int, short_edge: int = RELEASED_RULES.reference_short_edge, multiple: int = 32
+    width: int,
+    height: int,
+    short_edge: int = RELEASED_RULES.reference_short_edge,
+    multiple: int = RELEASED_RULES.canvas.multiple,
 ):
     """(width, height) an image reference is encoded at: short edge `short_edge`, each side rounded to `multiple`."""
     scale = short_edge / min(width, height)
@@ -155,7 +150,7 @@ def prepare_audio(waveform: np.ndarray, sample_rate: int, max_seconds: float) ->
     """A (C, N) soundtrack -> float32 (2, M) at 32 kHz: truncated at its own rate, mono doubled, resampled."""
     waveform = np.asarray(waveform, dtype=np.float32)[:, : int(max_seconds * sample_rate)]
     if waveform.shape[0] == 1:
-        waveform = np.repeat(waveform, 2, axis=0)
+        waveform = np.repeat(waveform, AUDIO_CHANNELS, axis=0)
     return resample_audio(waveform, sample_rate)
 
 
@@ -196,7 +191,8 @@ def decode_references(
     request's generated frame count on the 17n+5 grid (None: the longest the model allows); videos and soundtracks
     are truncated to it. mute: positions of video references whose soundtrack is dropped. rules: the model's canvas
     rule (a video's canvas) and reference image short edge.
-    Raises RequestError with field "references[i]" (or "references" for an empty list).
+    Raises RequestError("references", index=i) for reference i, ("references") for an empty list, and
+    ("mute_references", index=i) for a muted reference i that is not a video.
     """
     if num_frames is None:
         num_frames = rules.frames.max_frames
@@ -204,10 +200,10 @@ def decode_references(
         raise RequestError("num_frames", f"num_frames must be a positive integer, got {num_frames!r}")
     named = [_split(i, item) for i, item in enumerate(items)]
     kinds = [_probe_kind(i, name, data) for i, (name, data) in enumerate(named)]
-    _check_counts(kinds)
-    for i in mute:
+    check_reference_kinds(kinds, [name for name, _ in named])
+    for i in sorted(mute):
         if not (0 <= i < len(kinds)) or kinds[i] != VIDEO:
-            raise RequestError("mute_references", f"mute_references: references[{i}] is not a video reference")
+            raise RequestError("mute_references", "is not a video reference", i, of="references")
     max_seconds = num_frames / FPS
     decoded = []
     for i, ((name, data), kind) in enumerate(zip(named, kinds, strict=True)):
@@ -220,8 +216,9 @@ def decode_references(
     return tuple(decoded)
 
 
-def _where(i: int, name: str | None) -> str:
-    return f"references[{i}]" + (f" ({name})" if name else "")
+def _refused(i: int, name: str | None, message: str) -> RequestError:
+    """Reference i refused: `message` says what is wrong with it (the error puts "references[i] (name)" in front)."""
+    return RequestError("references", message, i, name=name)
 
 
 def _split(i: int, item) -> tuple[str | None, bytes]:
@@ -230,12 +227,12 @@ def _split(i: int, item) -> tuple[str | None, bytes]:
     else:
         name, data = None, item
     if not isinstance(data, bytes | bytearray | memoryview):
-        raise RequestError(f"references[{i}]", f"references[{i}] must be file bytes, got {type(data).__name__}")
+        raise _refused(i, None, f"must be file bytes, got {type(data).__name__}")
     if name is not None and not isinstance(name, str):
-        raise RequestError(f"references[{i}]", f"references[{i}]: the name must be a string, got {name!r}")
+        raise _refused(i, None, f"must have a string for its name, got {name!r}")
     data = bytes(data)
     if not data:
-        raise RequestError(f"references[{i}]", f"{_where(i, name)} is empty (0 bytes)")
+        raise _refused(i, name, "is empty (0 bytes)")
     return name, data
 
 
@@ -257,43 +254,22 @@ def _probe_kind(i: int, name: str | None, data: bytes) -> str:
             if container.streams.audio:
                 return AUDIO
     except Exception as e:  # FFmpeg raises many types (InvalidDataError, ValueError, ...)
-        raise RequestError(
-            f"references[{i}]",
-            f"{_where(i, name)} could not be decoded as an image, a video or an audio file ({type(e).__name__}: {e})",
+        raise _refused(
+            i, name, f"could not be decoded as an image, a video or an audio file ({type(e).__name__}: {e})"
         ) from e
-    raise RequestError(f"references[{i}]", f"{_where(i, name)} has neither a video nor an audio stream")
-
-
-def _check_counts(kinds: Sequence[str]) -> None:
-    """The limits of layout.validate_references (9 images, 3 videos, 3 audio, 12 in all, audio not alone)."""
-    placeholders = {IMAGE: Reference.image(2, 2), VIDEO: Reference.video(1, 2, 2), AUDIO: Reference.audio(1)}
-    try:
-        validate_references([placeholders[k] for k in kinds])
-    except ValueError as e:
-        match = re.match(r"references\[\d+\]", str(e))
-        raise RequestError(match.group(0) if match else "references", str(e)) from e
+    raise _refused(i, name, "has neither a video nor an audio stream")
 
 
 def _decode_image(i: int, name: str | None, data: bytes, rules: RequestRules) -> DecodedReference:
-    field = f"references[{i}]"
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except Exception as e:  # PIL raises many types (OSError, DecompressionBombError, ...)
-        raise RequestError(
-            field, f"{_where(i, name)} could not be decoded as an image ({type(e).__name__}: {e})"
-        ) from e
-    try:
-        image = decode_keyframe(i, image)  # EXIF orientation and RGB, as keyframes are decoded
-    except RequestError as e:
-        raise RequestError(field, f"{_where(i, name)}: {e}".replace(f"keyframes[{i}] ", "")) from e
+    image = decode_image("references", i, data, name=name)  # EXIF orientation and RGB, as keyframes are decoded
     width, height = image.size
     ratio = width / height
     canvas = rules.canvas
     if not canvas.min_aspect <= ratio <= canvas.max_aspect:
-        raise RequestError(
-            field,
-            f"{_where(i, name)}: the image's aspect ratio {width}x{height} ({ratio:.3g}) must be within "
+        raise _refused(
+            i,
+            name,
+            f"is an image whose aspect ratio {width}x{height} ({ratio:.3g}) is outside "
             f"[{canvas.min_aspect:g}, {canvas.max_aspect:g}]",
         )
     size = reference_image_size(width, height, rules.reference_short_edge, canvas.multiple)
@@ -307,15 +283,13 @@ def _decode_image(i: int, name: str | None, data: bytes, rules: RequestRules) ->
 def _decode_video(
     i: int, name: str | None, data: bytes, num_frames: int, rule: CanvasRule, keep_sound: bool
 ) -> DecodedReference:
-    field = f"references[{i}]"
-    where = _where(i, name)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = _video_streams(container)[0]
             rate = stream.average_rate or stream.guessed_rate
             fps = float(rate) if rate else 0.0
             if not (math.isfinite(fps) and fps > 0):
-                raise RequestError(field, f"{where}: the video stream has no frame rate")
+                raise _refused(i, name, "has a video stream without a frame rate")
             frames, canvas, turns, source_size = [], None, 0, None
             scale = FPS / fps
             for frame in container.decode(stream):
@@ -326,7 +300,7 @@ def _decode_video(
                     try:
                         canvas = resolve_canvas(width, height, rule)
                     except ValueError as e:
-                        raise RequestError(field, f"{where}: {e}") from e
+                        raise _refused(i, name, f"is a video whose {e}") from e
                 rgb = frame.to_ndarray(format="rgb24")
                 if turns:
                     rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
@@ -343,21 +317,22 @@ def _decode_video(
     except RequestError:
         raise
     except Exception as e:
-        raise RequestError(field, f"{where} could not be decoded as a video ({type(e).__name__}: {e})") from e
+        raise _refused(i, name, f"could not be decoded as a video ({type(e).__name__}: {e})") from e
     if not frames:
-        raise RequestError(field, f"{where}: the video stream has no decodable frames")
+        raise _refused(i, name, "has a video stream without decodable frames")
     pixels = resample_frames(np.stack(frames), fps, num_frames)
     if pixels.shape[0] < MIN_REFERENCE_VIDEO_FRAMES:
-        raise RequestError(
-            field,
-            f"{where}: the video is too short: {pixels.shape[0]} frames at {FPS} fps, at least "
-            f"{MIN_REFERENCE_VIDEO_FRAMES} ({MIN_REFERENCE_VIDEO_FRAMES / FPS:.2f} s) are needed",
+        raise _refused(
+            i,
+            name,
+            f"is a video of {pixels.shape[0]} frames at {FPS} fps, too short: at least {MIN_REFERENCE_VIDEO_FRAMES} "
+            f"({MIN_REFERENCE_VIDEO_FRAMES / FPS:.2f} s) are needed",
         )
     audio = rate_hz = channels = None
     if sound is not None:
         waveform, rate_hz = sound
         channels = waveform.shape[0]
-        audio = _prepare_checked(field, where, waveform, rate_hz, num_frames / FPS, "soundtrack")
+        audio = _prepare_checked(i, name, waveform, rate_hz, num_frames / FPS, "a soundtrack")
     return DecodedReference(
         index=i,
         kind=VIDEO,
@@ -373,14 +348,12 @@ def _decode_video(
 
 
 def _decode_audio(i: int, name: str | None, data: bytes, max_seconds: float) -> DecodedReference:
-    field = f"references[{i}]"
-    where = _where(i, name)
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             waveform, rate_hz = _read_audio(container, container.streams.audio[0], max_seconds)
     except Exception as e:
-        raise RequestError(field, f"{where} could not be decoded as audio ({type(e).__name__}: {e})") from e
-    audio = _prepare_checked(field, where, waveform, rate_hz, max_seconds, "audio")
+        raise _refused(i, name, f"could not be decoded as audio ({type(e).__name__}: {e})") from e
+    audio = _prepare_checked(i, name, waveform, rate_hz, max_seconds, "audio")
     return DecodedReference(
         index=i,
         kind=AUDIO,
@@ -413,11 +386,11 @@ def _read_audio(container, stream, max_seconds: float) -> tuple[np.ndarray, int]
     return np.concatenate(chunks, axis=1).astype(np.float32, copy=False), rate_hz
 
 
-def _prepare_checked(field: str, where: str, waveform: np.ndarray, rate_hz: int, max_seconds: float, what: str):
-    if waveform.shape[0] not in (1, 2):
-        raise RequestError(field, f"{where}: the {what} has {waveform.shape[0]} channels; mono or stereo is accepted")
+def _prepare_checked(i: int, name: str | None, waveform: np.ndarray, rate_hz: int, max_seconds: float, what: str):
+    if waveform.shape[0] not in (1, AUDIO_CHANNELS):
+        raise _refused(i, name, f"has {what} of {waveform.shape[0]} channels; mono or stereo is accepted")
     if waveform.shape[1] == 0:
-        raise RequestError(field, f"{where}: the {what} has no decodable samples")
+        raise _refused(i, name, f"has {what} with no decodable samples")
     if not np.isfinite(waveform).all():
-        raise RequestError(field, f"{where}: the {what} has NaN or infinite samples")
+        raise _refused(i, name, f"has {what} with NaN or infinite samples")
     return prepare_audio(waveform, rate_hz, max_seconds)

@@ -1,167 +1,67 @@
 """Validation of one render request, before anything runs.
 
-Every violation is a ValueError that names the field and the allowed values. Adjustments that the model
+Every violation is a `RequestError` (a ValueError, from `pipeline.rules`) whose message names the field and the
+allowed values, and whose attributes name the field (and index) for front ends. Adjustments that the model
 requires but the caller may not expect (frames snapped up to 17n+5, a duration outside the trained range, a
 canvas chosen for the caller) are returned as notices and logged.
 
-Canvas and frame limits are data (`RequestRules`) whose defaults are the released model's, so a tiny model
-can allow small canvases.
-
-Frame rule: the video VAE decodes 17n+5 frames (n >= 1), so counts snap up to that grid. The released model
-was trained on 5-15 s (124-362 frames at 24 fps); the hard limits are 22 (the shortest 17n+5 with n >= 1) to
-362 frames, and 22-123 frames are accepted with a notice. That keeps the startup warmup (768x448, 56 frames)
-valid, since the network runs short clips correctly, while anything longer than trained is refused.
+Canvas and frame limits are data (`RequestRules`, in `pipeline.rules`) whose defaults are the released model's, so
+a tiny model can allow small canvases. The rules, the error and `resolve_canvas` are importable from here too.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from functools import cached_property
 
-from PIL import Image, ImageOps
+from PIL import Image
 
-from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, FPS, LATENTS_PER_CLIP, VIDEO_SHIFT
-from h3serve.model.folder import REF2VA
-from h3serve.pipeline.layout import TASK_ANCHORS
+from h3serve.config import AUDIO_SHIFT, VIDEO_SHIFT
+from h3serve.pipeline.references import DecodedReference, decode_references
+from h3serve.pipeline.rules import (
+    MAX_SEED,
+    QUALITIES,
+    RELEASED_RULES,
+    TINY_RULES,
+    CanvasRule,
+    FrameRule,
+    RequestError,
+    RequestRules,
+    decode_image,
+    resolve_canvas,
+)
 from h3serve.pipeline.schedule import DualSchedule
+from h3serve.vocab import TASK_ANCHORS, Task
+
+__all__ = [
+    "MAX_SEED",
+    "QUALITIES",
+    "RELEASED_RULES",
+    "TASKS",
+    "TINY_RULES",
+    "CanvasRule",
+    "FrameRule",
+    "RenderRequest",
+    "RequestError",
+    "RequestRules",
+    "decode_keyframe",
+    "resolve_canvas",
+    "validate_request",
+]
 
 log = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from h3serve.pipeline.references import DecodedReference
-
-TASKS = (*TASK_ANCHORS, REF2VA)  # the four base modes run the FL2VA DiT; ref2va runs the Ref2VA DiT
-MAX_SEED = 2**63 - 1
-# Per-request step caching (vLLM-Omni's `quality`): None follows the server, lossless runs without the cache, high
-# with the conservative profile (`accel.stepcache.HIGH_QUALITY`) on a server started with one.
-QUALITIES = ("lossless", "high")
-
-
-class RequestError(ValueError):
-    """A request value the model's rules refuse. `field` names it in the engine's terms (task, prompt, keyframes,
-    width, height, num_frames, steps, seed, video_shift, audio_shift), so a front end can map it to its own name."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-
-
-@dataclass(frozen=True)
-class CanvasRule:
-    """Which (width, height) a model accepts, and which it picks when the caller gives none."""
-
-    multiple: int = 32  # VAE /16 times the DiT's 2x2 patch
-    max_pixels: int = 768 * 1344  # area cap, before rounding each side to `multiple`
-    default_short_edge: int = 768  # the only short edge the released model was verified at
-    min_aspect: float = 1 / 4
-    max_aspect: float = 4.0
-
-    def check(self, width: int, height: int) -> None:
-        """Raise ValueError unless (width, height) is a canvas of this rule.
-
-        Sides are positive multiples of `multiple`, the aspect ratio is within bounds, and the area rounds from
-        within `max_pixels`: half a multiple per side is removed before comparing, the most that rounding adds,
-        because `resolve_canvas` itself lands slightly above the cap for some aspect ratios.
-        """
-        m = self.multiple
-        for name, value in (("width", width), ("height", height)):
-            if value > self.max_pixels // m:  # over the area cap whatever the other side; also keeps the ratio finite
-                raise RequestError(name, f"{name} {value} is above the canvas area cap of {self.max_pixels} pixels")
-            if value < m or value % m:
-                raise RequestError(name, f"{name} must be a positive multiple of {m}, got {value}")
-        if not self.min_aspect <= width / height <= self.max_aspect:
-            raise RequestError(
-                "width",
-                f"width/height: the aspect ratio of {width}x{height} ({width / height:.3g}) must be within "
-                f"[{self.min_aspect:g}, {self.max_aspect:g}]",
-            )
-        if (width - m / 2) * (height - m / 2) > self.max_pixels:
-            largest = "x".join(map(str, resolve_canvas(16, 9, self)))
-            raise RequestError(
-                "width",
-                f"width/height: {width}x{height} is above the canvas area cap of {self.max_pixels} pixels "
-                f"(the 16:9 canvas is {largest})",
-            )
-
-    def fits(self, width: int, height: int) -> bool:
-        try:
-            self.check(width, height)
-        except ValueError:
-            return False
-        return True
-
-
-@dataclass(frozen=True)
-class FrameRule:
-    """Which frame counts a model accepts on the VAE's 17n+5 grid (at the released 24 fps), and its default."""
-
-    min_frames: int = 22
-    max_frames: int = 362
-    trained_min_frames: int = 124  # 5 s; below it a notice, not an error
-    default_frames: int = 124
-
-    def snap(self, num_frames: int) -> int:
-        """The smallest frame count on the grid that is >= num_frames."""
-        return num_frames + (LATENTS_PER_CLIP - num_frames) % CLIP_FRAMES
-
-    def check(self, requested: int) -> tuple[int, list[str]]:
-        """The frame count a request gets (snapped up to the grid) and the notices to give; ValueError if outside."""
-        notices = []
-        if requested < 1:
-            raise RequestError("num_frames", f"num_frames must be >= {self.min_frames}, got {requested}")
-        num_frames = self.snap(requested)
-        if not self.min_frames <= num_frames <= self.max_frames:
-            raise RequestError(
-                "num_frames",
-                f"num_frames must be {self.min_frames}..{self.max_frames} after snapping up to "
-                f"{CLIP_FRAMES}n+{LATENTS_PER_CLIP} ({self.min_frames / FPS:.2f}-{self.max_frames / FPS:.2f} s at "
-                f"{FPS} fps), got {requested}" + (f" (snapped to {num_frames})" if num_frames != requested else ""),
-            )
-        if num_frames != requested:
-            notices.append(f"num_frames {requested} snapped up to {num_frames} ({CLIP_FRAMES}n+{LATENTS_PER_CLIP})")
-        if num_frames < self.trained_min_frames:
-            notices.append(
-                f"{num_frames} frames ({num_frames / FPS:.2f} s) is shorter than the trained "
-                f"{self.trained_min_frames / FPS:.2f}-{self.max_frames / FPS:.2f} s range"
-            )
-        return num_frames, notices
-
-
-@dataclass(frozen=True)
-class RequestRules:
-    canvas: CanvasRule = field(default_factory=CanvasRule)
-    frames: FrameRule = field(default_factory=FrameRule)
-    min_steps: int = 2  # grid points, terminal included: 2 gives one forward
-    max_steps: int = 1000
-    # The startup warmup's shape: the production request's canvas and frame count (None: the rules' defaults).
-    warmup_size: tuple[int, int] | None = (768, 448)
-    warmup_frames: int | None = 56
-    # Ref2VA: a reference image is resized so that its short edge is this (diffusers' `reference_image_short_edge`);
-    # a reference video goes onto `canvas` at its own aspect ratio.
-    reference_short_edge: int = 2048
-
-
-RELEASED_RULES = RequestRules()
-# The built-in tiny model accepts small canvases (its default is 224x128) and defaults to the shortest clip, so that
-# a render takes seconds on a CPU.
-TINY_RULES = RequestRules(
-    canvas=CanvasRule(max_pixels=512 * 512, default_short_edge=128),
-    frames=FrameRule(default_frames=22),
-    warmup_size=None,
-    warmup_frames=None,
-    reference_short_edge=128,
-)
+TASKS = tuple(Task)  # the four base modes run the FL2VA DiT; ref2va runs the Ref2VA DiT
 
 
 @dataclass(frozen=True)
 class RenderRequest:
     """A validated request. Keyframes are decoded RGB images at their own size, in packed order."""
 
-    task: str
+    task: Task
     prompt: str
     width: int
     height: int
@@ -179,44 +79,22 @@ class RenderRequest:
     def anchors(self) -> tuple[str, ...]:
         return TASK_ANCHORS.get(self.task, ())
 
+    @cached_property
+    def schedule(self) -> DualSchedule:
+        """The video and audio sigma grids the request denoises along: `steps` points, the request's shifts."""
+        return DualSchedule.build(self.steps, self.video_shift, self.audio_shift)
 
-def resolve_canvas(aspect_width: float, aspect_height: float, rule: CanvasRule = CanvasRule()) -> tuple[int, int]:
-    """(width, height) for an aspect ratio: short edge `default_short_edge`, area capped, sides rounded to the
-    multiple. This is the released model's own rounding (Python's round-half-even), not a generic resize rule."""
-    if not (aspect_width > 0 and aspect_height > 0):
-        raise ValueError(f"aspect ratio must be positive, got {aspect_width}:{aspect_height}")
-    ratio = aspect_width / aspect_height
-    if not rule.min_aspect <= ratio <= rule.max_aspect:
-        raise ValueError(
-            f"aspect ratio {aspect_width}:{aspect_height} is outside [{rule.min_aspect:g}, {rule.max_aspect:g}]"
-        )
-    short = float(rule.default_short_edge)
-    width, height = (short * ratio, short) if ratio >= 1.0 else (short, short / ratio)
-    if width * height > rule.max_pixels:
-        scale = (rule.max_pixels / (width * height)) ** 0.5
-        width, height = width * scale, height * scale
-    m = rule.multiple
-    return max(m, round(width / m) * m), max(m, round(height / m) * m)
+    @property
+    def forwards(self) -> int:
+        """DiT forwards the request runs, one per timestep of its schedule: steps - 1, or fewer where the shifted
+        grid collapses float32 collisions near sigma = 1 (`schedule.shifted_sigmas`)."""
+        return self.schedule.num_steps
 
 
 def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryview) -> Image.Image:
-    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...). Raises RequestError("keyframes")."""
-    name = f"keyframes[{index}]"
-    if isinstance(image, Image.Image):
-        decoded = image
-    elif isinstance(image, bytes | bytearray | memoryview):
-        try:
-            decoded = Image.open(io.BytesIO(bytes(image)))
-            decoded.load()
-        except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, DecompressionBombError)
-            raise RequestError("keyframes", f"{name} could not be decoded as an image ({type(e).__name__}: {e})") from e
-    else:
-        raise RequestError("keyframes", f"{name} must be image bytes or a PIL image, got {type(image).__name__}")
-    # Camera JPEGs store their rotation as EXIF; apply it, as the reference's image loading does.
-    decoded = ImageOps.exif_transpose(decoded)
-    if decoded.width < 1 or decoded.height < 1:
-        raise RequestError("keyframes", f"{name} has no pixels ({decoded.width}x{decoded.height})")
-    return decoded.convert("RGB")
+    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...), EXIF orientation applied. Raises
+    RequestError("keyframes", index=index)."""
+    return decode_image("keyframes", index, image)
 
 
 def _number(name: str, value, kind: type) -> int | float:
@@ -229,7 +107,7 @@ def _number(name: str, value, kind: type) -> int | float:
 def validate_request(
     prompt: str,
     *,
-    task: str = "t2va",
+    task: str = Task.T2VA,
     width: int | None = None,
     height: int | None = None,
     num_frames: int | None = None,
@@ -252,7 +130,8 @@ def validate_request(
     """
     if task not in TASKS:
         raise RequestError("task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
-    if task != REF2VA and (references or mute_references):
+    task = Task(task)
+    if task != Task.REF2VA and (references or mute_references):
         raise RequestError("references", f"references: only task ref2va takes references, got task {task}")
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt", "prompt must be a non-empty string")
@@ -265,9 +144,7 @@ def validate_request(
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
     decoded = ()
-    if task == REF2VA:
-        from h3serve.pipeline.references import decode_references  # it builds on this module
-
+    if task == Task.REF2VA:
         if not references:
             raise RequestError("references", "references: task ref2va needs at least one reference file")
         decoded = decode_references(references, num_frames=num_frames, mute=mute_references, rules=rules)
@@ -316,7 +193,7 @@ def _check_canvas(
         try:
             width, height = resolve_canvas(*aspect, canvas)
         except ValueError as e:
-            raise RequestError("keyframes", f"keyframes[0]: {e}; give width and height explicitly") from e
+            raise RequestError("keyframes", f"sets the canvas, but its {e}; give width and height explicitly", 0) from e
         if not images:
             source = "the default 16:9"
         else:
