@@ -16,7 +16,8 @@ import numpy as np
 import uvicorn
 from PIL import Image
 
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.accel.profile import Profile
+from h3serve.pipeline.engine import Engine
 from h3serve.service.app import create_app
 from h3serve.settings import Settings
 

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
+from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.media.mp4 import decode_frames, verify_mp4
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 from service_fixtures import SMOKE, live_server, settings, tiny_engine, wait_status
 
 KEY = "k" * 16 + "0123456789abcdef-._~"  # 36 characters of the allowed set
@@ -290,7 +291,7 @@ def test_a_restart_keeps_completed_jobs_and_fails_the_interrupted_ones(tmp_path)
 
 
 def test_a_clean_shutdown_fails_the_running_and_queued_jobs_with_the_reason(tmp_path):
-    from h3serve.service.jobs import JobStore
+    from h3serve.service.store import JobStore
 
     with live_server(settings(tmp_path)) as s, s.client() as c:
         running = c.post("/v1/videos", data=LONG).json()

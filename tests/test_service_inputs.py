@@ -171,13 +171,13 @@ BAD_FIELDS = [
     pytest.param(
         {"extra_params": extra(task="x2va")},
         "extra_params.task",
-        ["x2va", "t2va, fl2va, i2va, l2va"],
+        ["x2va", "t2va, i2va, l2va, fl2va, ref2va"],
         id="task-unknown",
     ),
     pytest.param(
         {"extra_params": extra(task="ref2va")}, "extra_params.task", ["Ref2VA DiT", "H3_TASK_TYPE"], id="task-ref2va"
     ),
-    pytest.param({"extra_params": extra(task=["t2va"])}, "extra_params.task", ["t2va, fl2va"], id="task-list"),
+    pytest.param({"extra_params": extra(task=["t2va"])}, "extra_params.task", ["t2va, i2va"], id="task-list"),
     pytest.param(
         {"extra_params": extra(audio_flow_shift=-1)},
         "extra_params.audio_flow_shift",

@@ -19,8 +19,9 @@ import wave
 import numpy as np
 import pytest
 
+from h3serve.accel.profile import Profile
 from h3serve.media.mp4 import encode_mp4, verify_mp4
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 from service_fixtures import live_server, png_bytes, settings, tiny_engine, wait_status
 from test_service_inputs import assert_error
 

@@ -11,9 +11,10 @@ import sqlite3
 
 import pytest
 
+from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import parse_cache_config
-from h3serve.pipeline.engine import Engine, Profile
-from h3serve.service.jobs import JobStore
+from h3serve.pipeline.engine import Engine
+from h3serve.service.store import JobStore
 from service_fixtures import live_server, settings, tiny_engine, wait_status
 
 # Caches every other forward after two warmup forwards on the tiny model (forwards 2, 4, 6, 8 of a 10-step render).

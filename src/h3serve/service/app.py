@@ -13,7 +13,13 @@
     DELETE /v1/videos/{id}            cancel a queued or running job; delete a finished one and its MP4
 
 The app never touches kernels or tensors: it maps requests onto the engine's `RenderRequest` (schemas.py) and hands
-them to the scheduler (jobs.py), which runs them one at a time.
+them to the scheduler (scheduler.py), which renders them one at a time; the records are in the store (store.py).
+
+`create_app` builds the store, the scheduler and the metrics and puts them on `app.state`; the routes live on
+module-level routers and get them through dependencies (so `app.dependency_overrides` can replace one). Nothing
+blocking runs on the event loop: the handlers that only call the store or the scheduler are plain `def`s, which
+FastAPI runs in its threadpool, and the two POST routes read the body on the loop, then map it (which decodes the
+uploaded media) and queue it in a thread.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,21 +40,25 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from h3serve import __version__
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.engine import Engine
-from h3serve.service.errors import ApiError, bad_request
-from h3serve.service.jobs import ACTIVE, JobStatus, JobStore, QueueFull, Scheduler, Work, job_record, new_job_id
+from h3serve.service.errors import ApiError, bad_request, internal_error
 from h3serve.service.metrics import Metrics
+from h3serve.service.scheduler import QueueFull, Scheduler, Work
 from h3serve.service.schemas import (
     FILE_FIELDS,
     MAX_FILES,
     MAX_KEYFRAMES,
     MAX_REFERENCES,
     REF2VA,
+    JobStatus,
+    Mapped,
     Upload,
+    VideoJob,
     decode_data_url,
     map_request,
     step_cache_mode,
 )
-from h3serve.service.security import bearer_auth
+from h3serve.service.security import BearerKey, require_key
+from h3serve.service.store import ACTIVE, JobStore, job_record, new_job_id
 from h3serve.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,6 +66,7 @@ log = logging.getLogger(__name__)
 MAX_FIELD_BYTES = 1 << 20  # any non-file form field (the prompt cap is far below this)
 RETRY_AFTER_S = "5"
 MAX_PAGE = 100
+SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected client
 
 
 def create_app(settings: Settings, engine: Engine) -> FastAPI:
@@ -69,217 +81,277 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         metrics=metrics,
     )
     metrics.watch(scheduler, store)
-    model_id = settings.model_id
-    upload_cap = settings.max_upload_mb << 20
+    app = FastAPI(title="h3serve", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None)
+    app.state.settings, app.state.engine, app.state.auth = settings, engine, BearerKey(settings.key)
+    app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _query_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(open_routes)
+    app.include_router(routes)
+    return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    app.state.scheduler.start()
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(app.state.scheduler.stop)
+        app.state.store.close()
+
+
+# ---- dependencies: the app's parts, from app.state ------------------------------------------------------------------
+# async: each is one attribute read, not worth a trip to the threadpool.
+async def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+async def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+async def _store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+async def _scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler
+
+
+async def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+EngineDep = Annotated[Engine, Depends(_engine)]
+StoreDep = Annotated[JobStore, Depends(_store)]
+SchedulerDep = Annotated[Scheduler, Depends(_scheduler)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]
+
+
+# ---- errors: always {"error": {"code", "message", "param"}} ---------------------------------------------------------
+async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
+    body = {"error": {"code": code, "message": str(err.detail), "param": None}}
+    return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+
+
+async def _query_error(_: Request, err: RequestValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    param = str(first.get("loc", ["", ""])[-1]) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}"
+    return JSONResponse(bad_request(param, message).body(), status_code=400)
+
+
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    request_id = uuid.uuid4().hex
+    log.error("internal error, request id %s: %s %s", request_id, request.method, request.url.path, exc_info=err)
+    answer = internal_error("internal_error", "the request failed", request_id)
+    return JSONResponse(answer.body(), status_code=answer.status, headers=answer.headers)
+
+
+# ---- open routes ----------------------------------------------------------------------------------------------------
+open_routes = APIRouter()
+
+
+@open_routes.get("/health")
+def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) -> dict[str, Any]:
+    warm = scheduler.warmup_result
+    return {
+        "status": "ok",
+        "live": True,
+        "ready": scheduler.ready,
+        "readiness": scheduler.readiness.value,
+        "warmup": {
+            "enabled": settings.startup_warmup,
+            "passed": None if warm is None else warm.passed,
+            "seconds": None if warm is None else round(warm.seconds, 3),
+            "request": None if warm is None else warm.request,
+            "error": None if warm is None else warm.error,
+        },
+        "model": settings.model_id,
+        "profile": engine.profile.__dict__,
+        "tasks": list(engine.tasks),
+        "queue_depth": scheduler.depth,
+        "version": __version__,
+    }
+
+
+# ---- authenticated routes -------------------------------------------------------------------------------------------
+routes = APIRouter(dependencies=[Depends(require_key)])
+
+
+@routes.get("/ready")
+def ready(scheduler: SchedulerDep) -> JSONResponse:
+    body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value}
+    return JSONResponse(body, status_code=200 if scheduler.ready else 503)
+
+
+@routes.get("/metrics")
+def metrics_text(metrics: MetricsDep) -> Response:
+    return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@routes.get("/v1/models")
+def models(settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
+    entry = {"id": settings.model_id, "object": "model", "owned_by": "h3serve", "tasks": list(engine.tasks)}
+    return {"object": "list", "data": [entry]}
+
+
+def _require_ready(scheduler: Scheduler, metrics: Metrics) -> None:
+    if scheduler.ready:
+        return
+    if scheduler.readiness.value == "failed":
+        error = scheduler.warmup_result.error if scheduler.warmup_result else "unknown"
+        message = f"the startup warmup failed ({error}); this server does not render (see /health)"
+    else:
+        message = "the server is warming up (the startup warmup has not passed yet); retry shortly"
+    metrics.rejected.labels("not_ready").inc()
+    raise ApiError(503, "not_ready", message, None, {"Retry-After": RETRY_AFTER_S})
+
+
+async def _parse(
+    request: Request, settings: Settings, engine: Engine, scheduler: Scheduler, metrics: Metrics
+) -> Mapped:
+    _require_ready(scheduler, metrics)
     # The body cap counts the files a request to this server can carry: 2 keyframes, or 12 Ref2VA references when the
     # Ref2VA DiT is loaded, each up to H3_MAX_UPLOAD_MB, plus the form fields.
     body_files = MAX_REFERENCES if REF2VA in engine.tasks else MAX_KEYFRAMES
+    fields, uploads = await read_body(request, settings.max_upload_mb << 20, body_files)
+    try:
+        return await asyncio.to_thread(
+            map_request, fields, uploads, engine, settings.model_id, settings.max_prompt_chars
+        )
+    except ApiError:
+        metrics.rejected.labels("invalid").inc()
+        raise
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        scheduler.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(scheduler.stop)
-            store.close()
 
-    app = FastAPI(title="h3serve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.settings, app.state.engine, app.state.store, app.state.scheduler = settings, engine, store, scheduler
+async def _submit(scheduler: Scheduler, metrics: Metrics, work: Work, record: VideoJob | None = None) -> None:
+    try:
+        await asyncio.to_thread(scheduler.submit, work, record)  # inserts the record: a store write
+    except QueueFull:
+        metrics.rejected.labels("queue_full").inc()
+        raise ApiError(
+            429,
+            "queue_full",
+            f"the render queue is full ({scheduler.max_queue} waiting); retry later",
+            None,
+            {"Retry-After": RETRY_AFTER_S},
+        ) from None
 
-    # ---- errors: always {"error": {"code", "message", "param"}} ------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
-        body = {"error": {"code": code, "message": str(err.detail), "param": None}}
-        return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def query_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        param = str(first.get("loc", ["", ""])[-1]) or None
-        message = f"{param}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}"
-        return JSONResponse(bad_request(param, message).body(), status_code=400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, err: Exception) -> JSONResponse:
-        log.exception("internal error")
-        body = {"error": {"code": "internal_error", "message": f"{type(err).__name__}: {err}", "param": None}}
-        return JSONResponse(body, status_code=500)
-
-    # ---- open routes ----------------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        warm = scheduler.warmup_result
-        return {
-            "status": "ok",
-            "live": True,
-            "ready": scheduler.ready,
-            "readiness": scheduler.readiness.value,
-            "warmup": {
-                "enabled": settings.startup_warmup,
-                "passed": None if warm is None else warm.passed,
-                "seconds": None if warm is None else round(warm.seconds, 3),
-                "request": None if warm is None else warm.request,
-                "error": None if warm is None else warm.error,
-            },
-            "model": model_id,
-            "profile": engine.profile.__dict__,
-            "tasks": list(engine.tasks),
-            "queue_depth": scheduler.depth,
-            "version": __version__,
-        }
-
-    # ---- authenticated routes -------------------------------------------------------------------------------------
-    router = APIRouter(dependencies=[Depends(bearer_auth(settings.key))])
-
-    @router.get("/ready")
-    async def ready() -> JSONResponse:
-        body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value}
-        return JSONResponse(body, status_code=200 if scheduler.ready else 503)
-
-    @router.get("/metrics")
-    async def metrics_route() -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @router.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        entry = {"id": model_id, "object": "model", "owned_by": "h3serve", "tasks": list(engine.tasks)}
-        return {"object": "list", "data": [entry]}
-
-    def require_ready() -> None:
-        if scheduler.ready:
-            return
-        if scheduler.readiness.value == "failed":
-            error = scheduler.warmup_result.error if scheduler.warmup_result else "unknown"
-            message = f"the startup warmup failed ({error}); this server does not render (see /health)"
-        else:
-            message = "the server is warming up (the startup warmup has not passed yet); retry shortly"
-        metrics.rejected.labels("not_ready").inc()
-        raise ApiError(503, "not_ready", message, None, {"Retry-After": RETRY_AFTER_S})
-
-    async def parse(request: Request):
-        require_ready()
-        fields, uploads = await read_body(request, upload_cap, body_files)
-        try:
-            return map_request(fields, uploads, engine, model_id, settings.max_prompt_chars)
-        except ApiError:
-            metrics.rejected.labels("invalid").inc()
-            raise
-
-    def submit(work: Work, record=None) -> None:
-        try:
-            scheduler.submit(work, record)
-        except QueueFull:
-            metrics.rejected.labels("queue_full").inc()
+@routes.post("/v1/videos/sync")
+async def create_sync(
+    request: Request, settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep, metrics: MetricsDep
+) -> Response:
+    mapped = await _parse(request, settings, engine, scheduler, metrics)
+    work = Work(new_job_id(), mapped.request, persist=False)
+    await _submit(scheduler, metrics, work)
+    future = asyncio.wrap_future(work.future)
+    # A render abandoned below (timeout, disconnect) still ends, with RenderCancelled: retrieve it, or asyncio logs
+    # "exception was never retrieved" for every abandoned render.
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    loop = asyncio.get_running_loop()
+    timeout = settings.video_sync_timeout
+    deadline = loop.time() + timeout
+    while not future.done():
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            work.ctx.cancel(f"the sync timeout of {timeout} s passed")
             raise ApiError(
-                429,
-                "queue_full",
-                f"the render queue is full ({settings.max_queue} waiting); retry later",
-                None,
-                {"Retry-After": RETRY_AFTER_S},
-            ) from None
+                504,
+                "timeout",
+                f"the render did not finish within H3_VIDEO_SYNC_TIMEOUT={timeout} s and was cancelled; use the "
+                "async API (POST /v1/videos) for long renders",
+            )
+        await asyncio.wait({future}, timeout=min(SYNC_POLL_S, remaining))
+        if not future.done() and await request.is_disconnected():
+            work.ctx.cancel("the client disconnected")
+            log.info("sync render %s cancelled: the client disconnected", work.id)
+            return Response(status_code=499)
+    try:
+        mp4 = future.result()
+    except RenderCancelled as err:
+        raise ApiError(503, "cancelled", f"the render was cancelled: {err}") from err
+    except Exception as err:  # the scheduler has logged it with its traceback, under this id
+        raise internal_error("render_failed", "the render failed", work.id) from err
+    result = work.result
+    stages = {k: round(v, 4) for k, v in result.timings.items() if k != "total"}
+    headers = {
+        "x-request-id": work.id,
+        "x-inference-time-s": f"{result.timings['total']:.4f}",
+        "x-peak-memory-mb": f"{result.peak_memory_mb:.1f}",
+        "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
+        "x-seed": str(mapped.request.seed),
+        "x-num-frames": str(mapped.request.num_frames),
+        **step_cache_headers(result.step_cache, mapped.request.quality),
+    }
+    return Response(mp4, media_type="video/mp4", headers=headers)
 
-    @router.post("/v1/videos/sync")
-    async def create_sync(request: Request) -> Response:
-        mapped = await parse(request)
-        work = Work(new_job_id(), mapped.request, persist=False)
-        submit(work)
-        future = asyncio.wrap_future(work.future)
-        # A render abandoned below (timeout, disconnect) still ends, with RenderCancelled: retrieve it, or asyncio
-        # logs "exception was never retrieved" for every abandoned render.
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + settings.video_sync_timeout
-        while not future.done():
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                work.ctx.cancel(f"the sync timeout of {settings.video_sync_timeout} s passed")
-                raise ApiError(
-                    504,
-                    "timeout",
-                    f"the render did not finish within H3_VIDEO_SYNC_TIMEOUT={settings.video_sync_timeout} s and "
-                    "was cancelled; use the async API (POST /v1/videos) for long renders",
-                )
-            await asyncio.wait({future}, timeout=min(0.25, remaining))
-            if not future.done() and await request.is_disconnected():
-                work.ctx.cancel("the client disconnected")
-                log.info("sync render %s cancelled: the client disconnected", work.id)
-                return Response(status_code=499)
-        try:
-            mp4 = future.result()
-        except RenderCancelled as err:
-            raise ApiError(503, "cancelled", f"the render was cancelled: {err}") from err
-        except Exception as err:
-            raise ApiError(500, "render_failed", f"the render failed: {type(err).__name__}: {err}") from err
-        result = work.result
-        stages = {k: round(v, 4) for k, v in result.timings.items() if k != "total"}
-        headers = {
-            "x-request-id": work.id,
-            "x-inference-time-s": f"{result.timings['total']:.4f}",
-            "x-peak-memory-mb": f"{result.peak_memory_mb:.1f}",
-            "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
-            "x-seed": str(mapped.request.seed),
-            "x-num-frames": str(mapped.request.num_frames),
-            **step_cache_headers(result.step_cache, mapped.request.quality),
-        }
-        return Response(mp4, media_type="video/mp4", headers=headers)
 
-    @router.post("/v1/videos")
-    async def create_job(request: Request) -> dict[str, Any]:
-        mapped = await parse(request)
-        record = job_record(new_job_id(), mapped.request, model_id)
-        submit(Work(record.id, mapped.request, persist=True), record)
-        return record.model_dump()
+@routes.post("/v1/videos")
+async def create_job(
+    request: Request, settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep, metrics: MetricsDep
+) -> dict[str, Any]:
+    mapped = await _parse(request, settings, engine, scheduler, metrics)
+    record = job_record(new_job_id(), mapped.request, settings.model_id)
+    await _submit(scheduler, metrics, Work(record.id, mapped.request, persist=True), record)
+    return record.model_dump()
 
-    @router.get("/v1/videos")
-    async def list_jobs(limit: int = 20, after: str | None = None) -> dict[str, Any]:
-        if not 1 <= limit <= MAX_PAGE:
-            raise bad_request("limit", f"limit must be 1..{MAX_PAGE}, got {limit}")
-        if after is not None and store.get(after) is None:
-            raise bad_request("after", f"after: no job {after!r}")
-        jobs, more = store.list(limit, after)
-        data = [j.model_dump() for j in jobs]
-        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
-        return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
-    def find(video_id: str):
-        job = store.get(video_id)
-        if job is None:
-            raise ApiError(404, "not_found", f"no video job {video_id!r}", "video_id")
-        return job
+@routes.get("/v1/videos")
+def list_jobs(store: StoreDep, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request("limit", f"limit must be 1..{MAX_PAGE}, got {limit}")
+    if after is not None and store.get(after) is None:
+        raise bad_request("after", f"after: no job {after!r}")
+    jobs, more = store.list(limit, after)
+    data = [j.model_dump() for j in jobs]
+    first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+    return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
-    @router.get("/v1/videos/{video_id}")
-    async def get_job(video_id: str) -> dict[str, Any]:
-        return find(video_id).model_dump()
 
-    @router.get("/v1/videos/{video_id}/content")
-    async def content(video_id: str) -> Response:
-        job = find(video_id)
-        path = store.path(job)
-        if job.status != JobStatus.COMPLETED or path is None:
-            raise ApiError(409, "not_completed", f"job {video_id} is {job.status}; only a completed job has content")
-        if not path.is_file():
-            raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id")
-        return FileResponse(path, media_type="video/mp4", filename=job.file_name)
+def _find(store: JobStore, video_id: str) -> VideoJob:
+    job = store.get(video_id)
+    if job is None:
+        raise ApiError(404, "not_found", f"no video job {video_id!r}", "video_id")
+    return job
 
-    @router.delete("/v1/videos/{video_id}")
-    async def delete(video_id: str) -> dict[str, Any]:
-        job = find(video_id)
-        if job.status in ACTIVE:
-            await asyncio.to_thread(scheduler.cancel, video_id, "cancelled by DELETE /v1/videos/{id}")
-            job = find(video_id)
-            if job.status in (JobStatus.CANCELLED, *ACTIVE):
-                return job.model_dump()
-        store.delete(video_id)
-        return {"id": video_id, "object": "video.deleted", "deleted": True}
 
-    app.include_router(router)
-    return app
+@routes.get("/v1/videos/{video_id}")
+def get_job(store: StoreDep, video_id: str) -> dict[str, Any]:
+    return _find(store, video_id).model_dump()
+
+
+@routes.get("/v1/videos/{video_id}/content")
+def content(store: StoreDep, video_id: str) -> Response:
+    job = _find(store, video_id)
+    path = store.path(job)
+    if job.status != JobStatus.COMPLETED or path is None:
+        raise ApiError(409, "not_completed", f"job {video_id} is {job.status}; only a completed job has content")
+    if not path.is_file():
+        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id")
+    return FileResponse(path, media_type="video/mp4", filename=job.file_name)
+
+
+@routes.delete("/v1/videos/{video_id}")
+def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str, Any]:
+    job = _find(store, video_id)
+    if job.status in ACTIVE:
+        scheduler.cancel(video_id, "cancelled by DELETE /v1/videos/{id}")  # returns once the job has stopped
+        job = _find(store, video_id)
+        if job.status in (JobStatus.CANCELLED, *ACTIVE):
+            return job.model_dump()
+    store.delete(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
 
 
 def step_cache_headers(report, quality: str | None) -> dict[str, str]:

@@ -18,3 +18,10 @@ class ApiError(Exception):
 
 def bad_request(param: str | None, message: str) -> ApiError:
     return ApiError(400, "invalid_request", message, param)
+
+
+def internal_error(code: str, what: str, request_id: str) -> ApiError:
+    """A 500 that says only where to look: the exception and its traceback go to the server log under `request_id`,
+    never to the client (their text can hold paths, names and internals)."""
+    message = f"{what} (internal error); see the server log, request id {request_id}"
+    return ApiError(500, code, message, headers={"x-request-id": request_id})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import json
 import math
 import re
@@ -38,10 +39,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from h3serve.config import DEFAULT_STEPS, FPS
-from h3serve.model.folder import REF2VA
-from h3serve.pipeline.layout import MAX_REFERENCES
 from h3serve.pipeline.request import MAX_SEED, QUALITIES, RenderRequest, RequestError, resolve_canvas
+from h3serve.pipeline.rules import MAX_REFERENCES
 from h3serve.service.errors import ApiError, bad_request
+from h3serve.vocab import ANCHORS, TASK_ANCHORS, Task, seconds_to_frames
 
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
@@ -59,8 +60,11 @@ NOT_USED = {
     "num_outputs_per_prompt": "one video per request; send several requests",
 }
 ASPECT_RATIOS = {"21:9": (21, 9), "16:9": (16, 9), "4:3": (4, 3), "1:1": (1, 1), "3:4": (3, 4), "9:16": (9, 16)}
-TASKS = ("t2va", "fl2va", "i2va", "l2va", REF2VA)  # fl2va with one keyframe is i2va or l2va by frame_indices
-FRAME_INDEX_TASKS = {(0,): "i2va", (-1,): "l2va", (0, -1): "fl2va"}
+REF2VA = Task.REF2VA  # service/app.py's name for it
+TASKS = tuple(Task)  # fl2va with one keyframe is i2va or l2va by frame_indices
+FRAME_INDEX = {"first": 0, "last": -1}  # extra_params.frame_indices' value for each keyframe anchor
+# The keyframe task of each frame_indices list (first before last): i2va [0], l2va [-1], fl2va [0, -1].
+FRAME_INDEX_TASKS = {tuple(FRAME_INDEX[a] for a in anchors): task for task, anchors in TASK_ANCHORS.items() if anchors}
 MAX_KEYFRAMES = 2  # first and last frame
 MAX_FILES = max(MAX_KEYFRAMES, MAX_REFERENCES)  # files one request may carry (ref2va: 12 references)
 MAX_SECONDS = 3600.0
@@ -154,12 +158,12 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
                 "input_references, in order), not both input_reference and input_references",
             )
         return REF2VA, list(uploads)
-    if task == "t2va" or (task is None and n == 0):
+    if task == Task.T2VA or (task is None and n == 0):
         if n:
             raise bad_request("input_reference", f"input_reference: task t2va takes no keyframes, got {n} file(s)")
         if indices is not None:
             raise bad_request("extra_params.frame_indices", "frame_indices applies only with keyframes")
-        return "t2va", []
+        return Task.T2VA, []
     if n == 0:
         raise bad_request("input_reference", f"task {task} needs one or two keyframe images as input_reference(s)")
     if n > MAX_KEYFRAMES:
@@ -169,7 +173,9 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
             "Ref2VA references, set extra_params.task to ref2va",
         )
     if indices is None:
-        indices = {"i2va": [0], "l2va": [-1]}.get(task or "", [0] if n == 1 else [0, -1])
+        # i2va and l2va place their one keyframe; otherwise one file is the first frame, two the first and last.
+        anchors = TASK_ANCHORS[task] if task in (Task.I2VA, Task.L2VA) else ANCHORS[:n]
+        indices = [FRAME_INDEX[a] for a in anchors]
     if not (isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
         raise bad_request("extra_params.frame_indices", f"frame_indices must be a list of integers, got {indices!r}")
     if len(indices) != n or len(set(indices)) != n or not set(indices) <= {0, -1}:
@@ -179,7 +185,7 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
         )
     ordered = [u for _, u in sorted(zip(indices, uploads, strict=True), key=lambda p: p[0] != 0)]
     resolved = FRAME_INDEX_TASKS[tuple(sorted(indices, key=lambda i: i != 0))]
-    if task in ("i2va", "l2va") and task != resolved:
+    if task in (Task.I2VA, Task.L2VA) and task != resolved:
         raise bad_request("extra_params.frame_indices", f"task {task} does not match frame_indices {indices}")
     return resolved, ordered
 
@@ -203,16 +209,20 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
     return value
 
 
-def _reference_error(err: RequestError, field: str) -> ApiError:
-    """The engine's refusal of a reference, renamed to the API field: references[i] -> input_references[i]."""
-    message = re.sub(r"\breferences\[", f"{field}[", str(err))
-    if err.field == "mute_references":
-        param = "extra_params.mute_references"
-        message = re.sub(r"^mute_references: ", "", message)
-        return bad_request(param, f"{param}: {message} (only a video reference has a soundtrack to leave out)")
-    match = re.fullmatch(r"references\[(\d+)\]", err.field)
-    param = f"{field}[{match[1]}]" if match else field
-    return bad_request(param, message if message.startswith(param) else f"{param}: {message}")
+def _refusal(err: RequestError, names: dict[str, str], hint: str = "") -> ApiError:
+    """The engine's refusal under the API's names (`names`: engine field -> API param, from the request as sent).
+
+    One reference is the param `input_references[i]` and its message names it so, from the error's field and index
+    (`RequestError.describe`); a mute_references refusal names the reference it points at the same way. Any other
+    refusal is its field's param, followed by the engine's message (which names the engine's field).
+    """
+    param = names.get(err.field, err.field)
+    if err.index is not None and err.field == "references":
+        return bad_request(f"{param}[{err.index}]", err.describe(names) + hint)
+    if err.index is not None and err.field == "mute_references":
+        why = " (only a video reference has a soundtrack to leave out)"
+        return bad_request(param, err.describe(names) + why + hint)
+    return bad_request(param, f"{param}: {err}{hint}")
 
 
 def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_model: str, max_prompt: int) -> Mapped:
@@ -272,7 +282,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
             frames = engine.rules.frames
             allowed = f"{frames.min_frames / FPS:.2f}-{frames.max_frames / FPS:.2f} s"
             raise bad_request(param, f"{param} must be > 0 (the model takes {allowed}), got {seconds:g}")
-        num_frames, frames_param = max(1, round(seconds * FPS)), param
+        num_frames, frames_param = seconds_to_frames(seconds), param
     if "fps" in fields and _int("fps", fields["fps"]) != FPS:
         raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {fields['fps']!r}")
 
@@ -298,7 +308,11 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         "seed": "seed",
         "video_shift": "flow_shift",
         "audio_shift": "extra_params.audio_flow_shift",
+        "references": ordered[0].field if ordered else "input_references",  # the name the files were sent under
+        "mute_references": "extra_params.mute_references",
     }
+    if ordered and task != REF2VA:
+        names["keyframes"] = ordered[0].field
     kwargs: dict[str, Any] = {
         "task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed, "quality": quality,
     }  # fmt: skip
@@ -317,16 +331,19 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     try:
         request = engine.validate(prompt, **kwargs)
     except RequestError as err:
-        if err.field == "references" or err.field.startswith(("references[", "mute_references")):
-            raise _reference_error(err, ordered[0].field if ordered else "input_references") from err
-        param = names.get(err.field, err.field)
-        message = str(err)
+        hint = ""
         if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
-            message += "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
-        if err.field == "keyframes" and ordered:
-            param = ordered[0].field
-        raise bad_request(param, f"{param}: {message}") from err
+            hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
+        raise _refusal(err, names, hint) from err
     return Mapped(request)
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 class JobError(BaseModel):
@@ -335,11 +352,13 @@ class JobError(BaseModel):
 
 
 class VideoJob(BaseModel):
-    """A job record, with the fields of vLLM-Omni's VideoResponse (and the request's shape and seed)."""
+    """A job record, with the fields of vLLM-Omni's VideoResponse (and the request's shape and seed). The job store's
+    table is derived from these fields (`service.store`): a field added here is a column there, and an older store
+    gains it on open."""
 
     id: str
     object: str = "video"
-    status: str
+    status: JobStatus
     progress: int = 0
     model: str
     prompt: str

@@ -9,17 +9,19 @@ from fastapi import Request
 from h3serve.service.errors import ApiError
 
 
-def bearer_auth(key: str | None):
-    """A FastAPI dependency that checks the bearer key in constant time (no-op when no key is set)."""
-    expected = key.encode() if key else None
+class BearerKey:
+    """The bearer key in effect (None: no key, every request passes), read once when the app is built."""
 
-    async def check(request: Request) -> None:
-        if expected is None:
+    def __init__(self, key: str | None):
+        self._expected = key.encode() if key else None
+
+    def check(self, header: str) -> None:
+        """ApiError 401 unless `header` (the Authorization header) carries the key; constant time."""
+        if self._expected is None:
             return
-        header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         # compare_digest on bytes of any length: the time does not depend on where the first difference is.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._expected):
             raise ApiError(
                 401,
                 "unauthorized",
@@ -28,4 +30,7 @@ def bearer_auth(key: str | None):
                 headers={"WWW-Authenticate": "Bearer"},
             )
 
-    return check
+
+async def require_key(request: Request) -> None:
+    """The FastAPI dependency: the app's `BearerKey` (`app.state.auth`) checks the request."""
+    request.app.state.auth.check(request.headers.get("authorization", ""))

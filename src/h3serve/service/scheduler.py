@@ -1,0 +1,348 @@
+"""The scheduler: a bounded FIFO of renders, the GPU worker that runs them one at a time (after the startup warmup),
+and the encoder thread that turns each finished render into its MP4 while the worker starts the next:
+
+    submit -> queue (max_queue; full: QueueFull, a 429) -> worker: engine.render
+           -> hand-off (ENCODE_BACKLOG) -> encoder: MP4 to a file (async job) or to bytes (sync render) -> done
+
+Sync and async renders share the queue and the worker, so one render uses the GPU at a time. The encode runs on the
+CPU beside the next render (with `encode_inline` the worker encodes itself, as before the encoder thread existed: the
+baseline the throughput test measures against).
+
+Cancellation is real wherever a job is. Waiting in the queue or the hand-off, it is removed at once. Rendering, it
+stops within one denoise step or decode window (`RenderContext`). Encoding, it cannot stop midway (PyAV has no hook
+between frames): the encode finishes, its MP4 is removed and the job is cancelled. `cancel` returns once the job has
+stopped, in every case. A shutdown (`stop`) ends every job not yet finished the same way, with `server_stopped`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import enum
+import io
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from h3serve.media.mp4 import encode_mp4, write_mp4
+from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
+from h3serve.pipeline.engine import STAGES, Engine, RenderResult
+from h3serve.pipeline.request import RenderRequest
+from h3serve.service.metrics import Metrics
+from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
+from h3serve.service.store import JobStore
+from h3serve.service.warmup import WarmupResult, run_warmup
+
+log = logging.getLogger(__name__)
+
+# Rendered results waiting for the encoder. Each holds a whole video in host memory (362 frames of 1280x720 are about
+# 1 GB), so the worker waits when one is already waiting: at most the one encoding, one waiting and the worker's own.
+ENCODE_BACKLOG = 1
+
+
+def progress_percent(p: Progress) -> int:
+    """A job's progress from a render's event: the shares of the stages before it, and its own share done."""
+    done = 0.0
+    for stage, share in STAGES.items():
+        if stage == p.stage:
+            return int(done + share * p.fraction)
+        done += share
+    return 0
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(eq=False)  # identity: two jobs are never equal, and their frames are never compared
+class Work:
+    """One render on its way through the scheduler. `persist`: an async job (record + MP4 file); else a sync render
+    whose MP4 bytes are the future's result."""
+
+    id: str
+    request: RenderRequest
+    persist: bool
+    ctx: RenderContext = field(default_factory=RenderContext)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    result: RenderResult | None = None  # set when the render has finished
+
+
+class Readiness(enum.StrEnum):
+    WARMING = "warming"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Scheduler:
+    """The queue, the GPU worker and the encoder thread. All their state is guarded by one condition variable."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: JobStore,
+        *,
+        max_queue: int,
+        warmup: bool,
+        encoder_threads: int,
+        metrics: Metrics,
+        encode_inline: bool = False,
+    ):
+        self.engine = engine
+        self.store = store
+        self.max_queue = max_queue
+        self.encoder_threads = encoder_threads
+        self.metrics = metrics
+        self.encode_inline = encode_inline
+        self._warmup_enabled = warmup
+        self.readiness = Readiness.WARMING
+        self.warmup_result: WarmupResult | None = None
+        self._cond = threading.Condition()
+        self._queue: collections.deque[Work] = collections.deque()  # waiting for the GPU
+        self._rendering: Work | None = None  # on the worker: rendering, or rendered and waiting for the hand-off
+        self._encodes: collections.deque[Work] = collections.deque()  # rendered, waiting for the encoder
+        self._encoding: Work | None = None
+        self._stopping = False
+        self._worker = threading.Thread(target=self._work, name="h3serve-worker", daemon=True)
+        self._encoder = threading.Thread(target=self._encode_loop, name="h3serve-encoder", daemon=True)
+
+    # ---- control --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._worker.start()
+        if not self.encode_inline:
+            self._encoder.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End every job not finished (their records say the server stopped) and join the threads."""
+        with self._cond:
+            self._stopping = True
+            queued, rendered = list(self._queue), list(self._encodes)
+            self._queue.clear()
+            self._encodes.clear()
+            for work in (self._rendering, self._encoding):
+                if work is not None:
+                    work.ctx.cancel("the server stopped during this job")
+            self._cond.notify_all()
+        for work in queued:
+            self._finish_cancelled(work, "the server stopped before this job ran")
+        for work in rendered:
+            self._finish_cancelled(work, "the server stopped before this job's MP4 was written", ran=True)
+        deadline = time.monotonic() + timeout
+        for thread in (self._worker, self._encoder):
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness is Readiness.READY
+
+    @property
+    def depth(self) -> int:
+        """Renders waiting for the GPU."""
+        with self._cond:
+            return len(self._queue)
+
+    def submit(self, work: Work, record: VideoJob | None = None) -> None:
+        """Queue a render (and insert its record first, so it is never lost); QueueFull when the queue is full."""
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            if record is not None:
+                self.store.insert(record)
+            self._queue.append(work)
+            self._cond.notify_all()
+
+    def cancel(self, job_id: str, reason: str, wait: float = 30.0) -> bool:
+        """Cancel a job by id wherever it is; True if it was found. Returns once it has stopped (or after `wait`)."""
+        with self._cond:
+            waiting = next((w for w in (*self._queue, *self._encodes) if w.id == job_id), None)
+            if waiting is not None:
+                (self._queue if waiting in self._queue else self._encodes).remove(waiting)
+            active = next((w for w in (self._rendering, self._encoding) if w is not None and w.id == job_id), None)
+            if active is not None:
+                active.ctx.cancel(reason)
+            # A worker waiting to hand off wakes: to drop this job, or because the backlog has room now.
+            self._cond.notify_all()
+        if waiting is not None:
+            self._finish_cancelled(waiting, reason, ran=waiting.result is not None)
+            return True
+        if active is None:
+            return False
+        with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            active.future.exception(timeout=wait)
+        return True
+
+    # ---- the GPU worker -------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        self._warm()
+        while (work := self._next_render()) is not None:
+            with self._guard(work):
+                if self._render(work):
+                    if self.encode_inline:
+                        self._encode(work)
+                    else:
+                        self._hand_off(work)
+            with self._cond:
+                self._rendering = None
+
+    def _warm(self) -> None:
+        if not self._warmup_enabled:
+            self.readiness = Readiness.READY
+            return
+        log.info("warmup: rendering the production shape")
+        result = self.warmup_result = run_warmup(self.engine, threads=self.encoder_threads)
+        if result.passed:
+            log.info("warmup passed in %.2f s (%s); ready", result.seconds, result.request)
+            self.readiness = Readiness.READY
+        else:
+            log.error("warmup failed (%s): %s; the server stays not ready", result.request, result.error)
+            self.readiness = Readiness.FAILED
+
+    def _next_render(self) -> Work | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            self._rendering = self._queue.popleft()
+            return self._rendering
+
+    def _render(self, work: Work) -> bool:
+        """Render one job; True when there is a result to encode (otherwise the job has been finished here)."""
+        last = -1
+
+        def on_progress(p: Progress) -> None:
+            nonlocal last
+            percent = progress_percent(p)
+            if work.persist and percent != last:
+                last = percent
+                self.store.update(work.id, progress=percent)
+
+        work.ctx.on_progress = on_progress
+        if work.persist:
+            self.store.update(work.id, status=JobStatus.IN_PROGRESS)
+        try:
+            work.result = self.engine.render(work.request, work.ctx)
+        except RenderCancelled as err:
+            self._finish_cancelled(work, str(err) or "cancelled", ran=True)
+            return False
+        except Exception as err:
+            self._finish_failed(work, err, "render")
+            return False
+        return True
+
+    def _hand_off(self, work: Work) -> None:
+        """Give a rendered job to the encoder, waiting while the backlog is full (a cancel wakes the wait)."""
+        with self._cond:
+            while len(self._encodes) >= ENCODE_BACKLOG and not work.ctx.cancelled:
+                self._cond.wait()
+            if not work.ctx.cancelled:
+                self._encodes.append(work)
+                self._cond.notify_all()
+                return
+        self._finish_cancelled(work, work.ctx.reason, ran=True)
+
+    # ---- the encoder ----------------------------------------------------------------------------------------
+    def _encode_loop(self) -> None:
+        while (work := self._next_encode()) is not None:
+            with self._guard(work):
+                self._encode(work)
+            with self._cond:
+                self._encoding = None
+
+    def _next_encode(self) -> Work | None:
+        with self._cond:
+            while not self._encodes and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None  # `stop` has finished what was left waiting
+            self._encoding = self._encodes.popleft()
+            self._cond.notify_all()  # room in the backlog: a worker waiting to hand off goes on
+            return self._encoding
+
+    def _encode(self, work: Work) -> None:
+        """Encode a rendered job's MP4 and finish the job."""
+        if work.ctx.cancelled:
+            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            return
+        try:
+            payload = self._write(work)
+        except Exception as err:
+            self._finish_failed(work, err, "MP4 encode")
+            return
+        if work.ctx.cancelled:  # cancelled while encoding: the encode has finished, its file goes
+            if work.persist:
+                (self.store.videos / payload).unlink(missing_ok=True)
+            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            return
+        self._finish_completed(work, payload)
+
+    def _write(self, work: Work) -> str | bytes:
+        """The MP4 of a rendered job: an async job's file (its name returned) or a sync render's bytes."""
+        result = work.result
+        settings = {"fps": result.fps, "sample_rate": result.sample_rate, "threads": self.encoder_threads}
+        if work.persist:
+            path = self.store.videos / f"{work.id}.mp4"  # the server's name: nothing a client sent
+            write_mp4(path, result.frames, result.audio, **settings)  # atomic: a failed write leaves no file
+            return path.name
+        buffer = io.BytesIO()
+        encode_mp4(buffer, result.frames, result.audio, **settings)
+        return buffer.getvalue()
+
+    # ---- outcomes -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _guard(self, work: Work) -> Iterator[None]:
+        """A failure outside the render and the encode (a store write that raised): logged, the job's waiter
+        released, and the thread goes on with the next job."""
+        try:
+            yield
+        except Exception as err:
+            log.exception("job %s: the scheduler could not finish it", work.id)
+            if not work.future.done():
+                work.future.set_exception(err)
+
+    def _finish_completed(self, work: Work, payload: str | bytes) -> None:
+        result = work.result
+        self.metrics.render_finished("completed", result)
+        if work.persist:
+            self.store.update(
+                work.id,
+                status=JobStatus.COMPLETED,
+                progress=100,
+                completed_at=int(time.time()),
+                file_name=payload,
+                inference_time_s=round(result.timings["total"], 4),
+                stage_durations={k: round(v, 4) for k, v in result.timings.items() if k != "total"},
+                peak_memory_mb=round(result.peak_memory_mb, 1),
+                step_cache=step_cache_mode(result.step_cache, work.request.quality),
+                cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
+            )
+            work.result = None  # the frames are on disk now; a finished job holds no video in memory
+        work.future.set_result(payload)
+
+    def _finish_failed(self, work: Work, err: Exception, stage: str) -> None:
+        """A render or encode that raised: the traceback goes to the log, the record and the client get a message
+        that names the request id to look for there (an exception's text can hold paths and internals)."""
+        log.error("job %s: the %s failed", work.id, stage, exc_info=err)
+        self.metrics.render_finished("failed", None)
+        if work.persist:
+            message = f"the {stage} failed (internal error); see the server log, request id {work.id}"
+            error = JobError(code="render_failed", message=message)
+            self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
+        work.future.set_exception(err)
+
+    def _finish_cancelled(self, work: Work, reason: str, ran: bool = False) -> None:
+        """A job stopped before it finished: cancelled by its client (or a timeout), or failed by a shutdown.
+        `ran`: it had reached the GPU (counted as a cancelled render)."""
+        if ran:
+            self.metrics.render_finished("cancelled", None)
+        stopped = self._stopping
+        if work.persist and self.store.get(work.id) is not None:
+            status, code = (JobStatus.FAILED, "server_stopped") if stopped else (JobStatus.CANCELLED, "cancelled")
+            error = JobError(code=code, message=reason or "cancelled")
+            self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
+        work.result = None  # a rendered video nobody will encode: its memory goes now
+        if not work.future.done():
+            work.future.set_exception(RenderCancelled(reason))
