@@ -1,0 +1,285 @@
+"""The Triton kernels (accel/triton_block.py, accel/triton_qk_norm_rope.py) against their reference ops on the CPU,
+under Triton's interpreter, on small shapes: the GPU parity tests' checks (tests/test_fused.py,
+tests/test_fused_block.py), kernel by kernel, where the interpreter computes what the GPU does.
+
+Not collected by the suite (the name is not test_*): tests/test_triton_interpreter.py runs this file in a process of
+its own with TRITON_INTERPRET=1, which Triton reads when it is imported and which turns every Triton kernel of the
+process into numpy, so it must not leak into the rest of the suite.
+
+What the interpreter computes decides what is compared (measured with Triton 3.9.0):
+
+* float32 and float16: numpy's IEEE arithmetic and casts, so each rounding a kernel makes where eager makes one is
+  checked exactly. Where the kernel does the reference's operations, the outputs are equal bit for bit, as on the GPU;
+  where it takes a sum of its own (an RMSNorm's), within the GPU tests' bounds or tighter ones.
+* bfloat16: the interpreter narrows float32 to bfloat16 by truncation, not to nearest even (half of random values
+  one unit low; Triton's debugging guide: bfloat16 is not supported), so no bfloat16 kernel output can be eager's
+  here. float16 stands in for it: the kernels round through one helper, `_round`, whose bfloat16 branch (a shift of
+  the bits) is checked alone against the interpreter's own cast. bfloat16 numerics are the GPU tests'.
+* e4m3: the interpreter's float32 -> e4m3 cast is not the GPU's either (ties away from zero, and a rounding up into
+  the next binade lost when the exponent is odd, which halves the value: 2.2% of random values differ from torch's
+  cast; NaN becomes 384). So a kernel's e4m3 bytes are compared with the same cast of the reference's float32
+  quotients (`interpreted_e4m3`): the scale, the division, the clamp and the rounding to the activations' dtype
+  before them bit for bit, the cast itself on the GPU only. For the same reason the NaN test (a NaN stays NaN through
+  the quantizing passes) is GPU-only.
+"""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "these cases run under Triton's interpreter: TRITON_INTERPRET=1 (tests/test_triton_interpreter.py)"
+    )
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from h3serve.accel import fused, triton_block
+from h3serve.accel.linear import FP8, FP8_MAX
+from h3serve.accel.triton_block import _round
+from h3serve.accel.triton_qk_norm_rope import ROUND_NORM, qk_norm_rope_fused
+from h3serve.config import DiTConfig
+from h3serve.model import ops
+from h3serve.model.dit import MODULATIONS, TABLE_ROWS
+from test_fused import inputs as qk_inputs
+
+EXACT = (torch.float32, torch.float16)  # the dtypes the interpreter rounds as the GPU does
+HIDDEN, FFN = DiTConfig().hidden_size, DiTConfig().ffn_hidden_size
+
+
+def shapes(op: str, released: int) -> list[tuple[int, int]]:
+    """(rows, width) cases that take each of `op`'s launch cases (`triton_block.LAUNCH`) down both of its paths: the
+    released model's width, 300 (within every CHUNK: the row held in registers) and, where the released width is not,
+    one past every CHUNK (the row in chunks, the last one ragged; two rows, as it is there for its path)."""
+    chunks = [chunk for case, (chunk, _) in triton_block.LAUNCH.items() if case.split("+")[0] == op]
+    assert min(chunks) > 300
+    cases = [(8, released), (8, 300)]
+    return cases if released > max(chunks) else [*cases, (2, max(chunks) + 300)]
+
+
+# A row's scale is its amax times the float32 reciprocal of 448 in the kernels, which is how CUDA's quantize_rows
+# divides by 448 (`triton_block._INV_FP8_MAX`); the CPU's division is a unit of the last place away on some rows.
+INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32)
+
+
+def unit(dtype: torch.dtype) -> float:
+    """The spacing of `dtype`'s values in [1, 2)."""
+    return {torch.float32: 2**-23, torch.float16: 2**-10}[dtype]
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many values of their dtype (float16 or float32) lie between got and want: units in the last place."""
+    bits = {torch.float16: (torch.int16, 0x7FFF), torch.float32: (torch.int32, 0x7FFFFFFF)}
+    int_dtype, magnitude = bits[want.dtype]
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(int_dtype).long()
+        return torch.where(i < 0, -(i & magnitude), i)  # sign and magnitude -> one integer line, -0 = +0
+
+    return (ordered(got) - ordered(want)).abs()
+
+
+def mod_inputs(s: int, n: int, dtype: torch.dtype, seed: int = 0):
+    """x, y (S, N), a norm weight, a padded modulation table and per-row indices into its used rows."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = ((torch.randn(s, n, generator=g) * 2).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    table = (torch.randn(TABLE_ROWS, len(MODULATIONS) * n, generator=g) * 0.3).to(dtype)
+    idx = torch.randint(0, 6, (s,), generator=g)  # two timesteps' rows, as a keyframe request has
+    return x, y, w, table, idx
+
+
+def assert_ulps(got: torch.Tensor, want: torch.Tensor, *, max_ulps: int, frac: float, what: str) -> None:
+    """At most `max_ulps` units in the last place apart, on all but `frac` of the values (as the GPU tests count for
+    bfloat16: a shift cancelling a product makes a small value whose unit is far below the product's)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    apart = ulps(got, want)
+    far = (apart > max_ulps).float().mean().item()
+    print(f"{what}: {(apart > 0).float().mean():.2e} differ, at most {apart.max()} ulps, {far:.2e} beyond {max_ulps}")
+    assert far <= frac, what
+
+
+@triton.jit
+def _e4m3_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(q_ptr + cols, tl.load(x_ptr + cols, mask=cols < n).to(tl.float8e4nv), mask=cols < n)
+
+
+def interpreted_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> e4m3 by the interpreter's cast, the one each kernel's e4m3 store makes here."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8)
+    _e4m3_kernel[(triton.cdiv(x.numel(), 1024),)](x, q, x.numel(), BLOCK=1024)
+    return q
+
+
+def interpreted_quantize_rows(h: torch.Tensor, scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows(h)` as CUDA computes it, the e4m3 cast the interpreter's; `scales` instead of h's own."""
+    if scales is None:
+        scales = h.float().abs().amax(1, keepdim=True).clamp(min=1e-12) * INV_FP8_MAX
+    return interpreted_e4m3((h.float() / scales).clamp(-FP8_MAX, FP8_MAX)), scales
+
+
+def dequantized(quantized: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    q, scales = quantized
+    return q.double() * scales
+
+
+def assert_quantized(got: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, *, frac: float, what: str) -> None:
+    """A kernel's (e4m3 rows, scales) against `h`, the reference's rows before `quantize_rows`.
+
+    Scales: the amax of h's rows times float32(1/448), equal when h is the kernel's own bit for bit (`frac` 0), else
+    within a few units of h's dtype (the amax of a row whose sum was the kernel's). Values: the interpreter's cast of
+    h / scale (the kernel's scale, so that the values are compared, not the scale twice) clamped to +-448, byte for
+    byte, on all but `frac` of them (where a value of h is a rounding step off the kernel's)."""
+    q, scales = got
+    assert q.dtype == FP8 and scales.shape == (h.shape[0], 1) and scales.dtype == torch.float32
+    _, want_scales = interpreted_quantize_rows(h)
+    if frac == 0:
+        assert torch.equal(scales, want_scales), what
+    else:  # the amax of a row whose sum was the kernel's: 4 units of h's dtype (GPU: 2e-2)
+        torch.testing.assert_close(scales, want_scales, rtol=4 * unit(h.dtype), atol=0)
+    want, _ = interpreted_quantize_rows(h, scales)
+    differ = (q.view(torch.uint8) != want.view(torch.uint8)).float().mean().item()
+    print(f"{what}: {differ:.2e} of e4m3 values differ")
+    assert differ <= frac, what
+
+
+# ---- the interpreter's roundings --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_kernel(x_ptr, round_ptr, cast_ptr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols, mask=cols < n)
+    tl.store(round_ptr + cols, _round(x, DTYPE), mask=cols < n)
+    tl.store(cast_ptr + cols, x.to(DTYPE).to(tl.float32), mask=cols < n)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # numpy's, on purpose
+def test_round_is_the_cast_and_float16_is_eager_rounding():
+    """`_round`'s bfloat16 branch (back through the bits) is the cast there and back, and the interpreter rounds to
+    float16 as torch does: what the float16 cases below rest on."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5000, generator=g) * 10.0 ** torch.randint(-9, 6, (5000,), generator=g)  # subnormals to overflow
+    x[:4] = torch.tensor([0.0, -0.0, 1 + 2**-11, 1 + 3 * 2**-11])  # ties to even in float16
+    for dtype, tl_dtype in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16)):
+        rounded, cast = torch.empty_like(x), torch.empty_like(x)
+        _round_kernel[(triton.cdiv(x.numel(), 1024),)](x, rounded, cast, x.numel(), DTYPE=tl_dtype, BLOCK=1024)
+        assert torch.equal(rounded.view(torch.int32), cast.view(torch.int32)), dtype
+        if dtype == torch.float16:
+            assert torch.equal(rounded, x.half().float())
+
+
+# ---- qk RMSNorm + rotary ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("s", "h", "d", "r"), [(128, 4, 128, 96), (37, 3, 64, 64), (33, 2, 32, 12)])
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_qk_norm_rope_kernel_against_its_reference(s, h, d, r, dtype):
+    q, k, qw, kw, cos, sin = qk_inputs(s, h, d, r, dtype)
+    want = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-5, cos, sin)
+    got = qk_norm_rope_fused(q, k, qw, kw, 1e-5, cos.float(), sin.float(), round_norm=ROUND_NORM)
+    for ref, out in zip(want, got, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        diff = (out.double() - ref.double()).abs()
+        relative = (diff.norm() / ref.double().norm()).item()
+        # The eager ops' roundings, but the norm's sum and rsqrt are the kernel's: a rounding step apart on some
+        # values, which the rotation's products and sum can carry to a few units.
+        if dtype == torch.float32:  # the GPU test's bounds (H200: at most 9.5e-7; here 4.8e-7)
+            assert diff.max() <= 4e-6 and relative <= 1e-6, f"max {diff.max():.3g}, relative {relative:.2e}"
+        else:  # the GPU's bfloat16 bounds, 1e-4 of the values apart and 1e-2 relative, and 4 units on all but 1e-4
+            # of them (a rotation's sum that cancels makes a small value); here 7.6e-5 differ, by 4 units at most
+            assert_ulps(out, ref, max_ulps=4, frac=1e-4, what=f"qk float16 {s}x{h}x{d} R={r}")
+            assert (diff > 0).float().mean() <= 1e-4 and relative <= 1e-2, f"relative {relative:.2e}"
+    # The exact pass (the eager profile's): torch's rms_norm, then the kernel's rotary alone: bit for bit.
+    normed = F.rms_norm(q, (d,), qw, 1e-5), F.rms_norm(k, (d,), kw, 1e-5)
+    exact = qk_norm_rope_fused(*normed, qw, kw, 1e-5, cos.float(), sin.float(), norm=False)
+    assert all(torch.equal(a, b) for a, b in zip(exact, want, strict=True))
+
+
+# ---- the block passes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize(("s", "n"), shapes("norm_modulate", HIDDEN))
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_norm_modulate_kernel_against_its_reference(dtype, s, n, residual, quantize):
+    x, y, w, table, idx = mod_inputs(s, n, dtype)
+    args = (x, y if residual else None, w, table, idx, 1e-6, 2, 3, 4)
+    reference = fused.REFERENCES["norm_modulate"]
+    want_x, want_h, _ = reference(*args, False)
+    got = triton_block.norm_modulate_op(*args, quantize, True)
+    if residual:  # x + gate * y, two roundings, the reference's own
+        assert torch.equal(got[0], want_x)
+    else:
+        assert got[0].numel() == 0
+    # The norm's sum and rsqrt are the kernel's: a rounding step on some values, which the modulation carries.
+    if quantize:  # GPU: 1e-4 of the e4m3 values apart (H200: 4.1e-7); here none
+        assert_quantized(got[1:], want_h, frac=1e-4, what=f"norm_modulate e4m3 {dtype} {n}")
+    elif dtype == torch.float16:  # the GPU's bound: 4 units on all but 1e-4 of the values (here 4.7e-5 differ)
+        assert_ulps(got[1], want_h, max_ulps=4, frac=1e-4, what=f"norm_modulate {dtype} {n}")
+    else:  # float32's units are too fine for a count of values (10-30% differ): 8 units of the value, or of 1 where
+        # a shift cancels the product (the terms are of unit scale; here at most 4)
+        torch.testing.assert_close(got[1], want_h, rtol=8 * 2**-23, atol=8 * 2**-23)
+    # float32 intermediates (the FP8 profile's): the GPU test's relative bounds, against the reference's values or
+    # their e4m3 rows (here at most 5.1e-4 and 1.5e-2 in float16, 8e-8 and 4.1e-4 in float32).
+    loose = triton_block.norm_modulate_op(*args, quantize, False)
+    if quantize:
+        out, ref = loose[1].double() * loose[2], dequantized(interpreted_quantize_rows(want_h))
+    else:
+        out, ref = loose[1].double(), want_h.double()
+    assert ((out - ref).norm() / ref.norm()).item() <= (1e-2 if not quantize else 4e-2)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize(("s", "n"), shapes("swiglu", FFN))
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_swiglu_kernel_against_its_reference(dtype, s, n, quantize):
+    f = (torch.randn(s, 2 * n, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
+    want, _ = fused.REFERENCES["swiglu"](f, False)
+    got = triton_block.swiglu_op(f, quantize, True)
+    # Eager's two roundings (GPU: equal). The kernel's exp is numpy's and the CPU reference's is ATen's vectorized
+    # one, a unit of float32 apart on some values: a few float32 units of the result (here at most 4), and the SiLU's
+    # float16 rounding moved on a few values, by a unit, which the product makes two at most (here 1.6e-4 of them,
+    # none in e4m3).
+    if quantize:
+        assert_quantized(got, want, frac=1e-3 if dtype == torch.float16 else 1e-4, what=f"swiglu e4m3 {dtype} {n}")
+    elif dtype == torch.float32:
+        assert_ulps(got[0], want, max_ulps=4, frac=0, what=f"swiglu {dtype} {n}")
+    else:
+        assert_ulps(got[0], want, max_ulps=2, frac=0, what=f"swiglu {dtype} {n}")
+        assert (got[0] != want).float().mean() <= 1e-3
+
+
+@pytest.mark.parametrize(("s", "n"), shapes("quantize_rows", HIDDEN))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_quantize_rows_kernel_is_quantize_rows(dtype, s, n):
+    """No rounding to the activations' dtype in this one: loads and float32 only, exact for bfloat16 too."""
+    x = (torch.randn(s, n, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    got = triton_block.quantize_rows_op(x)
+    assert_quantized(got, x, frac=0, what=f"quantize_rows {dtype} {n}")
+    _, scales = fused.REFERENCES["quantize_rows"](x)  # the CPU's division: a unit of float32 at most
+    torch.testing.assert_close(got[1], scales, rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize(("s", "n"), shapes("modulate", HIDDEN))
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_modulate_and_gated_residual_kernels_are_their_references(dtype, s, n, quantize):
+    """No sum in either: eager's roundings give eager's values, every one (as on the GPU)."""
+    x, y, w, table, idx = mod_inputs(s, n, dtype)
+    normed = F.rms_norm(x, (n,), w, 1e-6)
+    want, _ = fused.REFERENCES["modulate"](normed, table, idx, 3, 4, False)
+    got = triton_block.modulate_op(normed, table, idx, 3, 4, quantize)
+    if quantize:
+        assert_quantized(got, want, frac=0, what=f"modulate e4m3 {dtype} {n}")
+    else:
+        assert torch.equal(got[0], want)
+    gated = triton_block.gated_residual_op(x, y, table, idx, 2)
+    assert torch.equal(gated, fused.REFERENCES["gated_residual"](x, y, table, idx, 2))
