@@ -15,7 +15,8 @@ import numpy as np
 from benchlib import run_header
 from PIL import Image
 
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.accel.profile import Profile
+from h3serve.pipeline.engine import Engine
 
 
 def main() -> None:

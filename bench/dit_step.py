@@ -1,7 +1,7 @@
 """One DiT forward at the reference (or released default) shape, every profile of ours and the peer, on one GPU.
 
 The full-size DiT from the released config with random weights (fixed seed, never zeros), the reference packed
-shape of PERFORMANCE.md (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), or with
+shape of docs/model.md §6 (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712 video rows = 6435), or with
 `--shape default` the released default request (T2VA 1344x768, 124 frames: 537 text + 414 audio + 37296 video rows =
 38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
@@ -54,10 +54,13 @@ from benchlib import call_peer, run_header, time_ms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from full_size_smoke import REFERENCE, build_dit
 
-from h3serve.accel import attention, compile_blocks, fused
+from h3serve.accel import attention, fused
 from h3serve.accel.adaln import AdalnTables
-from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
+from h3serve.accel.apply import block_passes, set_block_passes
+from h3serve.accel.blocks import BlockStack
+from h3serve.accel.compile import Compiler, uncompile_repeated_blocks
 from h3serve.accel.linear import Fp8Linear, quantize_blocks, restore
+from h3serve.accel.profile import Profile
 from h3serve.config import Modality
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 
@@ -167,9 +170,9 @@ def uncompile(model, *inputs: dict) -> None:
 
 
 LINEARS = ("BF16", "CUTLASS", "HUMMING")
-# eager: the engine's (on CUDA the exact passes, `accel.fused.use_eager_passes`: bit for bit the reference ops);
+# eager: the engine's (on CUDA the exact passes, `accel.fused.exact_passes`: bit for bit the reference ops);
 # eager-unfused: the reference ops alone (what the exact passes save).
-# compile: the engine's (`accel.compile_blocks`: the row count symbolic; on CUDA the fused block passes and the fused
+# compile: the engine's (`accel.apply`: the row count symbolic; on CUDA the fused block passes and the fused
 # qk-norm + rotary pass, `accel.fused`). compile-graph: the same, each forward a replay of one CUDA graph
 # (`GraphReplay` above; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
 # compile-unfused: neither (what the passes save). compile-static: static shapes, unfused (a recompile for every new
@@ -190,9 +193,35 @@ EXECUTIONS = (
     "compile-autotune",
     "compile-fp32accum",
 )
-FUSE = {"compile": "blocks", "compile-graph": "blocks", "compile-qk": "qk", "compile-unfused": "none",
-        "compile-autotune": "blocks", "compile-fp32accum": "blocks"}  # fmt: skip
 AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
+
+
+def configure(dit, attn: str, execution: str, linear: str, dev: str):
+    """Set `dit` up as the engine would for this profile (`accel.apply`'s pieces, on this one model), or as the
+    variant `execution` names; returns the compile's graph counter (None when eager)."""
+    # A CUDA profile value whatever `dev` (the --tiny dry run compiles on the CPU): `block_passes` reads its execution
+    # and linear only.
+    profile = Profile.for_device("cuda", attention=attn, linear=linear,
+                                 execution="eager" if execution.startswith("eager") else "compile")  # fmt: skip
+    attention.set_kernel(dit, attn)
+    triton = dev == "cuda" and fused.available()
+    qk, body = block_passes(profile, triton and execution not in ("eager-unfused", "compile-unfused", "compile-static"))
+    if execution == "compile-qk":
+        body = None  # the fused qk-norm + rotary pass alone
+    set_block_passes(dit, qk, body)
+    for module in dit.modules():
+        if isinstance(module, Fp8Linear):
+            module.fast_accum = execution != "compile-fp32accum"
+    if execution.startswith("eager"):
+        BlockStack.of(dit).set_compiler(None).install(dit)
+        return None
+    compiler = Compiler(
+        dynamic=execution != "compile-static",
+        eager_precision=linear == "BF16",
+        inductor_config=AUTOTUNE if execution == "compile-autotune" else None,
+    )
+    BlockStack.of(dit).set_compiler(compiler).install(dit)
+    return compiler.counter
 
 
 def kernel_tabled(name: str) -> bool:
@@ -317,7 +346,6 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
             continue  # a CUDA-only kernel library
         replaced = swap_linears(dit, linear)
         for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
-            attention.use(attn)
             for execution in EXECUTIONS:
                 name = f"{attn}+{execution}+{linear}"
                 named = bool(args.only) and name in args.only
@@ -328,16 +356,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                 try:
                     uncompile(dit, x, other)
                     torch._dynamo.reset()
-                    counter = None
-                    fused.use(False)
-                    if execution == "compile-static":
-                        counter = compile_repeated_blocks(dit, dynamic=False, eager_precision=linear == "BF16")
-                    elif execution == "eager" and dev == "cuda":  # as the engine runs eager (apply_profile)
-                        fused.use_eager_passes(dit)
-                    elif not execution.startswith("eager"):  # as the engine compiles (apply_profile)
-                        extra = AUTOTUNE if execution == "compile-autotune" else None
-                        counter = compile_blocks(dit, linear, torch.device(dev), FUSE[execution], extra)
-                    Fp8Linear.fast_accum = execution != "compile-fp32accum"
+                    counter = configure(dit, attn, execution, linear, dev)
                     run = functools.partial(forward, dit, x)
                     if execution == "compile-graph":
                         run = GraphReplay(run)  # called directly, then captured, then replayed
@@ -370,10 +389,9 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                 rec.save()
                 print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
         uncompile(dit, x, other)
-        Fp8Linear.fast_accum = True
         if replaced is not None:
             restore(dit, replaced)
-    attention.use("TORCH_SDPA")
+    attention.set_kernel(dit, "TORCH_SDPA")
     # Keep the weights for the peer on the host, in diffusers' layout, and free the GPU.
     from dit_fixtures import export_state_dict
 

@@ -22,6 +22,7 @@ from benchlib import run_header
 from PIL import Image
 from transformers import Qwen3VLConfig
 
+from h3serve.accel.profile import Profile
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
@@ -36,7 +37,7 @@ from h3serve.model.text_encoder import (
 )
 from h3serve.model.tiny import asset_dir
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference" / "FL2VA"
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def tiny_render_check() -> dict:
-    from h3serve.pipeline.engine import Engine, Profile
+    from h3serve.accel.profile import Profile
+    from h3serve.pipeline.engine import Engine
 
     engine = Engine.load(None, Profile.for_device("cuda"))
     request = engine.validate("a red fox runs through fresh snow", num_frames=39, steps=10, seed=42)

@@ -266,7 +266,8 @@ def check_tiny(rec: Record) -> None:
     s: dict = {}
 
     def run() -> None:
-        from h3serve.pipeline.engine import Engine, Profile
+        from h3serve.accel.profile import Profile
+        from h3serve.pipeline.engine import Engine
 
         profile = Profile.for_device("cuda", attention="TORCH_SDPA", execution="eager", linear="BF16")
         engine = Engine.load(None, profile)

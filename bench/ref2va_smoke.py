@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
+from h3serve.accel.profile import Profile
 from h3serve.model.folder import Components
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
 

@@ -24,7 +24,8 @@ from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.compile import uncompile_repeated_blocks
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.accel.profile import Profile
+from h3serve.pipeline.engine import Engine
 
 
 def main() -> None:

@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
 from full_size_smoke import build
 
+from h3serve.accel.profile import Profile
 from h3serve.accept import AcceptPlan, run_accept
 from h3serve.media.mp4 import decode_frames
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 from h3serve.service.app import create_app
 from h3serve.settings import Settings
 

@@ -22,10 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
+from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 
-# The seed's one-Spark "balanced" profile (SERVING.md): about 1.38x at an SSIM of 0.81-0.88 on real weights.
+# The seed's one-Spark "balanced" profile: its users measured about 1.38x at an SSIM of 0.81-0.88 on real weights
+# (public joeynyc/MiniMax-H3-DGX-Spark, docs/RESULTS.md; docs/operators.md).
 BALANCED = (
     '{"Fn_compute_blocks":1,"Bn_compute_blocks":0,"max_warmup_steps":4,"max_cached_steps":-1,'
     '"residual_diff_threshold":0.10,"max_continuous_cached_steps":1,"enable_taylorseer":false}'

@@ -20,8 +20,9 @@ from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.linear import quantize_text_encoder
+from h3serve.accel.profile import Profile
 from h3serve.pipeline.conditioning import encode_text
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 
 
 def main() -> None:

@@ -12,10 +12,11 @@ from PIL import Image
 
 from h3serve.accel import attention
 from h3serve.accel.compile import compile_repeated_blocks
+from h3serve.accel.profile import Profile
 from h3serve.config import MAX_TIMESTEPS, NUM_MODALITIES
 from h3serve.model import ops
 from h3serve.model.dit import TABLE_ROWS
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 
 
 @pytest.fixture
@@ -62,40 +63,41 @@ def test_compile_refuses_a_model_without_repeated_blocks():
         compile_repeated_blocks(torch.nn.Linear(2, 2))
 
 
-def test_every_attention_call_goes_through_the_chosen_kernel(engine):
-    """The DiT (blocks and refiner), the video decoder and the audio VAE all attend through `ops.attention`, so the
-    kernel set once at start is the one that runs everywhere."""
+def test_every_attention_call_goes_through_the_models_own_kernel(engine):
+    """The DiT (blocks and refiner), the video decoder and the audio VAE each attend through the kernel their
+    attention modules hold, so the kernel `accel.apply` sets is the one that runs everywhere, for this model only."""
     calls: list[tuple[int, ...]] = []
 
     def counting(q, k, v, causal):
         calls.append(tuple(q.shape))
         return ops.sdpa(q, k, v, causal)
 
+    other = Engine.load(None, Profile())
     request = engine.validate("a fox", steps=3, seed=1)
     reference = engine.render(request)
-    ops.use_attention_kernel(counting)
-    try:
-        result = engine.render(request)
-    finally:
-        attention.use("TORCH_SDPA")
+    modules = [m for c in (engine.components.dit, engine.components.video_vae, engine.components.audio_vae)
+               for m in c.modules() if isinstance(m, attention.MODULES)]  # fmt: skip
+    for module in modules:
+        module.kernel = counting
+    result = engine.render(request)
     dit = engine.components.dit
-    forwards = request.steps - 1
-    assert len(calls) >= len(dit.token_refiner.blocks) + forwards * len(dit.blocks) + 1  # + the decoders' layers
+    assert len(calls) >= len(dit.token_refiner.blocks) + request.forwards * len(dit.blocks) + 1  # + the decoders'
     np.testing.assert_array_equal(result.frames, reference.frames)
+    seen = len(calls)
+    other.render(other.validate("a fox", steps=3, seed=1))
+    assert len(calls) == seen  # the other engine's models kept their own kernel
 
 
-def test_attention_registry_refuses_what_the_device_cannot_run():
-    with pytest.raises(ValueError, match="must be one of TORCH_SDPA, CUDNN_ATTN"):
-        attention.check("FLASH4", torch.device("cpu"))
-    with pytest.raises(ValueError, match="CUDNN_ATTN needs a CUDA device"):
-        attention.check("CUDNN_ATTN", torch.device("cpu"))
-    attention.check("TORCH_SDPA", torch.device("cpu"))
+def test_attention_registry_has_a_kernel_for_every_backend_name_and_sets_it_per_model(engine):
+    from h3serve.accel.profile import Attention
 
-
-def test_engine_sets_the_profile_kernel_at_start():
-    ops.use_attention_kernel(attention.cudnn_sdpa)  # as a previous engine in this process might have left it
-    Engine.load(None, Profile())
-    assert ops._kernel is ops.sdpa
+    assert set(attention.KERNELS) == set(Attention)
+    video_vae = engine.components.video_vae
+    assert attention.set_kernel(video_vae, Attention.CUDNN_ATTN) > 0
+    assert all(m.kernel is attention.cudnn_sdpa for m in video_vae.modules() if isinstance(m, attention.MODULES))
+    assert all(m.kernel is ops.sdpa for m in engine.components.dit.modules() if isinstance(m, attention.MODULES))
+    with pytest.raises(ValueError, match="FLASH4"):
+        attention.set_kernel(video_vae, "FLASH4")
 
 
 def test_modulation_table_has_a_fixed_shape_and_zero_padding(engine):
@@ -183,7 +185,7 @@ def test_the_load_hook_quantizes_block_linears_as_they_are_read(tmp_path):
         assert torch.equal(plain_state[k], hooked_state[k]), k
 
 
-def test_quantize_blocks_can_restore_and_apply_profile_quantizes_once(engine):
+def test_quantize_blocks_can_restore_and_quantizes_once(engine):
     from h3serve.accel.linear import Fp8Linear, is_quantized, quantize_blocks, restore
 
     dit = engine.components.dit
@@ -318,15 +320,19 @@ def test_a_forward_with_tables_is_bitwise_the_forward_without(engine):
 
 
 def test_memory_budget_counts_the_weights_and_sizes_the_largest_request(engine):
-    budget = engine.memory_budget(text_rows=100)
+    from h3serve.pipeline.budget import largest_request_rows
+
+    budget = engine.memory_budget()
     c = engine.components
-    weights = sum(t.numel() * t.element_size() for m in (c.dit, c.text_encoder, c.video_vae, c.audio_vae)
-                  for t in (*m.parameters(), *m.buffers())) / 2**30  # fmt: skip
-    assert budget["weights_total"] == pytest.approx(weights, abs=5e-3)
-    assert budget["adaln_in_host_memory"] == 0  # a CPU engine: nothing is moved off the device
+    weights = {name: sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())) / 2**30
+               for name, m in (("dit", c.dit), ("text_encoder", c.text_encoder), ("video_vae", c.video_vae),
+                               ("audio_vae", c.audio_vae))}  # fmt: skip
+    assert {k: budget.device[k] for k in weights} == pytest.approx(weights, rel=1e-9)
+    assert "adaln_weights" not in budget.host  # a CPU engine: nothing is moved off the device
     # The largest request the tiny rules allow: FL2VA (two keyframes), the 16:9 canvas at the area cap, 362 frames.
-    assert budget["largest_request_rows"] > engine.memory_budget(text_rows=10)["largest_request_rows"]
-    assert budget["dit_activations_at_largest"] > 0
+    assert budget.largest_rows == largest_request_rows(c.dit_config, engine.rules)
+    assert budget.largest_rows > largest_request_rows(c.dit_config, engine.rules, text_rows=10)
+    assert budget.activations_largest > 0 and budget.device_need > budget.device_weights
 
 
 def test_decoder_weights_in_the_autocast_dtype_decode_bitwise_the_same_and_leave_the_encoder_alone():

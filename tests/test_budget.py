@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
@@ -39,17 +40,9 @@ def released_configs():
     )
 
 
-def cuda_profile(linear: str, text_linear: str):
-    """A CUDA profile's fields (a real `Profile` refuses cuda on a machine without it; the plan needs no device)."""
-    return types.SimpleNamespace(
-        device="cuda",
-        torch_device=torch.device("cuda"),
-        torch_dtype=torch.bfloat16,
-        vae_autocast_dtype=torch.float16,
-        linear=linear,
-        text_linear=text_linear,
-        adaln_resident=False,
-    )
+def cuda_profile(linear: str, text_linear: str, adaln_resident: bool = False) -> Profile:
+    """A real CUDA profile: a value, built on any machine (only `accel.profile.check` asks the hardware)."""
+    return Profile.for_device("cuda", linear=linear, text_linear=text_linear, adaln_resident=adaln_resident)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +68,7 @@ def test_fp8_options_shrink_exactly_the_components_they_quantize():
         fp8.device["dit"] < 0.55 * bf16.device["dit"] and fp8.device["text_encoder"] < 0.6 * bf16.device["text_encoder"]
     )
     assert fp8.device["video_vae"] == bf16.device["video_vae"] and fp8.device["audio_vae"] == bf16.device["audio_vae"]
-    kept = types.SimpleNamespace(**{**vars(cuda_profile("BF16", "BF16")), "adaln_resident": True})
+    kept = cuda_profile("BF16", "BF16", adaln_resident=True)
     resident = plan_budget(configs, kept, RELEASED_RULES)
     assert resident.host == {} and resident.device["dit"] == pytest.approx(
         bf16.device["dit"] + bf16.host["adaln_weights"]
@@ -198,21 +191,17 @@ def test_ready_answers_as_the_server_does(tmp_path, capsys):
 
 
 def test_ready_is_not_ready_before_the_warmup(tmp_path, capsys):
-    import threading
-
     from service_fixtures import live_server, settings, tiny_engine
 
     engine = tiny_engine()
-    gate = threading.Event()
-    original = engine.warmup
-    engine.warmup = lambda *a, **k: (gate.wait(30), original(*a, **k))[1]
+    engine.lock.acquire()  # the warmup waits for the engine, exactly as behind a long render
     try:
         with live_server(settings(tmp_path), engine, ready=False) as server:
             assert main(["ready", "--api-port", str(server.port)]) == 1
             assert "503" in capsys.readouterr().out
-            gate.set()
+            engine.lock.release()
             server.wait_ready()
             assert main(["ready", "--api-port", str(server.port)]) == 0
     finally:
-        gate.set()
-        engine.warmup = original
+        if engine.lock.locked():
+            engine.lock.release()

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from h3serve.accel.profile import Profile
 from h3serve.media.mp4 import encode_mp4, verify_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
-from h3serve.pipeline.engine import STAGES, Engine, Profile
+from h3serve.pipeline.engine import STAGES, Engine
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +107,15 @@ def test_one_render_at_a_time(engine):
 
 
 def test_warmup_passes_at_the_models_default_shape_and_fails_closed_on_nan():
+    from h3serve.service.warmup import run_warmup  # the startup warmup is the service's
+
     engine = Engine.load(None, Profile())
-    result = engine.warmup()
+    result = run_warmup(engine)
     assert result.passed and result.error is None
     assert result.request == "t2va 224x128 22 frames 1 step(s)"
     with torch.no_grad():
         next(engine.components.dit.parameters()).fill_(float("nan"))
-    failed = engine.warmup()
+    failed = run_warmup(engine)
     assert not failed.passed and "not finite" in failed.error
 
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
+from h3serve.accel.profile import Profile
 from h3serve.model.text_encoder import load_image_processor
-from h3serve.pipeline.engine import Engine, Profile, RenderResult
+from h3serve.pipeline.engine import Engine, RenderResult
 from oracle import oracle
 
 oracle("diffusers")

@@ -49,7 +49,8 @@ def test_reference_is_the_formula():
 
 
 def test_the_dit_attention_goes_through_the_seam():
-    """Every rotary attention call of the DiT runs the kernel set in `ops`; the refiner (no RoPE) does not."""
+    """Every rotary attention call of the DiT runs the kernel its attention modules hold (`Attention.qk_kernel`);
+    the refiner (no RoPE) does not; another DiT keeps its own."""
     calls = []
 
     def spy(*args):
@@ -67,21 +68,25 @@ def test_the_dit_attention_goes_through_the_seam():
     audio = torch.randn(layout.num_audio_rows, TINY_DIT.audio_latents_dim)
     t, idx = layout.timestep_plan(0.3, 0.4)
     expected = model(video, audio, t, idx, 0)
-    ops.use_qk_norm_rope_kernel(spy)
-    try:
-        got = model(video, audio, t, idx, 0)
-    finally:
-        ops.use_qk_norm_rope_kernel(None)
+    from h3serve.model.dit import Attention
+
+    for module in dit.modules():
+        if isinstance(module, Attention):
+            module.qk_kernel = spy
+    got = model(video, audio, t, idx, 0)
     assert len(calls) == TINY_DIT.num_layers and all(c[0] == layout.token_tags.numel() for c in calls)
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    other = tiny_dit()
+    bind_model(other, layout, torch.randn(5, TINY_DIT.text_dim))(video, audio, t, idx, 0)
+    assert len(calls) == TINY_DIT.num_layers  # the other model's attention kept the reference
 
 
-def test_the_fused_kernel_is_refused_without_cuda_or_triton(monkeypatch):
+def test_the_fused_kernels_are_refused_without_cuda_or_triton(monkeypatch):
+    fused.triton_kernels.cache_clear()
     monkeypatch.setattr(fused, "available", lambda: False)
     with pytest.raises(ValueError, match="need a CUDA device and Triton"):
-        fused.use(True)
-    fused.use(False)
-    assert ops._qk_norm_rope_kernel is ops.qk_norm_rope_reference
+        fused.triton_kernels()
+    fused.triton_kernels.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -92,10 +97,10 @@ def test_the_fused_kernel_is_refused_without_cuda_or_triton(monkeypatch):
 def test_fused_equals_the_reference(s, h, d, r, dtype):
     if not (torch.cuda.is_available() and fused.available()):
         pytest.skip("needs a CUDA GPU and Triton")
-    fused.build()
+    kernel = fused.qk_kernel(fused.triton_kernels(), exact=False)
     q, k, qw, kw, cos, sin = inputs(s, h, d, r, dtype, "cuda")
     rq, rk = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-5, cos, sin)
-    fq, fk = fused.qk_norm_rope(q, k, qw, kw, 1e-5, cos, sin)
+    fq, fk = kernel(q, k, qw, kw, 1e-5, cos, sin)
     from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
 
     other = qk_norm_rope_fused(q, k, qw, kw, 1e-5, cos, sin, round_norm=False)  # the rounding not chosen, for the log
@@ -122,10 +127,9 @@ def test_fused_under_compile_matches_and_does_not_recompile():
         pytest.skip("needs a CUDA GPU and Triton")
     from h3serve.accel.compile import GraphCounter
 
-    fused.build()
     q, k, qw, kw, cos, sin = inputs(300, 4, 128, 96, torch.bfloat16, "cuda")
     counter = GraphCounter("inductor")
-    compiled = torch.compile(fused.qk_norm_rope, fullgraph=True, backend=counter)
+    compiled = torch.compile(fused.qk_kernel(fused.triton_kernels(), exact=False), fullgraph=True, backend=counter)
     for s in (300, 211):
         args = [t[:s] for t in (q, k)] + [qw, kw, 1e-5] + [t[:s] for t in (cos, sin)]
         for t in (args[0], args[1], args[5], args[6]):

@@ -20,6 +20,10 @@ from h3serve.model.tiny import TINY_DIT, randomize
 GPU = pytest.mark.skipif(not (torch.cuda.is_available() and fused.available()), reason="needs a CUDA GPU and Triton")
 
 
+def kernels():
+    return fused.triton_kernels()
+
+
 def block_inputs(block: Block, s: int, device: str = "cpu", seed: int = 0):
     """x (S, hidden), a padded modulation table, per-row indices into its used rows, and a rotary table."""
     g = torch.Generator().manual_seed(seed)
@@ -92,7 +96,8 @@ def test_the_references_compute_what_they_name():
     assert torch.allclose(fused.gated_residual_reference(x, y, table, idx, 1), x + mod[:, 1] * y)
 
 
-def test_compile_takes_the_forward_it_is_given():
+def test_compile_takes_the_body_its_block_stack_gives():
+    from h3serve.accel.blocks import BlockStack
     from h3serve.accel.compile import compile_repeated_blocks, uncompile_repeated_blocks
 
     dit = tiny_blocks()
@@ -104,35 +109,23 @@ def test_compile_takes_the_forward_it_is_given():
 
     x, table, indices, rope = block_inputs(dit.blocks[0], 20)
     want = dit.blocks[0](x, table, indices, rope)
-    counter = compile_repeated_blocks(dit, backend="eager", forwards={Block: forward})
+    BlockStack.of(dit).set_body(Block, forward)
+    counter = compile_repeated_blocks(dit, backend="eager")
     try:
         got = dit.blocks[0](x, table, indices, rope)
     finally:
         uncompile_repeated_blocks(dit)
     assert calls and counter.graphs == 1 and torch.equal(got, want)
+    assert BlockStack.of(dit).describe() == "Block: forward"  # the body stays when the compile goes
 
 
-def test_compile_blocks_keeps_the_reference_ops_off_cuda_and_refuses_an_unknown_fusion():
-    from h3serve.accel import compile_blocks
-    from h3serve.accel.compile import uncompile_repeated_blocks
+def test_without_triton_the_blocks_run_the_reference_ops():
+    from h3serve.accel.apply import block_passes
+    from h3serve.accel.profile import Profile
 
-    dit = tiny_blocks()
-    with pytest.raises(ValueError, match="fuse 'all': allowed blocks, qk, none"):
-        compile_blocks(dit, "BF16", torch.device("cpu"), fuse="all")
-    ops.use_qk_norm_rope_kernel(lambda *args: ops.qk_norm_rope_reference(*args))  # something else set before
-    try:
-        compile_blocks(dit, "BF16", torch.device("cpu"))
-        assert ops._qk_norm_rope_kernel is ops.qk_norm_rope_reference  # no Triton kernel on a CPU
-    finally:
-        uncompile_repeated_blocks(dit)
-        ops.use_qk_norm_rope_kernel(None)
-
-
-def test_the_kernels_are_not_there_before_build():
-    if fused.KERNELS:
-        pytest.skip("built in this process")
-    with pytest.raises(RuntimeError, match="not built"):
-        fused.block_forwards(eager_rounding=True)
+    for execution in ("eager", "compile"):
+        qk, body = block_passes(Profile.for_device("cuda", execution=execution), enabled=False)
+        assert qk is ops.qk_norm_rope_reference and body is None
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------------------------
@@ -187,11 +180,10 @@ def assert_quantized_close(got, want, what: str):
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("quantize", [False, True])
 def test_norm_modulate_kernel_against_its_reference(residual, quantize):
-    fused.build()
     x, y, w, table, idx = mod_inputs(6435, HIDDEN)
     args = (x, y if residual else None, w, table, idx, 1e-6, 2, 3, 4, quantize)
     want = fused.norm_modulate_reference(*args)
-    got = fused.KERNELS["norm_modulate"](*args, True)
+    got = kernels()["norm_modulate"](*args, True)
     if residual:  # the residual stream: two roundings, the reference's own
         gate = table.chunk(6, dim=-1)[2].index_select(0, idx).float()
         by_hand = (x.float() + (gate * y.float()).to(torch.bfloat16).float()).to(torch.bfloat16)
@@ -202,9 +194,9 @@ def test_norm_modulate_kernel_against_its_reference(residual, quantize):
         assert_quantized_close(got[1:], want[1:], "norm_modulate e4m3")
     else:  # the norm's sum and rsqrt are the kernel's: a rounding step on some values, carried by the modulation
         assert_close_rows(got[1], want[1], max_ulps=4, frac=1e-4, what="norm_modulate")  # H200: 3.4e-6 differ
-    again = fused.KERNELS["norm_modulate"](*args, True)
+    again = kernels()["norm_modulate"](*args, True)
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(got, again, strict=True))  # deterministic
-    loose = fused.KERNELS["norm_modulate"](*args, False)  # float32 intermediates (the FP8 profile's)
+    loose = kernels()["norm_modulate"](*args, False)  # float32 intermediates (the FP8 profile's)
     ref = want[1].float() if not quantize else want[1].float() * want[2]
     out = loose[1].float() if not quantize else loose[1].float() * loose[2]
     assert ((out - ref).norm() / ref.norm()).item() <= (1e-2 if not quantize else 4e-2)
@@ -214,11 +206,10 @@ def test_norm_modulate_kernel_against_its_reference(residual, quantize):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantize", [False, True])
 def test_swiglu_kernel_against_its_reference(quantize):
-    fused.build()
     g = torch.Generator().manual_seed(5)
     f = (torch.randn(6435, 2 * FFN, generator=g) * 2).to(torch.bfloat16).cuda()
     want = fused.swiglu_reference(f, quantize)
-    got = fused.KERNELS["swiglu"](f, quantize, True)
+    got = kernels()["swiglu"](f, quantize, True)
     if quantize:
         assert_quantized_close(got, want, "swiglu e4m3")
     else:
@@ -228,9 +219,8 @@ def test_swiglu_kernel_against_its_reference(quantize):
 @GPU
 @pytest.mark.gpu
 def test_quantize_rows_kernel_is_quantize_rows():
-    fused.build()
     x = (torch.randn(6435, 7168, generator=torch.Generator().manual_seed(6)) * 3).to(torch.bfloat16).cuda()
-    q, s = fused.KERNELS["quantize_rows"](x)
+    q, s = kernels()["quantize_rows"](x)
     rq, rs = quantize_rows(x)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
 
@@ -246,29 +236,26 @@ MID = dataclasses.replace(TINY_DIT, hidden_size=1024, num_attention_heads=8, att
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_fused_block_against_block_forward(linear, compiled):
     from h3serve.accel import attention
+    from h3serve.accel.apply import set_block_passes
 
-    fused.use(True)
-    attention.use("CUDNN_ATTN")
-    try:
-        dit = tiny_blocks(MID, "cuda")
-        if linear == "CUTLASS":
-            quantize_blocks(dit)
-        block = dit.blocks[0]
-        x, table, indices, rope = block_inputs(block, 3000, "cuda")
-        fn = fused.block_forwards(eager_rounding=linear == "BF16")[Block]
-        if compiled:
-            fn = torch.compile(fn, fullgraph=True)
-        with torch.no_grad():
-            want = fused.block_forward_reference(block, x, table, indices, rope)
-            assert torch.equal(want, block(x, table, indices, rope))  # the restructuring, here too
-            got, again = fn(block, x, table, indices, rope), fn(block, x, table, indices, rope)
-        assert torch.equal(got, again)
-        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        print(f"{linear} compiled={compiled}: relative error {err:.2e} against Block.forward")
-        assert err <= (2.5e-3 if linear == "BF16" else 1e-2)  # H200: 3.8e-4 / 1.2e-3 (eager / compiled), 5.1e-3
-    finally:
-        fused.use(False)
-        attention.use("TORCH_SDPA")
+    dit = tiny_blocks(MID, "cuda")
+    attention.set_kernel(dit, "CUDNN_ATTN")
+    set_block_passes(dit, fused.qk_kernel(kernels(), exact=False), None)  # the reference and the body share it
+    if linear == "CUTLASS":
+        quantize_blocks(dit)
+    block = dit.blocks[0]
+    x, table, indices, rope = block_inputs(block, 3000, "cuda")
+    fn = fused.block_body(fused.compile_passes(kernels()), eager_rounding=linear == "BF16")
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    with torch.no_grad():
+        want = fused.block_forward_reference(block, x, table, indices, rope)
+        assert torch.equal(want, block(x, table, indices, rope))  # the restructuring, here too
+        got, again = fn(block, x, table, indices, rope), fn(block, x, table, indices, rope)
+    assert torch.equal(got, again)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    print(f"{linear} compiled={compiled}: relative error {err:.2e} against Block.forward")
+    assert err <= (2.5e-3 if linear == "BF16" else 1e-2)  # H200: 3.8e-4 / 1.2e-3 (eager / compiled), 5.1e-3
 
 
 @GPU
@@ -276,15 +263,14 @@ def test_the_fused_block_against_block_forward(linear, compiled):
 def test_a_non_finite_activation_stays_non_finite_through_the_quantizing_passes():
     """A NaN must reach the output as the reference's does (the decoder refuses non-finite latents), not turn into a
     finite e4m3 value by a clamp."""
-    fused.build()
     x, _, w, table, idx = mod_inputs(64, HIDDEN)
     x[3, 10] = float("nan")
     f = (torch.randn(64, 2 * FFN, generator=torch.Generator().manual_seed(7)) * 2).to(torch.bfloat16).cuda()
     f[5, 20] = float("nan")
     for got, row in (
-        (fused.KERNELS["norm_modulate"](x, None, w, table, idx, 1e-6, 0, 0, 1, True, False)[1:], 3),
-        (fused.KERNELS["swiglu"](f, True, False), 5),
-        (fused.KERNELS["quantize_rows"](x), 3),
+        (kernels()["norm_modulate"](x, None, w, table, idx, 1e-6, 0, 0, 1, True, False)[1:], 3),
+        (kernels()["swiglu"](f, True, False), 5),
+        (kernels()["quantize_rows"](x), 3),
     ):
         q, scales = got
         dequantized = q.float() * scales
@@ -297,17 +283,16 @@ def test_a_non_finite_activation_stays_non_finite_through_the_quantizing_passes(
 @pytest.mark.parametrize("quantize", [False, True])
 def test_modulate_and_gated_residual_kernels_are_their_references(quantize):
     """No sum in either: eager's roundings give eager's values, every one."""
-    fused.build()
     x, y, w, table, idx = mod_inputs(6435, HIDDEN)
     n = F.rms_norm(x, (HIDDEN,), w, 1e-6)
     want = fused.modulate_reference(n, table, idx, 3, 4, quantize)
-    got = fused.KERNELS["modulate"](n, table, idx, 3, 4, quantize)
+    got = kernels()["modulate"](n, table, idx, 3, 4, quantize)
     if quantize:
         assert_quantized_close(got, want, "modulate e4m3")
         assert torch.equal(got[1], want[1])  # the scales: the amax of eager's own values
     else:
         assert torch.equal(got[0], want[0])
-    assert torch.equal(fused.KERNELS["gated_residual"](x, y, table, idx, 2),
+    assert torch.equal(kernels()["gated_residual"](x, y, table, idx, 2),
                        fused.gated_residual_reference(x, y, table, idx, 2))  # fmt: skip
 
 
@@ -317,10 +302,9 @@ def test_modulate_and_gated_residual_kernels_are_their_references(quantize):
 def test_the_exact_qk_pass_is_the_reference(s, h, d, r):
     from tests.test_fused import inputs
 
-    fused.build()
     q, k, qw, kw, cos, sin = inputs(s, h, d, r, torch.bfloat16, "cuda")
     want = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-6, cos, sin)
-    got = fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin, exact=True)
+    got = fused.qk_kernel(kernels(), exact=True)(q, k, qw, kw, 1e-6, cos, sin)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -343,25 +327,24 @@ def dit_forward(dit: H3DiT, seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.gpu
 @pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
 def test_the_exact_passes_on_the_gpu_are_the_reference_ops(linear):
-    """The eager profile on CUDA (`use_eager_passes`): a whole DiT forward at the released head layout, bit for bit the
-    reference ops' with BF16 linears; with FP8 ones the e4m3 values may differ by a step where the reference's own
-    float32 product rounds differently (`assert_quantized_close`), so: close."""
+    """The eager profile on CUDA (`accel.apply`: the exact passes): a whole DiT forward at the released head layout,
+    bit for bit the reference ops' with BF16 linears; with FP8 ones the e4m3 values may differ by a step where the
+    reference's own float32 product rounds differently (`assert_quantized_close`), so: close."""
     from h3serve.accel import attention
-    from h3serve.accel.compile import uncompile_repeated_blocks
+    from h3serve.accel.apply import block_passes, set_block_passes
+    from h3serve.accel.blocks import BlockStack
+    from h3serve.accel.profile import Profile
 
-    attention.use("CUDNN_ATTN")
     dit = tiny_blocks(MID, "cuda")
+    attention.set_kernel(dit, "CUDNN_ATTN")
     if linear == "CUTLASS":
         quantize_blocks(dit)
-    try:
-        with torch.no_grad():
-            want = dit_forward(dit)
-            assert fused.use_eager_passes(dit) == MID.num_layers
-            got, again = dit_forward(dit), dit_forward(dit)
-    finally:
-        uncompile_repeated_blocks(dit)
-        fused.use(False)
-        attention.use("TORCH_SDPA")
+    with torch.no_grad():
+        want = dit_forward(dit)
+        set_block_passes(dit, *block_passes(Profile.for_device("cuda", execution="eager", linear=linear), True))
+        BlockStack.of(dit).install(dit)
+        assert BlockStack.of(dit).describe() == "Block: block_forward"
+        got, again = dit_forward(dit), dit_forward(dit)
     for a, b, c in zip(got, want, again, strict=True):
         assert torch.equal(a, c)
         if linear == "BF16":

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.accel.profile import Profile
+from h3serve.pipeline.engine import Engine
 
 pytestmark = [
     pytest.mark.gpu,

@@ -153,7 +153,7 @@ def test_presentation_matches_diffusers(tokenizer, image_processor, case):
 
 
 def test_presentation_text(tokenizer, image_processor):
-    """The labels by themselves (ARCHITECTURE §2): per-kind numbering, a sounding video's audio label first."""
+    """The labels by themselves (docs/model.md §3): per-kind numbering, a sounding video's audio label first."""
     references = [
         video_ref(0, 48, 64, 64, 1, sound=True),
         image_ref(1, 64, 64, 2),

@@ -15,9 +15,10 @@ import torch
 from PIL import Image
 
 from folder_fixtures import write_config_folder
+from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, probe_mp4
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 
 STEPS = ["--steps", "3", "--no-progress"]
 
@@ -140,7 +141,9 @@ def expect_error(tmp_path, capsys, *flags: str, message: str, prompt: str | None
     code = main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
-    assert err[-1].startswith("h3serve: error: ") and message in err[-1], err
+    # one line, or a settings refusal: its header and one line per refused setting
+    assert err[-1].startswith(("h3serve: error: ", "  - ")) and message in err[-1], err
+    assert sum(line.startswith("h3serve: error: ") for line in err) == 1, err
     assert leftovers(tmp_path) == before  # no output, no temporary file
 
 
@@ -168,7 +171,11 @@ def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
         (["--frames", "0"], "num_frames must be >= 22"),
         (["--seconds", "-1"], "--seconds must be a finite number > 0"),
         (["--seconds", "inf"], "--seconds must be a finite number > 0"),
-        (["--threads", "0"], "--threads: threads must be an integer in 1..64"),
+        (["--threads", "0"], "H3_ENCODER_THREADS (--encoder-threads): Input should be greater than or equal to 1"),
+        (
+            ["--encoder-threads", "65"],
+            "H3_ENCODER_THREADS (--encoder-threads): Input should be less than or equal to 64",
+        ),
         (["--video-shift", "1e6", "--steps", "50"], "steps=50 with video_shift=1e+06 and audio_shift=3 collapses"),
         (["--steps", "1"], "steps must be 2..1000"),
         (["--video-shift", "0"], "video_shift must be a finite number > 0"),

@@ -41,7 +41,7 @@ def test_sigmas_and_timesteps_match_reference(num_points, shift):
 
 
 def test_documented_values():
-    """ARCHITECTURE §4: with N = 50, video sigmas 1, .99827, ... .2, 0 and audio 1, .9931, ... .05882, 0."""
+    """docs/model.md §4: with N = 50, video sigmas 1, .99827, ... .2, 0 and audio 1, .9931, ... .05882, 0."""
     s = DualSchedule.build(50)
     assert s.num_steps == 49
     assert abs(s.video.sigmas[1] - 0.99827) < 1e-5 and abs(s.video.sigmas[-2] - 0.2) < 1e-6

@@ -222,12 +222,12 @@ def test_cache_dit_with_the_balanced_profile_starts():
 
 def test_humming_refuses_compile():
     env = {"H3_LINEAR_BACKEND": "HUMMING", "H3_EXECUTION_MODE": "compile"}
-    refused(env, "H3_LINEAR_BACKEND", "HUMMING requires H3_EXECUTION_MODE=eager", "compile")
+    refused(env, "H3_LINEAR_BACKEND", "HUMMING runs eager only", "set execution eager, got compile")
 
 
 def test_humming_refuses_cache():
     env = {"H3_LINEAR_BACKEND": "HUMMING", "H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": "{}"}
-    refused(env, "H3_LINEAR_BACKEND", "HUMMING requires H3_CACHE_BACKEND=none", "cache_dit")
+    refused(env, "H3_LINEAR_BACKEND", "HUMMING is the deterministic profile and runs without a step cache", "cache_dit")
 
 
 @no_cuda

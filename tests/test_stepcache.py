@@ -267,11 +267,21 @@ def test_compiled_blocks_with_the_cache_never_recompile():
     assert all(b.forward.func.__name__ == "_call_marked" for b in dit.blocks)
 
 
-def test_compiling_after_attach_is_caught():
+def test_the_block_stack_keeps_the_cache_outermost_whichever_layer_comes_first():
+    """Compiling after attaching is the same stack as attaching after compiling (`accel.blocks`): the cache wraps
+    the compiled code, so the request caches the same forwards and gives the same rows. A forward replaced from
+    outside the stack is still caught."""
+    eager_dit = tiny_dit()
+    eager, eager_report = run_request(eager_dit, attach(eager_dit, LOSSY))
     dit = tiny_dit()
     cache = attach(dit, LOSSY)
     compile_repeated_blocks(dit, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="compile the blocks first"):
+    assert dit.block_stack.describe() == "compiled -> StepCache"
+    outs, report = run_request(dit, cache)
+    assert report == eager_report and report.num_cached > 0
+    assert_equal(outs, eager)
+    dit.blocks[0].forward = dit.blocks[0].forward.func.__get__(dit.blocks[0])  # around the stack, not through it
+    with pytest.raises(RuntimeError, match="outside its block stack"):
         cache.begin_request(8)
 
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config
-from h3serve.pipeline.engine import Engine, Profile
+from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.request import RequestError
 
 # Caches on the tiny model: forwards 2, 4, 6 and 8 of 9 (measured relative changes 0.03-0.22 against 0.5).
@@ -96,7 +97,7 @@ def test_cli_render_with_a_cache_config_reports_the_cached_forwards(tmp_path, ca
     config = '{"Fn_compute_blocks":1,"Bn_compute_blocks":0,"max_warmup_steps":2,"residual_diff_threshold":0.5,' \
         '"max_continuous_cached_steps":1}'  # fmt: skip
     code = main(["render", PROMPT, "-o", str(out), "--steps", "10", "--seed", "1", "--no-progress",
-                 "--cache-config", config])  # fmt: skip
+                 "--cache-backend", "cache_dit", "--cache-config", config])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 0 and out.exists(), err
     assert "step cache (lossy): 4 of 9 forwards cached [2, 4, 6, 8]" in err
@@ -114,7 +115,9 @@ def test_cli_render_refuses_a_bad_cache_config_before_loading(tmp_path, capsys, 
     from h3serve.cli import main
 
     out = tmp_path / "x.mp4"
-    code = main(["render", PROMPT, "-o", str(out), "--steps", "3", "--no-progress", "--cache-config", config])
+    code = main(["render", PROMPT, "-o", str(out), "--steps", "3", "--no-progress", "--cache-backend", "cache_dit",
+                 "--cache-config", config])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 1 and not out.exists()
-    assert err.startswith("h3serve: error: --cache-config: ") and message in err and err.count("\n") == 1, err
+    assert err.startswith("h3serve: error: 1 setting(s) refused:") and message in err, err
+    assert "  - H3_CACHE_CONFIG (--cache-config): " in err and err.count("\n") == 2, err

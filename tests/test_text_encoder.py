@@ -81,7 +81,7 @@ def test_h3_special_tokens(tokenizer):
 
 @pytest.mark.parametrize("height,width,pads", [(448, 768, 336), (768, 1344, 1008)])
 def test_keyframe_presentation(tokenizer, image_processor, height, width, pads):
-    """ARCHITECTURE §2: `"<Picture i>: "` + vision block of n = H*W/32^2 pads, tagged video, then the prompt."""
+    """docs/model.md §3: `"<Picture i>: "` + vision block of n = H*W/32^2 pads, tagged video, then the prompt."""
     prompt = example_prompts()["FL2VA"]
     p = present(tokenizer, prompt, [keyframe(height, width, 0), keyframe(height, width, 1)], image_processor)
     start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 from h3serve import __version__
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, SAMPLE_RATE, VIDEO_SHIFT
-from h3serve.media.mp4 import DEFAULT_THREADS
+from h3serve.vocab import SMOKE_REQUEST, Task, dit_kind, seconds_to_frames
 
 if TYPE_CHECKING:
-    from h3serve.accel.stepcache import StepCacheConfig
+    from h3serve.accel.profile import Profile
     from h3serve.model.folder import ModelFolder
-    from h3serve.pipeline.engine import Profile
     from h3serve.pipeline.request import RenderRequest
+    from h3serve.settings import EngineSettings
 
 EXIT_ERROR = 1
 
@@ -36,22 +36,19 @@ class CliError(Exception):
 
 
 def _render_parser(sub: argparse._SubParsersAction) -> None:
+    from h3serve.settings import EngineSettings, add_flags
+
     p = sub.add_parser(
         "render",
+        allow_abbrev=False,
         help="render a prompt (and optional first/last keyframes) to an MP4 with stereo sound",
         description="Render one video with sound. Without --model, the built-in tiny model runs (its output is "
-        "noise; it exists to try the pipeline without downloading weights).",
+        "noise; it exists to try the pipeline without downloading weights). The engine's settings are `serve`'s: "
+        "the same flags and H3_* variables (flags win over the environment, which wins over --config).",
     )
     p.add_argument("prompt", nargs="?", help="the shooting-script prompt (or use --prompt-file)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file, verbatim")
     p.add_argument("-o", "--output", type=Path, required=True, help="the MP4 to write")
-    p.add_argument("--model", type=Path, help="released checkpoint folder (FL2VA/ or diffusers layout); default: tiny")
-    p.add_argument(
-        "--qkv-layout",
-        choices=("stacked", "interleaved"),
-        help="QKV row order of a single-file DiT with original key names, which the file cannot tell: stacked "
-        "(default; every published single file) or interleaved (a file merged from the original shards)",
-    )
     p.add_argument("--first", type=Path, help="first keyframe image (I2VA, or FL2VA with --last)")
     p.add_argument("--last", type=Path, help="last keyframe image (L2VA, or FL2VA with --first)")
     p.add_argument(
@@ -86,41 +83,9 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--video-shift", type=float, default=VIDEO_SHIFT, help=f"video schedule shift ({VIDEO_SHIFT:g})")
     p.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT, help=f"audio schedule shift ({AUDIO_SHIFT:g})")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="DiT/text-encoder precision (cuda: bf16)")
-    p.add_argument("--vae-autocast", choices=("float16", "none"), help="video decode autocast (cuda: float16)")
-    p.add_argument(
-        "--attention", choices=("CUDNN_ATTN", "TORCH_SDPA"), help="attention kernel (cuda: CUDNN_ATTN; cpu: TORCH_SDPA)"
-    )
-    p.add_argument(
-        "--execution", choices=("compile", "eager"), help="regional torch.compile or eager (cuda: compile; cpu: eager)"
-    )
-    p.add_argument(
-        "--linear",
-        choices=("BF16", "CUTLASS"),
-        help="DiT block linears: BF16 (exact) or CUTLASS FP8 (cuda default; cpu: BF16)",
-    )
-    p.add_argument(
-        "--text-encoder-linear",
-        choices=("BF16", "CUTLASS"),
-        help="text-encoder decoder-layer linears: BF16 (default, exact) or CUTLASS FP8 (cuda only)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=DEFAULT_THREADS,
-        help=f"H.264 encoder threads, pinned for reproducible bytes ({DEFAULT_THREADS})",
-    )
-    p.add_argument(
-        "--cache-dir", type=Path, help="persistent kernel caches (Inductor, Triton) for compile; env H3_CACHE_DIR"
-    )
-    p.add_argument(
-        "--cache-config",
-        metavar="JSON",
-        help="step caching (lossy): cache-dit DBCache options as a JSON object, as H3_CACHE_CONFIG; the summary "
-        "says which forwards were cached (default: none, full compute)",
-    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).
+    add_flags(p, EngineSettings, old_names=True)
     p.set_defaults(func=cmd_render)
 
 
@@ -181,9 +146,12 @@ def _accept_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key (default: $H3_API_KEY)")
     p.add_argument("--out", type=Path, default=Path("accept"), help="folder for the MP4s and the report (accept/)")
     p.add_argument("--prompt", default=ACCEPT_PROMPT, help="the prompt (the seed's smoke prompt)")
-    p.add_argument("--width", type=int, default=768, help="canvas width (768)")
-    p.add_argument("--height", type=int, default=448, help="canvas height (448)")
-    p.add_argument("--duration", type=float, default=2.0, help="seconds, as extra_params.duration (2.0: 56 frames)")
+    smoke = SMOKE_REQUEST
+    p.add_argument("--width", type=int, default=smoke.width, help=f"canvas width ({smoke.width})")
+    p.add_argument("--height", type=int, default=smoke.height, help=f"canvas height ({smoke.height})")
+    p.add_argument(
+        "--duration", type=float, default=smoke.seconds, help=f"seconds, as extra_params.duration ({smoke.seconds})"
+    )
     p.add_argument("--steps", type=int, default=20, help="num_inference_steps (20)")
     p.add_argument("--seed", type=int, default=42, help="seed (42)")
     p.add_argument("--min-audio-psnr", type=float, default=math.inf, help="audio PSNR bound in dB (inf: identical)")
@@ -237,11 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_settings(args: argparse.Namespace, check_profile: bool = True):
-    from h3serve.settings import SettingsError, load_settings
+def _load_settings(args: argparse.Namespace, check_profile: bool = True, engine_only: bool = False):
+    from h3serve.settings import EngineSettings, Settings, SettingsError, load_settings
 
     try:
-        return load_settings(args, check_profile=check_profile)
+        schema = EngineSettings if engine_only else Settings
+        return load_settings(args, check_profile=check_profile, schema=schema)
     except SettingsError as err:
         lines = "\n".join(f"  - {v}" for v in err.violations)
         raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
@@ -365,7 +334,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
-    log.info("memory budget (GiB): %s", json.dumps(engine.memory_budget()))
+    log.info("memory held after load:\n%s", engine.memory_budget().table())
     app = create_app(settings, engine)
     uvicorn.run(app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -439,7 +408,7 @@ def _read_keyframes(args: argparse.Namespace) -> tuple[str, list]:
     """The task follows from which keyframes are given; each must read and decode as an image."""
     from h3serve.pipeline.request import decode_keyframe
 
-    task = {(False, False): "t2va", (True, False): "i2va", (False, True): "l2va", (True, True): "fl2va"}[
+    task = {(False, False): Task.T2VA, (True, False): Task.I2VA, (False, True): Task.L2VA, (True, True): Task.FL2VA}[
         (args.first is not None, args.last is not None)
     ]
     images = []
@@ -472,7 +441,7 @@ def _num_frames(args: argparse.Namespace) -> int | None:
     if args.seconds is not None:
         if not (math.isfinite(args.seconds) and args.seconds > 0):
             raise CliError(f"--seconds must be a finite number > 0, got {args.seconds}")
-        return max(1, round(args.seconds * FPS))
+        return seconds_to_frames(args.seconds)
     return args.frames
 
 
@@ -483,45 +452,37 @@ class _RenderPlan:
     request: RenderRequest
     profile: Profile
     folder: ModelFolder | None  # None: the built-in tiny model
-    step_cache: StepCacheConfig | None = None
+    settings: EngineSettings
 
 
 def _plan_render(args: argparse.Namespace) -> _RenderPlan:
-    import torch
-
     from h3serve.media.mp4 import DEFAULT_CRF, check_settings
-    from h3serve.model.folder import dit_kind, resolve_model_folder
-    from h3serve.pipeline.engine import Profile
+    from h3serve.model.folder import resolve_model_folder
     from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, validate_request
 
+    settings = _load_settings(args, engine_only=True)  # the profile, checked against this machine
     prompt = _read_prompt(args)
     references = _read_references(args)
-    task, keyframes = ("ref2va", []) if references else _read_keyframes(args)
+    task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
     _check_output(args.output)
     try:
-        check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, args.threads)
+        check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, settings.encoder_threads)
     except ValueError as err:
-        raise CliError(f"--threads: {err}") from err
-    step_cache = None
-    if args.cache_config is not None:
-        from h3serve.accel.stepcache import parse_cache_config
-
-        try:
-            step_cache = parse_cache_config(args.cache_config)
-        except ValueError as err:
-            raise CliError(f"--cache-config: {err}") from err
-    tiny = args.model is None
-    if tiny and args.qkv_layout is not None:
-        raise CliError("--qkv-layout applies to a --model whose DiT is a single file; the built-in tiny model has none")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        profile = Profile.for_device(
-            device, args.dtype, args.vae_autocast, args.attention, args.execution, args.linear, args.text_encoder_linear
+        raise CliError(f"H3_ENCODER_THREADS (--encoder-threads): {err}") from err
+    tiny = settings.model is None
+    if tiny and settings.qkv_layout is not None:
+        raise CliError(
+            "H3_QKV_LAYOUT (--qkv-layout) applies to a --model whose DiT is a single file; the built-in tiny model "
+            "has none"
         )
+    try:
         # Every config read and cross-checked, every weight header opened; no weights yet.
-        folder = None if tiny else resolve_model_folder(args.model, qkv_layout=args.qkv_layout)
+        folder = None if tiny else resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
         if folder is not None:
             folder.check_task_type(dit_kind(task))
+    except (ValueError, FileNotFoundError) as err:
+        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    try:
         request = validate_request(
             prompt,
             task=task,
@@ -537,15 +498,19 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
             mute_references=args.mute_ref,
             rules=TINY_RULES if tiny else RELEASED_RULES,
         )
-    except (ValueError, FileNotFoundError) as err:
-        field = getattr(err, "field", "")
-        if field.startswith("references["):  # name the file the user gave, not our list position
-            path = args.ref[int(field[len("references[") : -1])]
-            raise CliError(f"--ref {path}: {err}") from err
-        if field == "mute_references":
-            raise CliError(f"--mute-ref: {str(err).removeprefix('mute_references: ')}") from err
-        raise CliError(str(err)) from err
-    return _RenderPlan(request, profile, folder, step_cache)
+    except ValueError as err:
+        raise CliError(_request_error(err, args)) from err
+    return _RenderPlan(request, settings.profile(), folder, settings)
+
+
+def _request_error(err: ValueError, args: argparse.Namespace) -> str:
+    """A request error in the command's terms: the flag, and the file the user gave for a reference."""
+    field, index = getattr(err, "field", None), getattr(err, "index", None)
+    if field == "references" and index is not None:  # name the file the user gave, not our list position
+        return f"--ref {args.ref[index]}: {err}"
+    if field == "mute_references":
+        return err.describe({"mute_references": "--mute-ref"})
+    return str(err)
 
 
 def _render(engine, request, progress: bool):
@@ -553,7 +518,7 @@ def _render(engine, request, progress: bool):
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=request.steps - 1, desc="denoise", unit="step", file=sys.stderr, leave=False)
+        bar = tqdm(total=request.forwards, desc="denoise", unit="forward", file=sys.stderr, leave=False)
 
     def on_step(done: int, total: int) -> None:
         if bar is not None:
@@ -568,36 +533,31 @@ def _render(engine, request, progress: bool):
 
 def cmd_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
-    from h3serve.model.folder import dit_kind
     from h3serve.pipeline.engine import STAGES, Engine
 
     # 1. Everything the user gave, checked before any weight loads.
     plan = _plan_render(args)
-    request, profile = plan.request, plan.profile
+    request, profile, settings = plan.request, plan.profile, plan.settings
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
-    model_name = str(args.model) if plan.folder else "built-in tiny model (random weights: the output is noise)"
+    model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
     print(
-        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps - 1} "
-        f"steps, seed {request.seed} | {model_name} | {profile.device} {profile.dtype} vae-autocast "
-        f"{profile.vae_autocast} {profile.attention} {profile.execution} {profile.linear}",
+        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
+        f"steps ({request.forwards} DiT forwards), seed {request.seed} | {model_name} | {profile.describe()}",
         file=sys.stderr,
     )
 
     # 2. Load and render.
-    cache_dir = args.cache_dir or os.environ.get("H3_CACHE_DIR")
-    if cache_dir:
+    if settings.cache_dir is not None:
         from h3serve.accel.caches import use_cache_dir
 
-        try:
-            use_cache_dir(cache_dir)
-        except (OSError, ValueError) as err:
-            raise CliError(f"--cache-dir {cache_dir}: {err}") from err
+        use_cache_dir(settings.cache_dir)  # checked by the settings' rules
     start = time.perf_counter()
+    step_cache = settings.step_cache()
     try:
-        engine = Engine.load(plan.folder, profile, task_type=dit_kind(request.task), step_cache=plan.step_cache)
+        engine = Engine.load(plan.folder, profile, task_type=dit_kind(request.task), step_cache=step_cache)
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
-        raise CliError(f"--model {args.model}: {err}") from err
+        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     load_s = time.perf_counter() - start
     result = _render(engine, request, progress=not args.no_progress)
 
@@ -610,7 +570,7 @@ def cmd_render(args: argparse.Namespace) -> int:
             result.audio,
             fps=result.fps,
             sample_rate=result.sample_rate,
-            threads=args.threads,
+            threads=settings.encoder_threads,
         )
     except (ValueError, OSError) as err:
         raise CliError(f"--output {args.output}: {err}") from err

@@ -1,10 +1,13 @@
-"""The one schema for every service setting, and the fail-closed rules between them.
+"""The one schema for every setting, and the fail-closed rules between them.
 
-Each setting is a field of `Settings` with a description and bounds. It is filled, in rising priority, from its
-default, an optional config file (JSON or TOML, keys are the field names), its `H3_<FIELD>` environment variable and
-its generated CLI flag (`--field-name`). The names and values of the seed's operator contract are kept:
-H3_DIFFUSION_ATTENTION_BACKEND, H3_EXECUTION_MODE, H3_LINEAR_BACKEND, H3_CACHE_BACKEND, H3_CACHE_CONFIG,
-H3_STARTUP_WARMUP, H3_BIND_HOST, H3_API_PORT, H3_ALLOW_REMOTE_API, H3_API_KEY, H3_VIDEO_SYNC_TIMEOUT.
+`EngineSettings` holds what every command that builds an engine shares (the model, the profile, the step cache, the
+kernel caches, the encoder): `render`, `serve` and `check` take the same flags and `H3_*` variables for them.
+`Settings` (serve, check, ready) adds the service's. Each setting is a field with a description and bounds. It is
+filled, in rising priority, from its default, an optional config file (JSON or TOML, keys are the field names), its
+`H3_<FIELD>` environment variable and its generated CLI flag (`--field-name`). The names and values of the seed's
+operator contract are kept: H3_DIFFUSION_ATTENTION_BACKEND, H3_EXECUTION_MODE, H3_LINEAR_BACKEND, H3_CACHE_BACKEND,
+H3_CACHE_CONFIG, H3_STARTUP_WARMUP, H3_BIND_HOST, H3_API_PORT, H3_ALLOW_REMOTE_API, H3_API_KEY,
+H3_VIDEO_SYNC_TIMEOUT. The profile's names, defaults and rules are `accel.profile`'s.
 
 `load_settings` collects every violation (a bad value, an unknown key or H3_ variable, a forbidden combination)
 and raises one SettingsError listing them all, each naming the environment variable and flag and what is allowed.
@@ -14,7 +17,7 @@ Nothing here loads weights, so `h3serve check` is quick.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import enum
 import json
 import os
 import re
@@ -26,7 +29,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
+from h3serve.accel.profile import (
+    Attention,
+    DType,
+    Execution,
+    Linear,
+    Profile,
+    ProfileError,
+    TextLinear,
+    VaeAutocast,
+    check,
+    check_step_cache,
+)
 from h3serve.media.mp4 import DEFAULT_THREADS, MAX_THREADS
+from h3serve.vocab import TaskType
 
 ENV_PREFIX = "H3_"
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
@@ -35,23 +51,33 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
 REDACTED = "<redacted>"
-# The engine Profile's words for the settings it checks.
+# The profile's field for each setting that feeds it (`accel.profile.Profile`); a ProfileError names the former.
 PROFILE_FIELDS = {
-    "attention": "diffusion_attention_backend",
-    "execution": "execution_mode",
-    "linear": "linear_backend",
-    "text_linear": "text_encoder_linear",
+    "device": "device",
     "dtype": "dtype",
     "vae_autocast": "vae_autocast",
-    "device": "device",
+    "diffusion_attention_backend": "attention",
+    "execution_mode": "execution",
+    "linear_backend": "linear",
+    "text_encoder_linear": "text_linear",
+    "adaln_resident": "adaln_resident",
+}
+SETTING_OF = {profile: setting for setting, profile in PROFILE_FIELDS.items()}
+# `h3serve render`'s flag names before it took the shared schema, accepted for one release (0.2 drops them).
+OLD_RENDER_FLAGS = {
+    "diffusion_attention_backend": "--attention",
+    "execution_mode": "--execution",
+    "linear_backend": "--linear",
+    "encoder_threads": "--threads",
 }
 
 
-class Settings(BaseModel):
-    """Every setting of `h3serve serve` (and `check`). Field names are the config-file keys; `H3_` + the upper-cased
-    name is the environment variable; `--` + the name with dashes is the flag."""
+class EngineSettings(BaseModel):
+    """The settings every engine-building command shares (`render`, `serve`, `check`). Field names are the
+    config-file keys; `H3_` + the upper-cased name is the environment variable; `--` + the name with dashes is the
+    flag."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=(), use_enum_values=False)
 
     # The model -------------------------------------------------------------------------------------------------
     # A string, not a Path: /v1/models lists it exactly as given (the seed's identity gate compares it verbatim).
@@ -60,37 +86,29 @@ class Settings(BaseModel):
         min_length=1,
         description="released checkpoint folder (FL2VA/ or diffusers layout); unset: the built-in tiny model",
     )
-    served_model_name: str | None = Field(
-        None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
-    )
-    task_type: Literal["fl2va", "ref2va", "both"] = Field(
-        "fl2va",
-        description="which DiTs to load: fl2va (t2va, i2va, l2va, fl2va), ref2va (Ref2VA), or both (twice the DiT "
-        "memory)",
-    )
     qkv_layout: Literal["stacked", "interleaved"] | None = Field(
         None, description="QKV row order of a single-file DiT with original key names (stacked unless told)"
     )
     # The profile -----------------------------------------------------------------------------------------------
     device: str | None = Field(None, description="cpu or cuda[:N]; unset: cuda when available, else cpu")
-    dtype: Literal["bfloat16", "float32"] | None = Field(
+    dtype: DType | None = Field(
         None, description="DiT and text-encoder precision; unset: bfloat16 on cuda, float32 on cpu"
     )
-    vae_autocast: Literal["float16", "none"] | None = Field(
+    vae_autocast: VaeAutocast | None = Field(
         None, description="video-decode autocast; unset: float16 on cuda, none on cpu"
     )
-    diffusion_attention_backend: Literal["CUDNN_ATTN", "TORCH_SDPA"] | None = Field(
+    diffusion_attention_backend: Attention | None = Field(
         None, description="attention kernel; unset: the device's default profile"
     )
-    execution_mode: Literal["compile", "eager"] | None = Field(
+    execution_mode: Execution | None = Field(
         None, description="eager, or regional torch.compile of the DiT block; unset: the device's default profile"
     )
-    linear_backend: Literal["BF16", "CUTLASS", "HUMMING"] | None = Field(
+    linear_backend: Linear | None = Field(
         None,
         description="DiT linears: BF16 (unquantized), CUTLASS (FP8), HUMMING (FP8, batch-invariant; eager and no "
         "cache only); unset: the device's default profile",
     )
-    text_encoder_linear: Literal["BF16", "CUTLASS"] | None = Field(
+    text_encoder_linear: TextLinear | None = Field(
         None,
         description="text-encoder decoder-layer linears: BF16 (exact, default) or CUTLASS (FP8: -24 GB, lossy)",
     )
@@ -106,14 +124,47 @@ class Settings(BaseModel):
         description="Cache-DiT DBCache settings as a JSON object (cache-dit's key names); required with cache_dit, "
         "refused without it",
     )
-    startup_warmup: bool = Field(
-        True, description="render a 2-step clip at the production shape before reporting ready"
-    )
     cache_dir: Path | None = Field(
         None, description="folder for persistent kernel caches (Inductor, Triton) reused across restarts"
     )
     encoder_threads: int = Field(
         DEFAULT_THREADS, ge=1, le=MAX_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
+    )
+
+    def profile(self) -> Profile:
+        """The engine profile these settings select (ProfileError naming what cannot be combined). The hardware is
+        not asked here (`accel.profile.check`)."""
+        device = self.device
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        values = {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
+        return Profile.for_device(device, **values)
+
+    def step_cache(self):
+        """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
+        Valid once load_settings returned (the config was parsed there)."""
+        if self.cache_backend != "cache_dit":
+            return None
+        from h3serve.accel.stepcache import parse_cache_config
+
+        return parse_cache_config(self.cache_config)
+
+
+class Settings(EngineSettings):
+    """Every setting of `h3serve serve` (and `check`, `ready`): the engine's and the service's."""
+
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
+    )
+    task_type: TaskType = Field(
+        TaskType.FL2VA,
+        description="which DiTs to load: fl2va (t2va, i2va, l2va, fl2va), ref2va (Ref2VA), or both (twice the DiT "
+        "memory)",
+    )
+    startup_warmup: bool = Field(
+        True, description="render a 2-step clip at the production shape before reporting ready"
     )
     # The network -----------------------------------------------------------------------------------------------
     bind_host: str = Field("127.0.0.1", description="address to listen on; non-loopback needs allow_remote_api + key")
@@ -151,33 +202,6 @@ class Settings(BaseModel):
             return self.served_model_name
         return self.model if self.model is not None else "h3serve-tiny"
 
-    def profile(self):
-        """The engine profile these settings select (raises ValueError naming what cannot run)."""
-        import torch
-
-        from h3serve.pipeline.engine import Profile
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        profile = Profile.for_device(
-            device,
-            self.dtype,
-            self.vae_autocast,
-            self.diffusion_attention_backend,
-            self.execution_mode,
-            self.linear_backend,
-            self.text_encoder_linear,
-        )
-        return dataclasses.replace(profile, adaln_resident=self.adaln_resident)
-
-    def step_cache(self):
-        """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
-        Valid once load_settings returned (the config was parsed there)."""
-        if self.cache_backend != "cache_dit":
-            return None
-        from h3serve.accel.stepcache import parse_cache_config
-
-        return parse_cache_config(self.cache_config)
-
     def resolved(self) -> dict[str, Any]:
         """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`
         logs at start."""
@@ -187,7 +211,7 @@ class Settings(BaseModel):
         values["api_auth"] = self.api_key is not None or self.api_key_file is not None
         values["model_id"] = self.model_id
         try:
-            values["profile"] = self.profile().__dict__
+            values["profile"] = self.profile().as_dict()
         except ValueError as err:
             values["profile"] = f"invalid: {err}"
         return values
@@ -215,19 +239,39 @@ def _label(field: str) -> str:
 
 # The key is never a flag: a command line is visible to every user of the host (ps).
 CLI_FIELDS = tuple(f for f in Settings.model_fields if f != "api_key")
+ENGINE_FIELDS = tuple(EngineSettings.model_fields)
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting, generated from the schema (values are parsed and checked by `load_settings`)."""
+def _choices(annotation: Any) -> str | None:
+    """'A|B|C' for an enum or Literal setting (the --help text's allowed values)."""
+    for arg in (annotation, *getattr(annotation, "__args__", ())):
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return "|".join(str(m.value) for m in arg)
+        if getattr(arg, "__origin__", None) is Literal:
+            return "|".join(map(str, arg.__args__))
+    return None
+
+
+def add_flags(parser: argparse.ArgumentParser, schema: type[EngineSettings] = Settings, *, old_names: bool = False):
+    """One flag per setting of `schema`, generated from it (values are parsed and checked by `load_settings`).
+    `old_names`: also accept `render`'s former flag names (`OLD_RENDER_FLAGS`) for the same settings."""
     parser.add_argument("--config", type=Path, help="settings file (JSON or TOML; keys are the setting names)")
-    for name in CLI_FIELDS:
-        info = Settings.model_fields[name]
+    for name in schema.model_fields:
+        if name not in CLI_FIELDS:
+            continue
+        info = schema.model_fields[name]
         default = "unset" if info.default is None else info.default
+        default = default.value if isinstance(default, enum.Enum) else default
         help_text = f"{info.description} (env {env_name(name)}; default {default})"
+        flags = [flag_name(name)]
+        if old_names and name in OLD_RENDER_FLAGS:
+            flags.append(OLD_RENDER_FLAGS[name])
+            help_text += f"; {OLD_RENDER_FLAGS[name]} is its former render name, kept for one release"
         if info.annotation is bool:
-            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            parser.add_argument(flag_name(name), default=None, metavar=name.upper(), help=help_text)
+            metavar = _choices(info.annotation) or name.upper()
+            parser.add_argument(*flags, dest=name, default=None, metavar=metavar, help=help_text)
 
 
 def load_settings(
@@ -236,14 +280,18 @@ def load_settings(
     config_file: Path | None = None,
     *,
     check_profile: bool = True,
-) -> Settings:
-    """Merge defaults < config file < environment < flags; validate every value and rule; raise SettingsError.
+    schema: type[EngineSettings] = Settings,
+) -> EngineSettings:
+    """Merge defaults < config file < environment < flags into `schema`; validate every value and rule; raise
+    SettingsError. An `H3_*` variable or file key that is no h3serve setting is refused; one that is a setting of
+    another command (a service setting when `schema` is `EngineSettings`, for `render`) is left to that command.
     `check_profile=False` skips asking the device whether it can run the profile (which initialises CUDA): for
     `h3serve ready`, a healthcheck that only needs the address and the key."""
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source: dict[str, str] = {}
     violations: list[str] = []
+    fields = schema.model_fields
 
     config_file = config_file or (getattr(args, "config", None) if args is not None else None)
     if config_file is not None:
@@ -252,8 +300,8 @@ def load_settings(
                 violations.append(
                     f"{config_file}: unknown setting {key!r}; allowed: {', '.join(Settings.model_fields)}"
                 )
-                continue
-            raw[key], source[key] = value, f"{config_file}:{key}"
+            elif key in fields:
+                raw[key], source[key] = value, f"{config_file}:{key}"
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
             continue
@@ -263,18 +311,18 @@ def load_settings(
                 f"{var}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
             )
             continue
-        if value == "":  # compose passes unset variables as empty strings
+        if value == "" or name not in fields:  # compose passes unset variables as empty strings
             continue
         raw[name], source[name] = value, var
     if args is not None:
         for name in CLI_FIELDS:
             value = getattr(args, name, None)
-            if value is not None:
+            if value is not None and name in fields:
                 raw[name], source[name] = value, flag_name(name)
 
     failed: set[str] = set()
     try:
-        Settings.model_validate(raw)
+        schema.model_validate(raw)
     except ValidationError as err:
         for e in err.errors():
             field = str(e["loc"][0]) if e["loc"] else ""
@@ -282,8 +330,10 @@ def load_settings(
             got = raw.get(field)
             shown = REDACTED if field == "api_key" else repr(got)
             violations.append(f"{_label(field)}: {e['msg']}, got {shown} (from {source.get(field, 'default')})")
-    settings = Settings.model_validate({k: v for k, v in raw.items() if k not in failed})
-    violations += _rules(settings, failed, env, check_profile)
+    settings = schema.model_validate({k: v for k, v in raw.items() if k not in failed})
+    violations += _engine_rules(settings, failed, env, check_profile)
+    if isinstance(settings, Settings):
+        violations += _service_rules(settings, failed)
     if violations:
         raise SettingsError(violations)
     return settings
@@ -307,8 +357,9 @@ def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
     return data
 
 
-def _rules(s: Settings, failed: set[str], env: Mapping[str, str], check_profile: bool = True) -> list[str]:
-    """The rules between settings (each one only when the settings it reads are themselves valid)."""
+def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], check_profile: bool = True) -> list[str]:
+    """The rules between the engine's settings (each only when the settings it reads are themselves valid). The
+    profile's rules are the profile's own (`accel.profile`): its error names the setting, renamed here."""
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
 
@@ -326,20 +377,35 @@ def _rules(s: Settings, failed: set[str], env: Mapping[str, str], check_profile:
                 out.append(f"{_label('cache_config')}: given, but H3_CACHE_BACKEND is none; set cache_dit or remove it")
         if s.cache_backend == "cache_dit" and s.cache_config is None:
             out.append(f"{_label('cache_backend')}: cache_dit requires an explicit, tested H3_CACHE_CONFIG")
-    # HUMMING is the deterministic profile: eager and no cache only.
-    if ok("linear_backend", "execution_mode", "cache_backend") and s.linear_backend == "HUMMING":
-        import torch
+    # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
+    if ok("cache_dir") and s.cache_dir is not None:
+        try:
+            from h3serve.accel.caches import use_cache_dir
 
-        from h3serve.pipeline.engine import DEFAULTS
+            use_cache_dir(s.cache_dir, environ=dict(env))  # a dry run on a copy of the environment
+            if not os.access(s.cache_dir, os.W_OK | os.X_OK):
+                out.append(f"{_label('cache_dir')}: {s.cache_dir} is not writable")
+        except (OSError, ValueError) as err:
+            out.append(f"{_label('cache_dir')}: {err}")
+    # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck) asks
+    # neither: an unset device resolves by asking torch for CUDA, which a call every 30 s must not do.
+    if ok("linear_backend", "cache_backend") and s.cache_backend != "none":
+        try:
+            check_step_cache(s.linear_backend)
+        except ProfileError as err:
+            out.append(f"{_label(SETTING_OF[err.setting])}: {err} (H3_CACHE_BACKEND is {s.cache_backend})")
+    if check_profile and ok(*PROFILE_FIELDS):
+        try:
+            check(s.profile())
+        except ProfileError as err:
+            out.append(f"{_label(SETTING_OF.get(err.setting, 'device'))}: {err}")
+    return out
 
-        device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        # unset: the device's default profile's mode
-        execution = s.execution_mode or DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]["execution"]
-        if execution != "eager":
-            out.append(f"{_label('linear_backend')}: HUMMING requires H3_EXECUTION_MODE=eager, got {execution}")
-        if s.cache_backend != "none":
-            out.append(f"{_label('linear_backend')}: HUMMING requires H3_CACHE_BACKEND=none, got {s.cache_backend}")
-    # The network: loopback unless remote access is asked for, and then only behind a strong key.
+
+def _service_rules(s: Settings, failed: set[str]) -> list[str]:
+    """The network: loopback unless remote access is asked for, and then only behind a strong key."""
+    out: list[str] = []
+    ok = lambda *names: not failed.intersection(names)  # noqa: E731
     key_ok = True
     if ok("api_key", "api_key_file"):
         if s.api_key is not None and s.api_key_file is not None:
@@ -371,24 +437,6 @@ def _rules(s: Settings, failed: set[str], env: Mapping[str, str], check_profile:
                 out.append(
                     f"{_label('bind_host')}: a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE"
                 )
-    # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
-    if ok("cache_dir") and s.cache_dir is not None:
-        try:
-            from h3serve.accel.caches import use_cache_dir
-
-            use_cache_dir(s.cache_dir, environ=dict(env))  # a dry run on a copy of the environment
-            if not os.access(s.cache_dir, os.W_OK | os.X_OK):
-                out.append(f"{_label('cache_dir')}: {s.cache_dir} is not writable")
-        except (OSError, ValueError) as err:
-            out.append(f"{_label('cache_dir')}: {err}")
-    # The profile: what this device and build can run.
-    profile_fields = ("device", "dtype", "vae_autocast", "diffusion_attention_backend", "execution_mode")
-    if check_profile and ok(*profile_fields, "linear_backend", "text_encoder_linear"):
-        try:
-            s.profile()
-        except ValueError as err:
-            setting = PROFILE_FIELDS.get(str(err).split()[0], "device")
-            out.append(f"{_label(setting)}: {err}")
     return out
 
 

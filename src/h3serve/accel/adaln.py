@@ -5,10 +5,10 @@ the GPU while it runs.
 A table is made exactly as the block makes it during a forward (`Block.modulation`: the same projection on the same
 (M, time_embed_dim) rows, one step at a time), so a denoise over tables is bitwise the denoise without them. Off the
 GPU (the default on CUDA), the weights live in host memory and are copied in one block at a time when a schedule's
-tables are made, and the tables themselves are kept in (pinned) host memory too: a schedule of the default 49 steps
-is 1.4 GB of tables, so the GPU holds one step's (29 MB), copied in as the step starts (about 0.6 ms on an H200's
-link, against a 0.36-0.6 s forward). Tables are kept for a few schedules (`cache_size`), so repeated requests of one
-schedule pay once.
+tables are made, and the tables themselves are kept in (pinned) host memory too: a schedule's tables are one step's
+times its step count, so the GPU holds one step's, copied in as the step starts: a copy far shorter than a forward
+(bench/results/README.md, the AdaLN-tables runs). Tables are kept for a few schedules (`cache_size`), so repeated
+requests of one schedule pay once.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class ScheduleTables(Sequence[list[torch.Tensor]]):
         return [t.to(self.device, non_blocking=True) for t in self.tables[step]]
 
 
-def _is_block_adaln(name: str) -> bool:
+def is_block_adaln(name: str) -> bool:
+    """Whether a DiT tensor name is a block's AdaLN projection (what waits in host memory off the device)."""
     return name.startswith("blocks.") and ".adaln_proj." in name
 
 
@@ -49,7 +50,7 @@ class AdalnHostHook:
     above what the GPU keeps."""
 
     def transform(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not _is_block_adaln(name) or tensor.device.type == "cpu":
+        if not is_block_adaln(name) or tensor.device.type == "cpu":
             return {name: tensor}
         return {name: torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)}
 

@@ -1,17 +1,20 @@
-"""Attention backends by the seed's names, each a kernel over (B, H, S, D) set once into `h3serve.model.ops`.
+"""Attention backends by the seed's names (`accel.profile.Attention`), each a kernel over (B, H, S, D) that a model's
+attention modules hold (`kernel`), set per model by `set_kernel`.
 
 TORCH_SDPA  torch's scaled_dot_product_attention with its own backend choice (flash on Hopper): the reference
-CUDNN_ATTN  the same call held to cuDNN's fused attention (613 TFLOP/s at the reference shape on an H200 against
-            flash's 330, and bitwise repeatable there: PERFORMANCE.md)
+CUDNN_ATTN  the same call held to cuDNN's fused attention (faster than flash on Hopper at H3's shapes, and bitwise
+            repeatable: bench/results/README.md)
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from h3serve.model import ops
+from h3serve.accel.profile import Attention
+from h3serve.model import audio_vae, dit, ops, video_vae
 
 
 def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -26,20 +29,17 @@ def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-KERNELS: dict[str, ops.AttentionKernel] = {"TORCH_SDPA": ops.sdpa, "CUDNN_ATTN": cudnn_sdpa}
+KERNELS: dict[Attention, ops.AttentionKernel] = {Attention.TORCH_SDPA: ops.sdpa, Attention.CUDNN_ATTN: cudnn_sdpa}
+if set(KERNELS) != set(Attention):  # a backend name without a kernel fails at import, not at a request
+    raise ImportError(f"attention backends without a kernel: {set(Attention) - set(KERNELS)}")
+# The modules that hold an attention kernel: the DiT's, the video decoder's, the audio encoder's.
+MODULES = (dit.Attention, video_vae.Attention, audio_vae.CausalAttention)
 
 
-def check(name: str, device: torch.device) -> None:
-    """Refuse a backend this device cannot run (ValueError naming what is allowed)."""
-    if name not in KERNELS:
-        raise ValueError(f"attention must be one of {', '.join(KERNELS)}, got {name!r}")
-    if name == "CUDNN_ATTN":
-        if device.type != "cuda":
-            raise ValueError(f"attention CUDNN_ATTN needs a CUDA device (allowed on {device.type}: TORCH_SDPA)")
-        if not torch.backends.cudnn.is_available():
-            raise ValueError("attention CUDNN_ATTN: cuDNN is not available in this torch build (allowed: TORCH_SDPA)")
-
-
-def use(name: str) -> None:
-    """Make every `ops.attention` call run this backend from now on."""
-    ops.use_attention_kernel(KERNELS[name])
+def set_kernel(model: nn.Module, name: Attention) -> int:
+    """Every attention module of `model` runs backend `name` from now on; returns how many there are."""
+    kernel = KERNELS[Attention(name)]
+    modules = [m for m in model.modules() if isinstance(m, MODULES)]
+    for module in modules:
+        module.kernel = kernel
+    return len(modules)

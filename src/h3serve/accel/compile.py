@@ -4,20 +4,15 @@ once, full graph, and the compiled code shared by every instance, as diffusers' 
 Only the row count is symbolic. Every call marks the first dimension of each tensor argument that has the row count
 (the rows, their AdaLN indices, the RoPE tables) as dynamic; every other size stays static (the modulation table is
 padded to `TABLE_ROWS`, widths are the model's). So the first forward compiles two graphs (block, refiner block) and
-nothing recompiles afterwards: not across the steps of a request (1 to 4 distinct timesteps), nor across requests
-with other prompt lengths, tasks, canvases or frame counts. `GraphCounter` counts the graphs Dynamo hands to the
-backend, so that claim is checked, not assumed.
+nothing recompiles afterwards: not across the steps of a request, nor across requests with other prompt lengths,
+tasks, canvases or frame counts. `GraphCounter` counts the graphs Dynamo hands to the backend, so that claim is
+checked, not assumed. Why not `dynamic=True`: it makes every size symbolic (the head count and width of the RoPE
+tables too), and Inductor's code for the qk-norm + rotary then ran three times slower.
 
 Precision: Inductor fuses the pointwise ops around the GEMMs and, by default, skips the bf16 rounding eager makes
-between two fused ops. The full-size BF16 forward then differed from eager (ours and diffusers', bitwise equal)
-by 2.37e-2 relative; keeping those roundings (`eager_precision`, Inductor's `emulate_precision_casts`) brings it to
-1.62e-2 for 2 ms (0.4%) more. The engine keeps them for the BF16 profile, whose point is fidelity; with FP8 linears
-the FP8 rounding dominates (6.8e-2 either way) and the roundings cost 4 ms, so CUTLASS does without.
-
-Why not `dynamic=True`: it makes every input size symbolic, the head count and head width of the RoPE tables too, and
-Inductor's kernels for the fused qk-norm + rotary then ran 3x slower (23.2 ms against 7.7 ms per forward at the
-reference shape): 528 ms per forward against 508 ms with the row count alone symbolic, and 511 ms with static shapes
-(bench/results, 2026-12-01). Marking only the rows costs nothing measurable against static shapes.
+between two fused ops. `eager_precision` (Inductor's `emulate_precision_casts`) keeps those roundings: the BF16
+profile, whose point is fidelity, keeps them; with FP8 linears the FP8 rounding dominates, so CUTLASS does without.
+The measured effect of each choice is in bench/results/README.md.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from h3serve.model.dit import REPEATED_BLOCKS
+from h3serve.accel.blocks import BlockStack
 
 
 class GraphCounter:
@@ -87,41 +82,48 @@ def _call(compiled, module: nn.Module, *args, **kwargs):
     return compiled(module, *args, **kwargs)
 
 
+class Compiler:
+    """torch.compile of block bodies: one compiled function per (block class, body), shared by every block bound to
+    it (both DiTs of a `both` server share one compiler, so their blocks share code and one `GraphCounter`)."""
+
+    def __init__(
+        self,
+        backend: str = "inductor",
+        dynamic: bool = True,
+        eager_precision: bool = False,
+        inductor_config: Mapping[str, object] | None = None,
+    ):
+        config = {"emulate_precision_casts": True} if eager_precision else {}
+        self.counter = GraphCounter(backend, {**config, **(inductor_config or {})} or None)
+        self.dynamic = dynamic
+        self._compiled: dict[tuple[type, Callable], Callable] = {}
+
+    def bind(self, block: nn.Module, body: Callable) -> Callable:
+        """The compiled `body` as `block`'s forward: called as forward(x, *args)."""
+        key = (type(block), body)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(
+                body, fullgraph=True, dynamic=None if self.dynamic else False, backend=self.counter
+            )
+        return functools.partial(_call_marked if self.dynamic else _call, self._compiled[key], block)
+
+
 def compile_repeated_blocks(
     model: nn.Module,
     backend: str = "inductor",
     dynamic: bool = True,
     eager_precision: bool = False,
-    forwards: Mapping[type, Callable] | None = None,
     inductor_config: Mapping[str, object] | None = None,
 ) -> GraphCounter:
-    """Compile every repeated block of `model` in place (the instance's `forward` becomes the shared compiled code);
-    returns the counter of compiled graphs. `dynamic=False` (static shapes: a recompile for every new row count)
-    exists to measure what the symbolic row count costs. `eager_precision`: Inductor keeps the low-precision
-    roundings eager makes between the ops it fuses (`emulate_precision_casts`), so the compiled block stays as
-    close to the exact (eager) profile as a different GEMM order allows. `forwards`: for a block class, the function
-    compiled instead of its own `forward` (same signature; `accel.fused.block_forwards`). `inductor_config`: further
-    Inductor options for these graphs (a benchmark's experiments, e.g. `max_autotune`)."""
-    config = {"emulate_precision_casts": True} if eager_precision else {}
-    counter = GraphCounter(backend, {**config, **(inductor_config or {})} or None)
-    compiled: dict[type, object] = {}
-    call = _call_marked if dynamic else _call
-    for module in model.modules():
-        if isinstance(module, REPEATED_BLOCKS):
-            cls = type(module)
-            if cls not in compiled:
-                fn = (forwards or {}).get(cls, cls.forward)
-                compiled[cls] = torch.compile(fn, fullgraph=True, dynamic=None if dynamic else False, backend=counter)
-            module.forward = functools.partial(call, compiled[cls], module)
-    if not compiled:
-        raise ValueError(
-            f"{type(model).__name__} has no repeated blocks ({', '.join(c.__name__ for c in REPEATED_BLOCKS)})"
-        )
-    return counter
+    """Compile every repeated block of `model` in place, over whatever body its block stack runs
+    (`accel.blocks`); returns the counter of compiled graphs. `dynamic=False` (static shapes: a recompile for every
+    new row count) exists to measure what the symbolic row count costs. `inductor_config`: further Inductor options
+    (a benchmark's experiments)."""
+    compiler = Compiler(backend, dynamic, eager_precision, inductor_config)
+    BlockStack.of(model).set_compiler(compiler).install(model)
+    return compiler.counter
 
 
 def uncompile_repeated_blocks(model: nn.Module) -> None:
-    """Undo `compile_repeated_blocks`: the blocks run their own (eager) forward again."""
-    for module in model.modules():
-        if isinstance(module, REPEATED_BLOCKS):
-            module.__dict__.pop("forward", None)
+    """Undo `compile_repeated_blocks`: the blocks run their body (own forward, or passes) eagerly again."""
+    BlockStack.of(model).set_compiler(None).install(model)

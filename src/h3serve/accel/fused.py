@@ -1,54 +1,31 @@
-"""Fused kernels for the DiT's hot path, each replacing a plain reference op of `h3serve.model.ops` and checked
-against it (tests/test_fused.py on the GPU; the references' own tests run on the CPU).
+"""Fused passes for the DiT's hot path, each beside the plain reference it replaces, and the block written over them.
 
-qk_norm_rope  the attention's per-head RMSNorm of q and k and the partial rotate-half RoPE, in one pass over q and k:
-              each (row, head) is read once and written once, where Inductor's code for the same ops ran two
-              reductions, a pointwise kernel and two concatenations (about 21 ms of the 514 ms compiled BF16
-              forward at the reference shape; bench/results/2026-12-01-h200-dit-step.json).
+qk_norm_rope  the attention's per-head RMSNorm of q and k and the partial rotate-half RoPE in one pass over q and k
+              (`triton_qk_norm_rope`); `exact`: torch's own rms_norm first, then the kernel's rotary alone.
+norm_modulate [x + gate * y, stored,] then RMSNorm and AdaLN modulation, the modulation rows gathered from the
+              block's table by each row's index [, quantized for an FP8 GEMM]: the block's two pre-GEMM passes
+swiglu        value * silu(gate) of fc1's output [, quantized for fc2]
+quantize_rows the attention output, quantized for out_proj
+modulate, gated_residual   the exact passes' pieces (no sum in either)
 
-The arithmetic follows the eager ops' roundings: the norm and its weight in float32, rounded once to the activations'
-dtype (as eager's CUDA `rms_norm`; `triton_qk_norm_rope.ROUND_NORM`); the rotary tables rounded to that dtype, each
-product rounded, then their sum. The sum of squares and the rsqrt are the kernel's own, so a few values land a
-rounding step away from the reference ops (2.7e-6 of bf16 values on the H200; tests/test_fused.py bounds it).
+`block_forward` is `Block.forward` written over a pass table: `compile_passes` (what the compiled block traces on
+CUDA), `exact_passes` (what eager runs on CUDA: every sum stays torch's own, each RMSNorm torch's `rms_norm`, whose
+reduction order no other kernel repeats, so eager keeps the reference ops' numbers bit for bit), or `REFERENCES`
+(the passes' plain compositions, with which the restructured block is checked bit for bit against `Block.forward`
+on the CPU, tests/test_fused_block.py). `eager_rounding`: each kernel rounds its intermediates to the activations'
+dtype where eager does; without it they stay float32, as Inductor's fused code keeps them.
 
-The block passes (`block_forward`, Triton source in `triton_block`), one program per row; with FP8 block linears
-(CUTLASS) they also quantize what the next GEMM reads, per row, as `accel.linear.quantize_rows` does. In the compiled
-CUTLASS forward at the reference shape they take 20 ms where Inductor's code for the same ops took 33 (the FP8 SwiGLU
-7.8 against 16.2): 353 ms per forward against 362 (bench/results/2026-12-01-h200-dit-step-block-passes.json). In
-BF16 they cost what Inductor's did.
-
-norm_modulate  [x + gate * y, stored,] then RMSNorm and AdaLN modulation, the modulation rows gathered from the
-               block's table by each row's index [, quantized]: the block's two pre-GEMM passes
-swiglu         value * silu(gate) of fc1's output, quantized for fc2
-quantize_rows  the attention output, quantized for out_proj
-
-`block_forward` is `Block.forward` written with these passes; `block_forward_reference` runs the same passes through
-their reference compositions (`*_reference`, made of the model's own ops and `quantize_rows`), so the restructured
-block is checked bit for bit against `Block.forward` (tests/test_fused_block.py), and each kernel against its reference
-on the GPU.
-`eager_rounding`: each kernel rounds its intermediates to the activations' dtype where eager does (the BF16
-profile's `eager_precision`); without it they stay float32 (as Inductor's fused code keeps them).
-
-The exact passes (`exact_passes`, what eager runs on CUDA: `use_eager_passes`) keep eager's numbers bit for bit: every
-sum stays torch's own (each RMSNorm is torch's `rms_norm`, whose reduction order no other kernel repeats), and the
-kernels do only what has none, each value rounded where eager rounds:
-
-modulate        AdaLN modulation of torch's normalised rows, the rows gathered from the table [, quantized]
-gated_residual  x + gate * y, the gate rows gathered from the table
-swiglu          as above, with eager's roundings
-qk rotary       `qk_norm_rope(exact=True)`: torch's rms_norm of q and k, then the qk kernel's rotary alone
-
-At the reference shape on the H200 eager takes 531.1 ms per forward with them against 607.8 without, the outputs
-bitwise equal (bench/results/2026-12-01-h200-dit-step-eager-passes.json).
-
-The kernels are `torch.library.triton_op`s, so `torch.compile` traces them into the compiled block as kernels of
-their own (no graph break) and eager calls launch them directly. They need a CUDA device and Triton (`available`).
+The Triton kernels are `torch.library.triton_op`s (`triton_kernels()`), so `torch.compile` traces them into the
+compiled block as kernels of their own and eager calls launch them directly. They need a CUDA device and Triton
+(`available`). Nothing here is process state: `accel.apply` hands each model the passes it runs. What each pass
+costs and buys is measured by bench/fused_passes.py and bench/dit_step.py (bench/results/README.md).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -87,46 +64,43 @@ def qk_norm_rope(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    *,
+    op: Callable,
     exact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.qk_norm_rope_reference` in one Triton pass (CUDA). `exact` (the eager passes' qk pass): bit for bit the
-    reference, torch's `rms_norm` of q and k, then the kernel's rotary alone (one pass over q and k where the
-    reference's rotary takes eight kernels). The op is built by `build` (or `use`) first: a plain global read here,
-    which `torch.compile` traces without a break."""
+    """`ops.qk_norm_rope_reference` in one Triton pass, `op` (`triton_kernels()["qk_norm_rope"]`). `exact` (the
+    eager passes' qk pass): bit for bit the reference, torch's `rms_norm` of q and k, then the kernel's rotary alone
+    (one pass over q and k where the reference's rotary takes eight kernels)."""
     check_shapes(q, k, cos, sin)
-    if _FUSED is None:
-        raise RuntimeError("the fused qk-norm + rotary op is not built; call fused.build() or fused.use(True) first")
     if exact:
         q, k = ops.qk_norm(q, k, q_weight, k_weight, eps)
-    return _FUSED(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=not exact)
+    return op(q, k, q_weight, k_weight, eps, cos.float(), sin.float(), norm=not exact)
 
 
-_FUSED = None
+def qk_kernel(kernels: Mapping[str, Callable], exact: bool) -> ops.QkNormRopeKernel:
+    """The qk-norm + rotary kernel an `Attention` module runs (`Attention.qk_kernel`) over Triton's op."""
+    return functools.partial(qk_norm_rope, op=kernels["qk_norm_rope"], exact=exact)
 
 
-def build() -> None:
-    """Import Triton and register the custom ops (once; nothing compiles until the first call)."""
-    global _FUSED
+@functools.cache
+def triton_kernels() -> Mapping[str, Callable]:
+    """The Triton passes by name (imported and registered once; nothing compiles until a first call). A read-only
+    table: which of them a model runs is the model's own choice (`accel.apply`)."""
     if not available():
         raise ValueError("the fused kernels need a CUDA device and Triton")
     from h3serve.accel import triton_block
     from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
 
-    _FUSED = qk_norm_rope_fused
-    KERNELS.update(
-        norm_modulate=triton_block.norm_modulate_op,
-        swiglu=triton_block.swiglu_op,
-        quantize_rows=triton_block.quantize_rows_op,
-        modulate=triton_block.modulate_op,
-        gated_residual=triton_block.gated_residual_op,
+    return MappingProxyType(
+        {
+            "qk_norm_rope": qk_norm_rope_fused,
+            "norm_modulate": triton_block.norm_modulate_op,
+            "swiglu": triton_block.swiglu_op,
+            "quantize_rows": triton_block.quantize_rows_op,
+            "modulate": triton_block.modulate_op,
+            "gated_residual": triton_block.gated_residual_op,
+        }
     )
-
-
-def use(enabled: bool) -> None:
-    """Route `ops.qk_norm_rope` through the fused kernel (True) or the reference (False)."""
-    if enabled:
-        build()
-    ops.use_qk_norm_rope_kernel(qk_norm_rope if enabled else None)
 
 
 # ---- the block passes -------------------------------------------------------------------------------------------
@@ -183,21 +157,23 @@ def gated_residual_reference(
     return ops.gated_residual(x, table.chunk(len(MODULATIONS), dim=-1)[gate].index_select(0, indices), y)
 
 
-REFERENCES: dict[str, Callable] = {
-    "norm_modulate": norm_modulate_reference,
-    "swiglu": swiglu_reference,
-    "quantize_rows": quantize_rows,
-    "modulate": modulate_reference,
-    "gated_residual": gated_residual_reference,
-}
-KERNELS: dict[str, Callable] = {}  # filled by `build`
-_STEP = {name: MODULATIONS.index(name) for name in MODULATIONS}
+REFERENCES: Mapping[str, Callable] = MappingProxyType(
+    {
+        "norm_modulate": norm_modulate_reference,
+        "swiglu": swiglu_reference,
+        "quantize_rows": quantize_rows,
+        "modulate": modulate_reference,
+        "gated_residual": gated_residual_reference,
+    }
+)
+# Where each modulation vector sits in a block's table row (a chunk index, not a denoise step).
+CHUNK = {name: MODULATIONS.index(name) for name in MODULATIONS}
 
 
-def compile_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
+def compile_passes(kernels: Mapping[str, Callable]) -> dict[str, Callable]:
     """What the compiled block runs (`block_forwards`): the kernels' norm + modulation passes, their SwiGLU and row
     quantization with FP8 linears; the BF16 SwiGLU gate and the block's last gated residual stay the plain ops, left to
-    Inductor (its pass for the gate is at its traffic floor, PERFORMANCE.md; the residual is one pass either way)."""
+    Inductor (its pass for the gate is at its traffic floor; the residual is one pass either way)."""
 
     def swiglu(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels["swiglu"](f, True, eager_rounding) if quantize else swiglu_reference(f, False)
@@ -205,13 +181,13 @@ def compile_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
     return {**kernels, "swiglu": swiglu, "gated_residual": gated_residual_reference}
 
 
-def exact_passes(kernels: dict[str, Callable]) -> dict[str, Callable]:
+def exact_passes(kernels: Mapping[str, Callable]) -> dict[str, Callable]:
     """The eager block's passes: exact, so eager stays bit for bit the reference ops (`Block.forward`).
 
     Every sum stays torch's own: each RMSNorm is torch's `rms_norm`, whose reduction order no other kernel repeats.
     Around it the kernels do what has no sum, each value rounded where eager rounds: the gathered modulation rows with
-    the gated residual adds and the modulation ([-> e4m3 for an FP8 GEMM]), and the SwiGLU gate. `kernels`: Triton's
-    (`KERNELS`), or `REFERENCES`, with which the composition itself is checked on a CPU (tests/test_fused_block.py)."""
+    the gated residual adds and the modulation ([-> e4m3 for an FP8 GEMM]), and the SwiGLU gate. `kernels`:
+    Triton's (`triton_kernels()`), or `REFERENCES`, with which the composition itself is checked on a CPU."""
 
     def norm_modulate(x, y, weight, table, indices, eps, gate, shift, scale, quantize, eager_rounding=True):
         if y is not None:
@@ -233,29 +209,30 @@ def block_forward(
     table: torch.Tensor,
     adaln_indices: torch.Tensor,
     rope: Rope,
-    passes: dict[str, Callable],
+    passes: Mapping[str, Callable],
     eager_rounding: bool = True,
 ) -> torch.Tensor:
-    """`Block.forward` with its element-wise work done by `passes`: `compile_passes(KERNELS)` (what compile traces),
-    `exact_passes(KERNELS)` (eager on CUDA), or `REFERENCES`. With FP8 block linears each GEMM's input is quantized by
-    the pass that makes it; the second AdaLN pass takes the attention's gated residual add."""
+    """`Block.forward` with its element-wise work done by `passes`: `compile_passes(...)` (what compile traces),
+    `exact_passes(...)` (eager on CUDA), or `REFERENCES`. With FP8 block linears each GEMM's input is quantized by
+    the pass that makes it; the second AdaLN pass takes the attention's gated residual add. The attention and the
+    qk-norm + rotary are the block's own kernels (`Attention.kernel`, `.qk_kernel`)."""
     attn, mlp = block.attn, block.mlp
     dtype = x.dtype
     norm = passes["norm_modulate"]
-    _, h, s = norm(x, None, block.norm1.weight, table, adaln_indices, block.norm1.eps, 0, _STEP["shift_msa"],
-                   _STEP["scale_msa"], isinstance(attn.qkv_proj, Fp8Linear), eager_rounding)  # fmt: skip
+    _, h, s = norm(x, None, block.norm1.weight, table, adaln_indices, block.norm1.eps, 0, CHUNK["shift_msa"],
+                   CHUNK["scale_msa"], isinstance(attn.qkv_proj, Fp8Linear), eager_rounding)  # fmt: skip
     q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in _project(attn.qkv_proj, h, s, dtype).chunk(3, dim=-1))
-    q, k = ops.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, *rope)
-    out = ops.attention(q, k, v).flatten(1).to(dtype)
+    q, k = attn.qk_kernel(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, *rope)
+    out = ops.attention(q, k, v, kernel=attn.kernel).flatten(1).to(dtype)
     if isinstance(attn.out_proj, Fp8Linear):
         y = attn.out_proj.matmul_rows(*passes["quantize_rows"](out), dtype)
     else:
         y = attn.out_proj(out)
-    x, h, s = norm(x, y, block.norm2.weight, table, adaln_indices, block.norm2.eps, _STEP["gate_msa"],
-                   _STEP["shift_mlp"], _STEP["scale_mlp"], isinstance(mlp.fc1, Fp8Linear), eager_rounding)  # fmt: skip
+    x, h, s = norm(x, y, block.norm2.weight, table, adaln_indices, block.norm2.eps, CHUNK["gate_msa"],
+                   CHUNK["shift_mlp"], CHUNK["scale_mlp"], isinstance(mlp.fc1, Fp8Linear), eager_rounding)  # fmt: skip
     f = _project(mlp.fc1, h, s, dtype)
     y = _project(mlp.fc2, *passes["swiglu"](f, isinstance(mlp.fc2, Fp8Linear), eager_rounding), dtype)
-    return passes["gated_residual"](x, y, table, adaln_indices, _STEP["gate_mlp"])
+    return passes["gated_residual"](x, y, table, adaln_indices, CHUNK["gate_mlp"])
 
 
 def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torch.Tensor:
@@ -263,28 +240,7 @@ def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torc
     return block_forward(block, x, table, adaln_indices, rope, passes=REFERENCES)
 
 
-def block_forwards(eager_rounding: bool) -> dict[type, Callable]:
-    """What `compile_repeated_blocks(forwards=...)` compiles instead of `Block.forward` (the kernels; `build` first)."""
-    if not KERNELS:
-        raise RuntimeError("the fused block passes are not built; call fused.build() first")
-
-    passes = compile_passes(KERNELS)
-
-    def forward(block: Block, x: torch.Tensor, table: torch.Tensor, adaln_indices: torch.Tensor, rope: Rope):
-        return block_forward(block, x, table, adaln_indices, rope, passes, eager_rounding)
-
-    return {Block: forward}
-
-
-def use_eager_passes(model: torch.nn.Module) -> int:
-    """The eager profile's passes on CUDA: every `Block` of `model` runs `block_forward` over `exact_passes(KERNELS)`
-    (an instance `forward`, as compiling sets one; `compile.uncompile_repeated_blocks` removes it) and the qk-norm +
-    rotary seam `qk_norm_rope(exact=True)`. Bit for bit the reference ops (tests/test_fused_block.py on the GPU), fewer
-    passes over memory. Returns how many blocks took them."""
-    build()
-    ops.use_qk_norm_rope_kernel(functools.partial(qk_norm_rope, exact=True))
-    passes = exact_passes(KERNELS)
-    blocks = [m for m in model.modules() if isinstance(m, Block)]
-    for block in blocks:
-        block.forward = functools.partial(block_forward, block, passes=passes, eager_rounding=True)
-    return len(blocks)
+def block_body(passes: Mapping[str, Callable], eager_rounding: bool) -> Callable:
+    """The function a `Block` runs instead of its own forward (`accel.blocks.BlockStack.bodies`): `block_forward`
+    over `passes`, called as `body(block, x, table, adaln_indices, rope)`."""
+    return functools.partial(block_forward, passes=passes, eager_rounding=eager_rounding)

@@ -10,12 +10,12 @@ What it trades. Batch invariant: the compute config `use_batch_invariant` drops 
 K tile (128) for every row count, so each output row's bits depend on that row only, never on how many rows share
 the call, and a rerun is bitwise the same (CUTLASS does not promise the first). For that it gives up speed: eager
 only, where CUTLASS runs under regional compile, and slower per GEMM than CUTLASS (bench/humming_check.py measures
-both at the reference shape); the first use of a layer shape JIT-compiles its kernels, 5-18 s (cubins cached in
-HUMMING_CACHE_DIR, which H3_CACHE_DIR points at `<dir>/humming`). Numerically, Humming's sm90 epilogue multiplies
-the fp32 accumulator by the row scale, rounds to bfloat16, then multiplies by the channel scale in bfloat16 (the
-scales are stored rounded to bfloat16), where CUTLASS applies both scales in fp32 before its one rounding: two more
-bf16 roundings, far below FP8's own error. No step cache either (the settings refuse both): it is the deterministic
-profile, not the fast one.
+both at the reference shape; results in bench/results/README.md); the first use of a layer shape JIT-compiles its
+kernels, seconds per shape (cubins cached in HUMMING_CACHE_DIR, which H3_CACHE_DIR points at `<dir>/humming`).
+Numerically, Humming's sm90 epilogue multiplies the fp32 accumulator by the row scale, rounds to bfloat16, then
+multiplies by the channel scale in bfloat16 (the scales are stored rounded to bfloat16), where CUTLASS applies both
+scales in fp32 before its one rounding: two more bf16 roundings, far below FP8's own error. No step cache either (the
+settings refuse both): it is the deterministic profile, not the fast one.
 
 Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2), as CUTLASS.
 The weights are turned into Humming's layout (padded to N % 256 and K % 128, as vLLM does; the released shapes need

@@ -3,8 +3,8 @@
     BF16     the model's own nn.Linear in the compute dtype (the exact profile)
     CUTLASS  FP8 e4m3 weights with one scale per output channel, made once from the weights; activations quantized
              per row at run time (dynamic scales); torch._scaled_mm's rowwise-scaled FP8 GEMM (a CUTLASS kernel on
-             sm90) with fast accumulation (`Fp8Linear.fast_accum`), output in the compute dtype. 1.6x the bf16 GEMM
-             rate at the reference shape (PERFORMANCE.md, measured before fast accumulation).
+             sm90) with fast accumulation (`Fp8Linear.fast_accum`), output in the compute dtype (measured against
+             the bf16 GEMM in bench/results/README.md).
 
 Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2): 248 of the
 forward's ~250 TFLOP. The fp32 islands (patch projections, timestep MLP, output heads) are never quantized; the
@@ -44,14 +44,12 @@ class Fp8Linear(nn.Module):
     """y = x W^T (+ b) with W stored in e4m3; see the module docstring.
 
     `fast_accum`: the GEMM's FP8 fast accumulation on sm90 (no periodic promotion of the partial sums to float32), as
-    torchao's float8 linear runs its forward GEMM. On the H200 at the reference shape: 338.0 against 356.2 ms per
-    compiled forward, relative error against diffusers 6.847e-2 either way (video; audio 6.93e-2 against 6.95e-2;
-    bench/results/2026-12-01-h200-dit-step-eager-passes.json). False only for the benchmark's comparison."""
+    torchao's float8 linear runs its forward GEMM: faster at the same error against the reference (bench/dit_step.py
+    measures both; bench/results/README.md). Per layer; False only for the benchmark's comparison."""
 
-    fast_accum = True
-
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = True):
         super().__init__()
+        self.fast_accum = fast_accum
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (N, K) e4m3, row-major: weight.t() is the column-major B
         self.register_buffer("scale", scale)  # (1, N) float32
@@ -215,16 +213,6 @@ def quantize_text_encoder(text_encoder: nn.Module) -> int:
     if not count:
         raise ValueError(f"no decoder-layer linears under {TEXT_LAYERS!r} to quantize")
     return count
-
-
-def check(name: str, device: torch.device, kind: str = "linear") -> None:
-    """Refuse a linear backend this device cannot run (ValueError naming `kind` and what is allowed)."""
-    if name == "CUTLASS":
-        if device.type != "cuda":
-            raise ValueError(f"{kind} CUTLASS needs a CUDA device (allowed on {device.type}: BF16)")
-        major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
-            raise ValueError(f"{kind} CUTLASS needs FP8 tensor cores (sm89 or newer), this GPU is sm{major}{minor}")
 
 
 def restore(model: nn.Module, replaced: dict[str, nn.Linear]) -> None:

@@ -7,7 +7,8 @@ settings keep its key names, so an operator's `H3_CACHE_CONFIG` means what it me
 not imported (it needs diffusers, which is a test dependency only); tests run it as the oracle on the same weights
 (tests/test_stepcache.py).
 
-Where each rule comes from (cache_dit/caching/...):
+Where each rule comes from in cache-dit 1.5.3 (https://github.com/vipshop/cache-dit, PyPI `cache-dit`; paths under
+the package's `cache_dit/caching/`):
   - block split Fn | middle | Bn, what is cached and added back: cache_blocks/pattern_3_4_5.py
     `CachedBlocks_Pattern_3_4_5.forward`, `call_Mn_blocks` (middle residual = output - input of the middle blocks);
     pattern_base.py `_Fn_blocks`, `_Mn_blocks`, `_Bn_blocks`, `_get_Fn_residual` (Fn residual = Fn output - input).
@@ -23,10 +24,9 @@ Where each rule comes from (cache_dit/caching/...):
   - `force_refresh_step_hint` / `_policy`: cache_manager.py `maybe_refresh` / `set_context` (a fresh context at
     forward `hint`, and every `hint` forwards after with "repeat"; warmup and counters start again).
 
-The cache is attached from outside the model: each block of `dit.blocks` gets a per-instance `forward` that wraps
-the one it had (its own, or the shared compiled code of `compile_repeated_blocks`). The decisions are Python between
-block calls, outside any compiled graph, so caching adds no graph and causes no recompile. Attach after compiling
-(compiling replaces each block's `forward`; `begin_request` checks that the wrappers are still in place).
+The cache is attached from outside the model, as the outer layer of the DiT's block stack (`accel.blocks`): it wraps
+whatever each block runs beneath it (its own forward, the passes, or the shared compiled code). The decisions are
+Python between block calls, outside any compiled graph, so caching adds no graph and causes no recompile.
 """
 
 from __future__ import annotations
@@ -244,14 +244,14 @@ class StepCache:
     engine runs them."""
 
     def __init__(self, dit: nn.Module, config: StepCacheConfig | None):
+        self.dit = dit
         self.blocks = dit.blocks
         self.num_blocks = len(self.blocks)
         for profile in (config, HIGH_QUALITY):
             if profile is not None:
                 profile.check_blocks(self.num_blocks)
         self.default = config
-        self._inner: list[Callable[..., torch.Tensor]] = []
-        self._saved: list[tuple[bool, Any]] = []  # each block's own instance `forward`, if it had one
+        self._inner: list[Callable[..., torch.Tensor]] = []  # what runs beneath the cache, per block
         self._wrappers: list[Callable[..., torch.Tensor]] = []
         self._active: StepCacheConfig | None = None
         self._in_request = False
@@ -260,24 +260,25 @@ class StepCache:
 
     # -- attaching ------------------------------------------------------------------------------------------------
 
-    def _attach(self) -> None:
-        for i, block in enumerate(self.blocks):
-            if getattr(block.forward, "func", None) is StepCache._run_block:
-                raise ValueError("the DiT's blocks already have a step cache attached; detach it first")
-            self._saved.append(("forward" in block.__dict__, block.__dict__.get("forward")))
-            self._inner.append(block.forward)
-            wrapper = functools.partial(StepCache._run_block, self, i)
-            self._wrappers.append(wrapper)
-            block.forward = wrapper
+    def wrap(self, index: int, block: nn.Module, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The step cache as the outer layer of `blocks[index]` (`accel.blocks.BlockStack`): `inner` is what runs
+        beneath it (the block's own forward, its passes or its compiled code)."""
+        if not self._inner:
+            self._inner = [None] * self.num_blocks  # type: ignore[list-item]
+            self._wrappers = [None] * self.num_blocks  # type: ignore[list-item]
+        self._inner[index] = inner
+        self._wrappers[index] = functools.partial(StepCache._run_block, self, index)
+        return self._wrappers[index]
 
     def detach(self) -> None:
-        """Give each block back the `forward` it had before `attach`."""
-        for block, (had, forward) in zip(self.blocks, self._saved, strict=True):
-            if had:
-                block.forward = forward
-            else:
-                block.__dict__.pop("forward", None)
-        self._saved, self._inner, self._wrappers = [], [], []
+        """Take the cache out of the DiT's block stack: each block runs what it ran beneath the cache."""
+        from h3serve.accel.blocks import BlockStack
+
+        stack = BlockStack.of(self.dit)
+        if self in stack.wrappers:
+            stack.wrappers.remove(self)
+            stack.install(self.dit)
+        self._inner, self._wrappers = [], []
         self._in_request = False
 
     # -- requests -------------------------------------------------------------------------------------------------
@@ -290,8 +291,8 @@ class StepCache:
             raise RuntimeError("the step cache is detached")
         if any(block.forward is not w for block, w in zip(self.blocks, self._wrappers, strict=True)):
             raise RuntimeError(
-                "a block's forward was replaced after the step cache was attached (compile the blocks first, "
-                "then attach)"
+                "a block's forward was replaced outside its block stack after the step cache was attached "
+                "(change how blocks run through accel.blocks.BlockStack)"
             )
         if isinstance(num_forwards, bool) or not isinstance(num_forwards, int) or num_forwards < 1:
             raise ValueError(f"num_forwards must be a positive integer, got {num_forwards!r}")
@@ -426,15 +427,16 @@ class StepCache:
                 seg.accumulated_diff += diff
 
 
-def check_linear(linear: str) -> None:
-    """A step cache with these block linears: HUMMING is the deterministic profile and runs without one."""
-    if linear == "HUMMING":
-        raise ValueError("linear HUMMING is the deterministic profile and runs without a step cache")
-
-
 def attach(dit: nn.Module, config: StepCacheConfig | None) -> StepCache:
-    """Attach a step cache to `dit.blocks` (after `compile_repeated_blocks`, if the blocks are compiled).
-    `config`: the server's profile, or None (requests run uncached unless `begin_request` names a profile)."""
+    """Attach a step cache to `dit.blocks` as the outer layer of its block stack (`accel.blocks`: before or after
+    compiling, the order is the stack's). `config`: the server's profile, or None (requests run uncached unless
+    `begin_request` names a profile)."""
+    from h3serve.accel.blocks import BlockStack
+
+    stack = BlockStack.of(dit)
+    if any(isinstance(w, StepCache) for w in stack.wrappers):
+        raise ValueError("the DiT's blocks already have a step cache attached; detach it first")
     cache = StepCache(dit, config)
-    cache._attach()
+    stack.wrappers.append(cache)
+    stack.install(dit)
     return cache

@@ -28,7 +28,7 @@ def _round(x, DTYPE: tl.constexpr):
 
     For bfloat16 the way back is a shift of the bits, not a float extension: with an extension, the compiler narrows
     `round(round(a * b) + c)` to bfloat16 arithmetic and then fuses it into one bfloat16 FMA, which rounds once
-    (measured on the H200: 14% of a residual add's values one unit off eager's)."""
+    (on the H200 a visible share of a residual add's values came out one unit off eager's: bench/results/README.md)."""
     if DTYPE == tl.bfloat16:  # noqa: SIM300 (the constexpr on the left: its own comparison)
         bits = x.to(tl.bfloat16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
         return bits.to(tl.float32, bitcast=True)
@@ -250,7 +250,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
 
 
 # Each pass's chunk width and warps, (CHUNK, num_warps), per case: the fastest of bench/fused_passes.py's choices at
-# the released widths on the H200, or within 1.5% of it (bench/results/2026-12-01-h200-fused-passes*.json; a CHUNK
+# the released widths on the H200, or within 1.5% of it (the fused-passes runs in bench/results/README.md; a CHUNK
 # of at least the row holds it in registers and reads it once). "swiglu" (bfloat16 out) runs in the eager passes
 # only (under compile the BF16 gate is Inductor's, at its traffic floor). Fixed, not autotuned: the chunking decides
 # the reduction order, so a render must not depend on what a tuner picked in this process.

@@ -90,11 +90,10 @@ def _qk_norm_rope_kernel(
                     DTYPE, ROUND_NORM, NORM)  # fmt: skip
 
 
-# Whether the norm rounds twice (ATen's composite rms_norm) or once. Measured on the H200 against eager's CUDA
-# rms_norm (tests/test_fused.py prints both): one rounding differed on 9-23% of bf16 values by at most 0.031, two
-# on 30-41% by at most 0.047 (bench/results/2026-12-01-h200-pytest-fused-roundings.txt). So: one. Most of those
-# differences were the compiler fusing a rounded product into the following add; with `_round` going back from
-# bfloat16 through the bits, one rounding differs on 2.7e-6 of values (2026-12-01-h200-pytest-block-passes.txt).
+# Whether the norm rounds twice (ATen's composite rms_norm) or once. Against eager's CUDA rms_norm, one rounding is
+# the closer (tests/test_fused.py prints both; the GPU runs are in bench/results/README.md), so: one. Most of what
+# was left were the compiler fusing a rounded product into the following add, which `_round` prevents by going back
+# from bfloat16 through the bits.
 ROUND_NORM = False
 
 # (BLOCK_M rows per program, num_warps) of the pass with the norm and of the rotary alone (the eager passes' qk pass,

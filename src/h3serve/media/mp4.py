@@ -7,7 +7,7 @@ H.264 High (libx264, yuv420p, BT.709 limited range, 24 fps), AAC-LC stereo at th
 Determinism: libx264 is repeatable for a fixed thread count (its `non-deterministic` flag is off by
 default), so the encoder's threads are pinned and never left to "auto" (which follows the host's core
 count). Two encodes of the same input are then byte-identical on the same av/FFmpeg build; across av
-versions only the decoded frames are promised identical (see ECOSYSTEM.md).
+versions only the decoded frames are promised identical (docs/model.md §7).
 
 The decode helpers exist for verification (tests and the acceptance command) and assume files written
 here: they convert with the same BT.709 limited-range matrix the writer uses.
@@ -166,8 +166,8 @@ def _add_video_stream(
     stream.height = height
     stream.pix_fmt = "yuv420p"
     # mbtree off: with it on, av 19.0.2's x264 gave different bytes for the same input from run to run, even with
-    # one thread (measured 2026-11-30: 4 distinct outputs in 8 encodes); off, every encode matched, on av 18 and 19.
-    # It costs some compression at the same crf (about 19% larger on a smooth test clip).
+    # one thread; off, every encode matched, on av 18 and 19. It costs some compression at the same crf. (The runs:
+    # bench/results/README.md, 2026-11-30.)
     stream.options = {"crf": str(crf), "preset": X264_PRESET, "x264-params": "mbtree=0"}
     ctx = stream.codec_context
     ctx.thread_count = threads

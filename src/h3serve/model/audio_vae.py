@@ -20,7 +20,7 @@ from torch import nn
 
 from h3serve.config import SAMPLE_RATE, from_diffusers_keys
 from h3serve.model.latents import LatentStats
-from h3serve.model.ops import attention
+from h3serve.model.ops import AttentionKernel, attention, sdpa
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,12 +368,13 @@ class CausalAttention(nn.Module):
         self.v_bias = nn.Parameter(torch.zeros(in_dim))
         self.register_buffer("zero_k_bias", torch.zeros(in_dim))
         self.proj = nn.Linear(out_dim, out_dim)
+        self.kernel: AttentionKernel = sdpa  # set from outside (`h3serve.accel.apply`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         qkv = F.linear(x, self.qkv.weight, torch.cat([self.q_bias, self.zero_k_bias, self.v_bias]))
         q, k, v = qkv.view(b, s, 3, self.heads, d // self.heads).unbind(2)  # (B, S, nh, hd) each
-        out = attention(q, k, v, causal=True).mean(dim=2)  # (B, S, hd)
+        out = attention(q, k, v, causal=True, kernel=self.kernel).mean(dim=2)  # (B, S, hd)
         return self.proj(F.adaptive_avg_pool1d(out, self.out_dim))  # (B, S, out_dim)
 
 

@@ -3,7 +3,9 @@
 Architecture only. Parameter names follow the original checkpoint (`FL2VA/transformer`), with one internal layout
 choice: `qkv_proj` rows are contiguous `[q_all; k_all; v_all]` (the original interleaves them per head; the loader
 reorders once). Kernels, compilation and attention backends are applied from outside (see `REPEATED_BLOCKS` and
-`FP32_MODULES`); attention and RoPE go through `h3serve.model.ops`, the seam those layers act on.
+`FP32_MODULES`): each `Attention` holds the kernels it calls (`kernel`, `qk_kernel`: the references of
+`h3serve.model.ops` until `h3serve.accel.apply` sets others), and how the repeated blocks run is declared in one
+place outside the model (`h3serve.accel.blocks`).
 
 Shapes are unbatched: one request is one packed sequence of S rows.
 """
@@ -18,7 +20,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import MAX_TIMESTEPS, NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
-from h3serve.model.ops import attention, gated_residual, modulate, qk_norm_rope, rotary_table
+from h3serve.model.ops import (
+    AttentionKernel,
+    QkNormRopeKernel,
+    attention,
+    gated_residual,
+    modulate,
+    qk_norm_rope_reference,
+    rotary_table,
+    sdpa,
+)
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin (S, rotary_dim), float32
 
@@ -75,15 +86,19 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.attention_head_dim, eps=cfg.qk_norm_eps)
         self.k_norm = nn.RMSNorm(cfg.attention_head_dim, eps=cfg.qk_norm_eps)
         self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
+        # The kernels this module runs: the references unless an outside layer sets others (plain attributes, so
+        # torch.compile guards on them and two models never share a choice).
+        self.kernel: AttentionKernel = sdpa
+        self.qk_kernel: QkNormRopeKernel = qk_norm_rope_reference
 
     def forward(self, x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
         # x (S, hidden) -> q, k, v (S, H, D)
         q, k, v = (t.unflatten(-1, (self.heads, -1)) for t in self.qkv_proj(x).chunk(3, dim=-1))
         if rope is None:
             q, k = self.q_norm(q), self.k_norm(k)
-        else:  # one call, so that a fused kernel can do both in one pass (`ops.qk_norm_rope`)
-            q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
-        out = attention(q, k, v)  # (S, H, D): one document, no mask
+        else:  # one call, so that a fused kernel can do both in one pass (`ops.qk_norm_rope_reference`)
+            q, k = self.qk_kernel(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *rope)
+        out = attention(q, k, v, kernel=self.kernel)  # (S, H, D): one document, no mask
         return self.out_proj(out.flatten(1).to(x.dtype))  # (S, hidden)
 
 

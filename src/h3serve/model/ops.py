@@ -1,10 +1,9 @@
 """The small ops every model file shares: attention over (S, H, D) rows, rotate-half rotary embedding, the DiT's
 qk-RMSNorm + rotary, AdaLN modulation and the gated residual.
 
-The DiT and both VAEs call these instead of `scaled_dot_product_attention` and their own RoPE, so an outside
-layer has one place to act on: the attention kernel and the qk-norm + rotary kernel are set once at start
-(`use_attention_kernel`, `use_qk_norm_rope_kernel`, from `h3serve.accel`); the functions here are the plain
-references those kernels are checked against.
+The DiT and both VAEs call these instead of `scaled_dot_product_attention` and their own RoPE. Each attention
+module holds the kernels it runs as attributes (`kernel`, and the DiT's `qk_kernel`), the references here by
+default; `h3serve.accel.apply` sets them per model, so two models in one process never share a choice.
 """
 
 from __future__ import annotations
@@ -22,17 +21,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-_kernel: AttentionKernel = sdpa
-
-
-def use_attention_kernel(kernel: AttentionKernel) -> None:
-    """Set the kernel every `attention` call runs (chosen once at start, by `h3serve.accel.attention`)."""
-    global _kernel
-    _kernel = kernel
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False) -> torch.Tensor:
-    """Softmax attention, scale 1/sqrt(D), no mask (or a causal one).
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, kernel: AttentionKernel = sdpa
+) -> torch.Tensor:
+    """Softmax attention, scale 1/sqrt(D), no mask (or a causal one), computed by `kernel` (the caller's choice).
 
     q, k, v: (S, H, D) for one sequence or (B, S, H, D) for a batch; returns the same layout. The kernel sees
     (B, H, S, D): a 4-D call picks the same kernels as the reference's batched calls (on the CPU the 3-D and 4-D
@@ -41,7 +33,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     single = q.ndim == 3
     if single:
         q, k, v = q[None], k[None], v[None]
-    out = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
+    out = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal)
     out = out.transpose(1, 2)  # (B, S, H, D)
     return out[0] if single else out
 
@@ -81,7 +73,12 @@ def qk_norm_rope_reference(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over each head's D channels (own weight for q and k), then rotate-half RoPE on the leading R."""
+    """The DiT attention's qk-RMSNorm over each head's D channels (own weight for q and k), then rotate-half RoPE on
+    the leading R, in one call so that one fused pass can replace both (a `QkNormRopeKernel`).
+
+    q, k: (S, H, D), any strides (views of the fused QKV projection); weights (D,); cos, sin: (S, R) float32, R <= D
+    and even, each half equal (`rotary_table`). Returns the normalised, rotated q and k, (S, H, D) at q's dtype.
+    """
     q, k = qk_norm(q, k, q_weight, k_weight, eps)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -93,32 +90,6 @@ def qk_norm(
     the exact fused qk pass runs this same call before its rotary)."""
     d = q.shape[-1]
     return F.rms_norm(q, (d,), q_weight, eps), F.rms_norm(k, (d,), k_weight, eps)
-
-
-_qk_norm_rope_kernel: QkNormRopeKernel = qk_norm_rope_reference
-
-
-def use_qk_norm_rope_kernel(kernel: QkNormRopeKernel | None) -> None:
-    """Set the kernel every `qk_norm_rope` call runs (None: the reference), chosen once at start (`h3serve.accel`)."""
-    global _qk_norm_rope_kernel
-    _qk_norm_rope_kernel = kernel or qk_norm_rope_reference
-
-
-def qk_norm_rope(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DiT attention's qk-RMSNorm and partial rotary in one call, so that one fused pass can replace them.
-
-    q, k: (S, H, D), any strides (views of the fused QKV projection); weights (D,); cos, sin: (S, R) float32, R <= D
-    and even, each half equal (`rotary_table`). Returns the normalised, rotated q and k, (S, H, D) at q's dtype.
-    """
-    return _qk_norm_rope_kernel(q, k, q_weight, k_weight, eps, cos, sin)
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

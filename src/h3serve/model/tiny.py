@@ -19,7 +19,7 @@ from transformers import Qwen3VLConfig, Qwen3VLModel
 from h3serve.config import SAMPLE_RATE, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.folder import FL2VA, REF2VA, TASK_TYPES, Components
+from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TextEncoder,
     load_image_processor,
@@ -28,6 +28,7 @@ from h3serve.model.text_encoder import (
     truncated_qwen3vl,
 )
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.vocab import TASK_TYPES, DiTKind, TaskType
 
 TINY_SEED = 20261130
 
@@ -191,15 +192,15 @@ def tiny_dit(seed: int = TINY_SEED, dtype: torch.dtype = torch.float32) -> H3DiT
 
 
 def tiny_components(
-    *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, task_type: str = FL2VA
+    *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, task_type: str = TaskType.FL2VA
 ) -> Components:
     """Build the tiny model: the DiTs `task_type` names (the FL2VA DiT, a Ref2VA DiT of the same shape with its own
     weights, or both), the VAEs and the text encoder."""
     if task_type not in TASK_TYPES:
         raise ValueError(f"task type must be one of {', '.join(TASK_TYPES)}, got {task_type!r}")
     kinds = TASK_TYPES[task_type]
-    dit = tiny_dit(TINY_SEED, dtype) if FL2VA in kinds else None
-    ref_dit = tiny_dit(TINY_SEED + 4, dtype) if REF2VA in kinds else None
+    dit = tiny_dit(TINY_SEED, dtype) if DiTKind.FL2VA in kinds else None
+    ref_dit = tiny_dit(TINY_SEED + 4, dtype) if DiTKind.REF2VA in kinds else None
     video_vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
     audio_vae = randomize(AudioVAE(TINY_AUDIO_VAE), TINY_SEED + 2, keep=("filter",))
     with torch.no_grad():

@@ -24,7 +24,7 @@ from torch import nn
 
 from h3serve.config import from_diffusers_keys
 from h3serve.model.latents import LatentStats
-from h3serve.model.ops import apply_rotary, attention, rotary_table
+from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_table, sdpa
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 
@@ -417,6 +417,7 @@ class Attention(nn.Module):
         # Rows are per-head interleaved, [h0: q k v, h1: q k v, ...], as the original checkpoint stores them.
         self.to_qkv = nn.Linear(dim, 3 * dim)
         self.to_out = nn.Linear(dim, dim)
+        self.kernel: AttentionKernel = sdpa  # set from outside (`h3serve.accel.apply`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -425,7 +426,7 @@ class Attention(nn.Module):
         q = _rms_norm(q.float(), None, self.eps).to(q.dtype)
         k = _rms_norm(k.float(), None, self.eps).to(k.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.to_out(attention(q, k, v).reshape(b, s, -1))
+        return self.to_out(attention(q, k, v, kernel=self.kernel).reshape(b, s, -1))
 
 
 class FeedForward(nn.Module):

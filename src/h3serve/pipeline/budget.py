@@ -1,39 +1,41 @@
 """Memory budgets: what a profile keeps on the device and in host memory, and the DiT's activations.
 
-Two sources, one accounting of activations:
-- `plan_budget(folder, profile, rules)`: from a checkpoint folder's configurations alone (the components are built on
-  the meta device, nothing is read), by the rules the profile applies at load: FP8 block linears and text-encoder
-  linears are 1 byte per weight plus a float32 scale per output channel, the AdaLN weights wait in host memory unless
-  kept resident, the video decoder's linears and convolutions are float16 under float16 autocast. `h3serve check
-  --preflight` and `h3serve serve` compare it with the free memory before any weight loads.
-- `Engine.memory_budget()`: the same rows, counted from the tensors actually loaded.
+One counter (`count_bytes`), two sources:
+- `plan_budget(folder, profile, rules)`: from a checkpoint folder's configurations alone. The components are built on
+  the meta device (nothing is read) and given the profile's own load-time transforms, the same code a load runs
+  (`accel.apply.load_plan`'s hooks, `prepare`, and `accel.vae.decoder_weights_to`); the hooks say which tensors wait
+  in host memory (`on_host`). `h3serve check --preflight` and `h3serve serve` compare it with the free memory before
+  any weight loads.
+- `loaded_budget(components, profile, rules)`: the same rows, counted from the tensors actually loaded.
 
 Activations: per packed row about 2 bytes x (3 hidden + 6 attention width + 3 ffn), what one block holds at once (its
-input, QKV, the normed and rotated q and k, the attention output, fc1's output and the gated product). At the
-reference shape (6435 rows) that is 1.2 GiB against 1.4 GiB measured above the resident weights.
+input, QKV, the normed and rotated q and k, the attention output, fc1's output and the gated product). Checked
+against the H200's measured peaks by tests/test_budget.py.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from h3serve.config import DiTConfig
+from h3serve.config import DEFAULT_STEPS, NUM_BLOCK_MODULATIONS, DiTConfig
+from h3serve.vocab import TASK_ANCHORS, TASK_TYPES, DiTKind, Task, TaskType
 
 if TYPE_CHECKING:
-    from h3serve.model.folder import ModelFolder
-    from h3serve.pipeline.engine import Profile
+    from h3serve.accel.profile import Profile
+    from h3serve.model.folder import Components, ModelFolder
     from h3serve.pipeline.request import RequestRules
 
 GIB = 2**30
-REFERENCE_ROWS = 6435  # T2VA 768x448, 56 frames, 537 prompt rows (PERFORMANCE.md's reference shape)
+REFERENCE_ROWS = 6435  # T2VA 768x448, 56 frames, 537 prompt rows: the benchmarks' reference shape
 # Beyond weights and the DiT's activations: the CUDA context, cuBLAS/cuDNN workspaces, the allocator's slack and a
-# window of the video decode. Measured at the reference request: peak minus resident weights minus activations
-# was 0.1-0.2 GiB on the H200 (bench/results/2026-12-01-h200-render.json); 2 GiB leaves room for larger decodes.
+# window of the video decode. At the reference request on the H200 the peak beyond resident weights and activations
+# stayed far below this (bench/results/README.md, the whole-render runs); 2 GiB leaves room for larger decodes.
 OVERHEAD_GIB = 2.0
 
 
@@ -52,7 +54,7 @@ def largest_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = P
 
     width, height = resolve_canvas(16, 9, rules.canvas)
     geometry = MediaGeometry.from_pixels(height, width, rules.frames.max_frames)
-    layout = build_layout([1] * text_rows, geometry, ("first", "last"), patch_size=cfg.patch_size)
+    layout = build_layout([1] * text_rows, geometry, TASK_ANCHORS[Task.FL2VA], patch_size=cfg.patch_size)
     return int(layout.token_tags.numel())
 
 
@@ -93,95 +95,113 @@ class Budget:
         return "\n".join(f"{name:<{width}}  {value:8.2f} GiB" for name, value in rows)
 
 
-def _fp8_bytes(linear: nn.Linear) -> int:
-    n, k = linear.weight.shape
-    bias = 0 if linear.bias is None else n * linear.bias.element_size()
-    return n * k + 4 * n + bias  # e4m3 weight, float32 scale per output channel
-
-
-def plan_budget(
-    folder: ModelFolder, profile: Profile, rules: RequestRules, schedules_kept: int = 4, task_type: str = "fl2va"
-) -> Budget:
-    """The budget of loading `folder` under `profile`, from its configurations (see the module docstring).
-    `task_type`: which DiTs load (`model.folder.TASK_TYPES`); both are two DiTs of one size, each with its own AdaLN
-    weights and tables."""
-    from transformers import Qwen3VLConfig
-
-    from h3serve.accel.linear import DECODER_LAYERS, _block_linears
-    from h3serve.config import DEFAULT_STEPS
-    from h3serve.model.audio_vae import AudioVAE
-    from h3serve.model.dit import TABLE_ROWS, H3DiT, is_fp32_name
-    from h3serve.model.folder import TASK_TYPES
-    from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, truncated_qwen3vl
-    from h3serve.model.video_vae import VideoVAE
-
-    dtype_bytes = profile.torch_dtype.itemsize
-    cuda = profile.torch_device.type == "cuda"
-    with torch.device("meta"):
-        dit = H3DiT(folder.dit)
-        qwen_cfg = Qwen3VLConfig.from_pretrained(str(folder.text_encoder), local_files_only=True)
-        text = truncated_qwen3vl(qwen_cfg, TEXT_ENCODER_LAYER, vision=True)
-        video = VideoVAE(folder.video_vae_config)
-        audio = AudioVAE(folder.audio_vae_config)
-
-    # The DiT: fp32 islands, the rest in the profile's dtype; FP8 block linears; AdaLN weights in host memory.
-    quantized = {}
-    if profile.linear in ("CUTLASS", "HUMMING"):
-        quantized = {f"{name}.weight": getattr(parent, leaf) for name, parent, leaf in _block_linears(dit)}
-    dit_bytes = adaln_bytes = 0
-    for name, p in dit.named_parameters():
-        if name in quantized:
-            dit_bytes += _fp8_bytes(quantized[name])
-        elif name.startswith("blocks.") and ".adaln_proj." in name and cuda and not profile.adaln_resident:
-            adaln_bytes += p.numel() * dtype_bytes
+def count_bytes(module: nn.Module, on_host: Callable[[str], bool]) -> tuple[int, int]:
+    """(device bytes, host bytes) of a module's parameters and buffers, each counted once at its dtype; `on_host`:
+    whether a tensor (by name) waits in host memory. The one counter of the plan (meta tensors) and of a load."""
+    device = host = 0
+    seen: set[int] = set()
+    for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        size = t.numel() * t.element_size()
+        if on_host(name):
+            host += size
         else:
-            dit_bytes += p.numel() * (4 if is_fp32_name(name) else dtype_bytes)
-    dit_bytes += sum(b.numel() * b.element_size() for b in dit.buffers())
+            device += size
+    return device, host
 
-    # The text encoder: the profile's dtype; FP8 decoder-layer linears when asked.
-    text_bytes = 0
-    fp8_text = profile.text_linear == "CUTLASS"
-    for name, module in text.named_modules():
-        for leaf, p in module.named_parameters(recurse=False):
-            if fp8_text and name.startswith(DECODER_LAYERS) and isinstance(module, nn.Linear) and leaf == "weight":
-                text_bytes += _fp8_bytes(module) - (0 if module.bias is None else module.bias.numel() * dtype_bytes)
-            else:
-                text_bytes += p.numel() * dtype_bytes
 
-    # The video VAE: float32, the decoder's linears and convolutions in the autocast dtype.
-    from h3serve.accel.vae import CAST
+def _dit_name(kind: str) -> str:
+    return "dit" if kind == DiTKind.FL2VA else "ref_dit"
 
-    half = profile.vae_autocast_dtype
-    video_bytes = sum(p.numel() * 4 for p in video.parameters())
-    if half is not None:
-        for module in (video.post_quant_conv, *video.decoder.modules()):
-            if isinstance(module, CAST):
-                video_bytes -= sum(p.numel() * (4 - half.itemsize) for p in module.parameters(recurse=False))
-    audio_bytes = sum(t.numel() * 4 for t in (*audio.parameters(), *audio.buffers()))
 
-    dits = TASK_TYPES[task_type]
-    device = {
-        **{("dit" if kind == "fl2va" else "ref_dit"): dit_bytes / GIB for kind in dits},
-        "text_encoder": text_bytes / GIB,
-        "video_vae": video_bytes / GIB,
-        "audio_vae": audio_bytes / GIB,
-    }
-    # The AdaLN tables of the schedules kept: with the weights in host memory, so are they (one step's copied in).
-    steps = DEFAULT_STEPS - 1
-    tables = schedules_kept * steps * len(dit.blocks) * TABLE_ROWS * 6 * folder.dit.hidden_size * dtype_bytes
-    host: dict[str, float] = {}
-    if adaln_bytes:
-        host["adaln_weights"] = len(dits) * adaln_bytes / GIB
-    label = f"adaln_tables ({schedules_kept} schedules of {steps} steps{' per DiT' if len(dits) > 1 else ''})"
-    (host if adaln_bytes else device)[label] = len(dits) * tables / GIB
-    largest = largest_request_rows(folder.dit, rules)
+def _budget(
+    sizes: dict[str, tuple[int, int]], cfg: DiTConfig, rules: RequestRules, tables_bytes: int, tables_label: str
+) -> Budget:
+    """A budget from each component's (device, host) bytes and the kept tables' bytes (in host memory when the
+    AdaLN weights are)."""
+    device = {name: d / GIB for name, (d, _) in sizes.items()}
+    adaln = sum(h for _, h in sizes.values())
+    host: dict[str, float] = {"adaln_weights": adaln / GIB} if adaln else {}
+    (host if adaln else device)[tables_label] = tables_bytes / GIB
+    largest = largest_request_rows(cfg, rules)
     return Budget(
         device=device,
         host=host,
-        activations_reference=dit_activation_bytes(folder.dit, REFERENCE_ROWS) / GIB,
-        activations_largest=dit_activation_bytes(folder.dit, largest) / GIB,
+        activations_reference=dit_activation_bytes(cfg, REFERENCE_ROWS) / GIB,
+        activations_largest=dit_activation_bytes(cfg, largest) / GIB,
         largest_rows=largest,
     )
+
+
+def _tables(cfg: DiTConfig, profile: Profile, dits: int, schedules_kept: int) -> tuple[int, str]:
+    """The AdaLN tables of the schedules kept: bytes and their row label."""
+    from h3serve.model.dit import TABLE_ROWS
+    from h3serve.pipeline.schedule import DualSchedule
+
+    steps = DualSchedule.build(DEFAULT_STEPS, 1.0, 1.0).num_steps
+    per_block = TABLE_ROWS * NUM_BLOCK_MODULATIONS * cfg.hidden_size * profile.torch_dtype.itemsize
+    label = f"adaln_tables ({schedules_kept} schedules of {steps} steps{' per DiT' if dits > 1 else ''})"
+    return dits * schedules_kept * steps * cfg.num_layers * per_block, label
+
+
+def plan_budget(
+    folder: ModelFolder, profile: Profile, rules: RequestRules, schedules_kept: int = 4, task_type: str = TaskType.FL2VA
+) -> Budget:
+    """The budget of loading `folder` under `profile`, from its configurations (see the module docstring).
+    `task_type`: which DiTs load (fl2va, ref2va or both); both are two DiTs of one size, each with its own AdaLN
+    weights and tables."""
+    from transformers import Qwen3VLConfig
+
+    from h3serve.accel.apply import load_plan
+    from h3serve.accel.vae import decoder_weights_to
+    from h3serve.model.audio_vae import AudioVAE
+    from h3serve.model.dit import FP32_MODULES, H3DiT
+    from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, truncated_qwen3vl
+    from h3serve.model.video_vae import VideoVAE
+
+    plan = load_plan(profile)
+    with torch.device("meta"):
+        dit = H3DiT(folder.dit).to(profile.torch_dtype)
+        for name in FP32_MODULES:  # as the loader keeps them
+            dit.get_submodule(name).float()
+        qwen_cfg = Qwen3VLConfig.from_pretrained(str(folder.text_encoder), local_files_only=True)
+        text = truncated_qwen3vl(qwen_cfg, TEXT_ENCODER_LAYER, vision=True).to(profile.torch_dtype)
+        video = VideoVAE(folder.video_vae_config)
+        audio = AudioVAE(folder.audio_vae_config)
+    # The profile's load-time transforms, on the meta models: what a load makes of each.
+    for module, hook in ((dit, plan.dit_hook), (text, plan.text_hook)):
+        if hook is not None:
+            hook.prepare(module)
+    if profile.vae_autocast_dtype is not None:
+        decoder_weights_to(video, profile.vae_autocast_dtype)
+
+    dit_sizes = count_bytes(dit, plan.on_host)
+    never = lambda _: False  # noqa: E731
+    dits = TASK_TYPES[task_type]
+    sizes = {_dit_name(kind): dit_sizes for kind in dits}
+    sizes |= {"text_encoder": count_bytes(text, never)}
+    sizes |= {"video_vae": count_bytes(video, never), "audio_vae": count_bytes(audio, never)}
+    tables, label = _tables(folder.dit, profile, len(dits), schedules_kept)
+    return _budget(sizes, folder.dit, rules, tables, label)
+
+
+def loaded_budget(components: Components, profile: Profile, rules: RequestRules, schedules_kept: int = 4) -> Budget:
+    """The same budget, counted from the loaded tensors (a tensor off the profile's device type waits in host
+    memory)."""
+    kind = profile.torch_device.type
+
+    def on_host(module: nn.Module) -> Callable[[str], bool]:
+        tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+        return lambda name: tensors[name].device.type != kind
+
+    sizes = {_dit_name(k): count_bytes(dit, on_host(dit)) for k, dit in components.dits.items()}
+    for name in ("text_encoder", "video_vae", "audio_vae"):
+        module = getattr(components, name)
+        sizes[name] = count_bytes(module, on_host(module))
+    tables, label = _tables(components.dit_config, profile, len(components.dits), schedules_kept)
+    return _budget(sizes, components.dit_config, rules, tables, label)
 
 
 def free_memory(device: torch.device) -> tuple[float, float, bool]:

@@ -1,0 +1,126 @@
+"""Where a profile becomes transforms: the load hooks a checkpoint load applies, and `apply`, which gives each loaded
+model its own kernels, linears and block stack. Nothing is chosen through process state, so two engines with
+different profiles in one process each keep their own numbers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from h3serve.accel import attention, fused, humming, linear
+from h3serve.accel.adaln import AdalnHostHook, is_block_adaln
+from h3serve.accel.blocks import BlockStack
+from h3serve.accel.compile import Compiler, GraphCounter
+from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
+from h3serve.accel.profile import Execution, Linear, Profile, TextLinear
+from h3serve.accel.vae import decoder_weights_to
+from h3serve.model import ops
+from h3serve.model.dit import Attention, Block
+from h3serve.model.loading import chain
+
+if TYPE_CHECKING:
+    from h3serve.model.folder import Components
+    from h3serve.model.loading import LoadHook
+    from h3serve.model.ops import QkNormRopeKernel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What a checkpoint load does for a profile, as hooks (`load_components`' `dit_hook` and `text_hook`): FP8
+    block linears (CUTLASS; HUMMING starts from the same e4m3 weights) and the FP8 text encoder are quantized as
+    their weights are read, and the AdaLN weights go to host memory as they are read unless kept resident, so no
+    component is ever whole on the device in a form the profile drops. The memory plan (`pipeline.budget`) runs the
+    same hooks' `prepare` on meta-device models, so the plan and the load count one layout."""
+
+    dit_hook: LoadHook | None
+    text_hook: LoadHook | None
+    adaln_on_host: bool  # the DiT blocks' AdaLN weights wait in host memory (`AdalnHostHook`)
+
+    def hooks(self) -> dict[str, LoadHook | None]:
+        return {"dit_hook": self.dit_hook, "text_hook": self.text_hook}
+
+    def on_host(self, name: str) -> bool:
+        """Whether the DiT tensor `name` waits in host memory after a load under this plan."""
+        return self.adaln_on_host and is_block_adaln(name)
+
+
+def load_plan(profile: Profile) -> LoadPlan:
+    quantize = Fp8LoadHook() if profile.quantized_linears else None
+    offload = AdalnHostHook() if profile.adaln_in_host_memory else None
+    text = TextFp8LoadHook() if profile.text_linear == TextLinear.CUTLASS else None
+    return LoadPlan(dit_hook=chain(quantize, offload), text_hook=text, adaln_on_host=offload is not None)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What `apply` did: the compile's graph counter (None when eager) and each DiT's block stack, for logs."""
+
+    graphs: GraphCounter | None
+    stacks: tuple[str, ...]
+    fused: bool
+
+
+def apply(components: Components, profile: Profile, compiler: Compiler | None = None) -> Applied:
+    """Give every loaded model the profile's choices, on the model itself:
+    - each attention module its kernel (DiT, video decoder, audio encoder);
+    - the video decoder its weights in the autocast dtype (bitwise the same decode);
+    - the DiTs' block linears: FP8 (CUTLASS) unless the loader already quantized them, or Humming's layout;
+      the text encoder's FP8 linears when asked;
+    - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
+      compile traces the fused passes; compile shares one compiler (code and graph counter) between the DiTs.
+    `compiler`: a benchmark's own compile options; the engine passes none."""
+    dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
+    for model in (*dits, components.video_vae, components.audio_vae):
+        attention.set_kernel(model, profile.attention)
+    if profile.vae_autocast_dtype is not None:
+        decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
+    for dit in dits:
+        if profile.linear == Linear.CUTLASS and not linear.is_quantized(dit):
+            linear.quantize_blocks(dit)
+        if profile.linear == Linear.HUMMING and not humming.is_humming(dit):
+            humming.quantize_blocks(dit)  # from the BF16 linears, or the loader's e4m3 ones
+    if profile.text_linear == TextLinear.CUTLASS and not linear.is_text_quantized(components.text_encoder):
+        linear.quantize_text_encoder(components.text_encoder)
+
+    passes = profile.cuda and fused.available()
+    if profile.cuda and not passes:
+        log.warning("Triton is not importable: the DiT runs the reference ops unfused (the same numbers, slower)")
+    if compiler is None and profile.execution == Execution.COMPILE:
+        # BF16 keeps eager's roundings (the profile's point is fidelity); with FP8 linears their rounding dominates.
+        compiler = Compiler(eager_precision=profile.linear == Linear.BF16)
+    qk, body = block_passes(profile, passes)
+    for dit in dits:
+        set_block_passes(dit, qk, body)
+        BlockStack.of(dit).set_compiler(compiler if profile.execution == Execution.COMPILE else None).install(dit)
+    return Applied(
+        graphs=compiler.counter if compiler is not None else None,
+        stacks=tuple(BlockStack.of(dit).describe() for dit in dits),
+        fused=passes,
+    )
+
+
+def block_passes(profile: Profile, enabled: bool) -> tuple[QkNormRopeKernel, Callable | None]:
+    """The qk-norm + rotary kernel and the blocks' body for the profile: the Triton passes when `enabled` (exact for
+    eager, the compiled passes for compile, rounding as eager does for BF16), else the references (None: the
+    block's own forward). Made once per `apply`, so that DiTs sharing a compiler share its code."""
+    if not enabled:
+        return ops.qk_norm_rope_reference, None
+    kernels = fused.triton_kernels()
+    if profile.execution == Execution.EAGER:
+        return fused.qk_kernel(kernels, exact=True), fused.block_body(fused.exact_passes(kernels), eager_rounding=True)
+    body = fused.block_body(fused.compile_passes(kernels), eager_rounding=profile.linear == Linear.BF16)
+    return fused.qk_kernel(kernels, exact=False), body
+
+
+def set_block_passes(dit: nn.Module, qk: QkNormRopeKernel, body: Callable | None) -> None:
+    """`dit`'s attention modules run `qk`; its blocks run `body` (None: their own forward)."""
+    for module in dit.modules():
+        if isinstance(module, Attention):
+            module.qk_kernel = qk
+    BlockStack.of(dit).set_body(Block, body)

@@ -1,0 +1,265 @@
+"""The profile: how an engine runs (device, precision, backends), as one frozen value.
+
+Everything a command or a module needs to know about profiles lives here: the backend names (the seed's operator
+names, as enums), the defaults per device, and the rules between settings. `Profile(...)` checks names and rules
+only, so a CUDA profile can be built and inspected on a machine without a GPU; `check(profile)` asks the hardware
+(CUDA present, cuDNN, FP8 tensor cores, Humming installed) and is what an engine calls before any weight loads.
+Every refusal is a `ProfileError` that names the setting and what is allowed.
+
+torch is imported lazily: `h3serve --help` and `h3serve ready` read this module without paying for torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Attention(enum.StrEnum):
+    """TORCH_SDPA: torch's scaled_dot_product_attention with its own backend choice (the reference).
+    CUDNN_ATTN: the same call held to cuDNN's fused attention (fails rather than falls back)."""
+
+    CUDNN_ATTN = "CUDNN_ATTN"
+    TORCH_SDPA = "TORCH_SDPA"
+
+
+class Execution(enum.StrEnum):
+    """eager (on CUDA the exact passes: bit for bit the reference ops) or regional torch.compile of the blocks."""
+
+    COMPILE = "compile"
+    EAGER = "eager"
+
+
+class Linear(enum.StrEnum):
+    """The DiT's block linears: BF16 (the model's own, exact), CUTLASS (FP8 e4m3, lossy), HUMMING (FP8 through
+    Humming's batch-invariant GEMMs: the deterministic profile, eager and no step cache only)."""
+
+    BF16 = "BF16"
+    CUTLASS = "CUTLASS"
+    HUMMING = "HUMMING"
+
+
+class TextLinear(enum.StrEnum):
+    """The text encoder's decoder-layer linears: BF16 (exact) or CUTLASS (FP8, opt-in, lossy)."""
+
+    BF16 = "BF16"
+    CUTLASS = "CUTLASS"
+
+
+class DType(enum.StrEnum):
+    """The DiT block stack's and text encoder's precision (the DiT's fp32 islands and both VAEs stay float32)."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT32 = "float32"
+
+
+class VaeAutocast(enum.StrEnum):
+    """The video decoder's autocast: float16 (the released recipe, CUDA only) or none."""
+
+    FLOAT16 = "float16"
+    NONE = "none"
+
+
+# The backend fields of a profile and their enums: the registries below and the settings schema take their names.
+CHOICES: dict[str, type[enum.StrEnum]] = {
+    "dtype": DType,
+    "vae_autocast": VaeAutocast,
+    "attention": Attention,
+    "execution": Execution,
+    "linear": Linear,
+    "text_linear": TextLinear,
+}
+# The defaults per device type. On CUDA the seed's profile (cuDNN attention, regional compile, CUTLASS FP8 block
+# linears; BF16 is the exact profile, one setting away). On the CPU the only values that run there.
+DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
+    "cuda": {
+        "dtype": DType.BFLOAT16,
+        "vae_autocast": VaeAutocast.FLOAT16,
+        "attention": Attention.CUDNN_ATTN,
+        "execution": Execution.COMPILE,
+        "linear": Linear.CUTLASS,
+        "text_linear": TextLinear.BF16,
+    },
+    "cpu": {
+        "dtype": DType.FLOAT32,
+        "vae_autocast": VaeAutocast.NONE,
+        "attention": Attention.TORCH_SDPA,
+        "execution": Execution.EAGER,
+        "linear": Linear.BF16,
+        "text_linear": TextLinear.BF16,
+    },
+}
+# What the CPU runs, whatever the dtype: everything else needs CUDA.
+CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")
+FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)  # block linears stored as e4m3 weights (quantized as they load)
+DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,3}))?$")
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and newer
+
+
+class ProfileError(ValueError):
+    """A profile value or combination that cannot run. `setting` is the profile field it concerns (device, dtype,
+    vae_autocast, attention, execution, linear, text_linear, step_cache); front ends rename it to their own."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
+def device_type(device: str) -> str:
+    """'cpu' or 'cuda' for a device string ('cuda:1' -> 'cuda'); ProfileError for anything else."""
+    match = DEVICE.fullmatch(device)
+    if match is None:
+        raise ProfileError("device", f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if match.group(1) == "cpu" and match.group(2) is not None:
+        raise ProfileError("device", f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return match.group(1)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """How an engine runs. Values may be given as the enums or their names; they are held as the enums.
+
+    adaln_resident: keep the DiT's AdaLN weights on the device (else they wait in host memory and only each
+    schedule's tables are made from them; `accel.adaln`).
+    """
+
+    device: str = "cpu"
+    dtype: DType = DType.FLOAT32
+    vae_autocast: VaeAutocast = VaeAutocast.NONE
+    attention: Attention = Attention.TORCH_SDPA
+    execution: Execution = Execution.EAGER
+    linear: Linear = Linear.BF16
+    text_linear: TextLinear = TextLinear.BF16
+    adaln_resident: bool = False
+
+    def __post_init__(self) -> None:
+        for name, choice in CHOICES.items():
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, choice(value))
+            except ValueError:
+                allowed = ", ".join(choice)
+                raise ProfileError(name, f"{name} must be one of {allowed}, got {value!r}") from None
+        if not isinstance(self.adaln_resident, bool):
+            raise ProfileError("adaln_resident", f"adaln_resident must be true or false, got {self.adaln_resident!r}")
+        if self.linear == Linear.HUMMING and self.execution != Execution.EAGER:
+            raise ProfileError(
+                "linear",
+                f"linear HUMMING runs eager only (it is the deterministic profile): set execution eager, got "
+                f"{self.execution}",
+            )
+        # HUMMING's rule holds anywhere; then what the device type runs, then the dtype's kernels.
+        kind = device_type(self.device)
+        if kind == "cpu":
+            for name in CPU_ONLY:
+                allowed = DEFAULTS["cpu"][name]
+                if getattr(self, name) != allowed:
+                    raise ProfileError(
+                        name, f"{name} {getattr(self, name)} needs a CUDA device (allowed on cpu: {allowed})"
+                    )
+        if self.attention == Attention.CUDNN_ATTN and self.dtype == DType.FLOAT32:
+            raise ProfileError(
+                "attention",
+                "attention CUDNN_ATTN has no float32 kernel: use dtype bfloat16, or attention TORCH_SDPA",
+            )
+
+    @classmethod
+    def for_device(cls, device: str = "cpu", **values: Any) -> Profile:
+        """The device's defaults (`DEFAULTS`) with the values given (None: the default) put over them."""
+        unknown = set(values) - set(CHOICES) - {"adaln_resident"}
+        if unknown:
+            raise TypeError(f"unknown profile fields: {', '.join(sorted(unknown))}")
+        defaults = DEFAULTS[device_type(device)]
+        given = {k: v for k, v in values.items() if v is not None}
+        return cls(device=device, **(defaults | given))
+
+    def replace(self, **values: Any) -> Profile:
+        return dataclasses.replace(self, **values)
+
+    @property
+    def cuda(self) -> bool:
+        return device_type(self.device) == "cuda"
+
+    @property
+    def quantized_linears(self) -> bool:
+        """Whether the block linears are stored as e4m3 weights (CUTLASS, and HUMMING, which starts from them)."""
+        return self.linear in FP8_LINEARS
+
+    @property
+    def adaln_in_host_memory(self) -> bool:
+        """Whether the AdaLN weights wait in host memory (on CUDA unless kept resident)."""
+        return self.cuda and not self.adaln_resident
+
+    @property
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return {DType.BFLOAT16: torch.bfloat16, DType.FLOAT32: torch.float32}[self.dtype]
+
+    @property
+    def vae_autocast_dtype(self) -> torch.dtype | None:
+        import torch
+
+        return torch.float16 if self.vae_autocast == VaeAutocast.FLOAT16 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The profile as plain values (what logs, headers and /health show)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: str(v) if isinstance(v, enum.Enum) else v for k, v in values.items()}
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def check_step_cache(linear: Linear | str | None) -> None:
+    """A step cache with these block linears: HUMMING is the deterministic profile and runs without one."""
+    if linear == Linear.HUMMING:
+        raise ProfileError(
+            "linear", "linear HUMMING is the deterministic profile and runs without a step cache: set no step cache"
+        )
+
+
+def check(profile: Profile) -> None:
+    """Refuse a profile this machine cannot run (ProfileError naming the setting and what is allowed). Nothing is
+    loaded; CUDA is initialised when the profile names it."""
+    if not profile.cuda:
+        return
+    import torch
+
+    device = profile.torch_device
+    if not torch.cuda.is_available():
+        raise ProfileError("device", f"device {profile.device!r}: CUDA is not available on this machine (allowed: cpu)")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ProfileError("device", f"device {profile.device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    if profile.attention == Attention.CUDNN_ATTN and not torch.backends.cudnn.is_available():
+        raise ProfileError(
+            "attention", "attention CUDNN_ATTN: cuDNN is not available in this torch build (allowed: TORCH_SDPA)"
+        )
+    fp8 = [name for name in ("linear", "text_linear") if getattr(profile, name) in FP8_LINEARS]
+    if fp8:
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < FP8_CAPABILITY:
+            name = fp8[0]
+            raise ProfileError(
+                name,
+                f"{name} {getattr(profile, name)} needs FP8 tensor cores (sm89 or newer), this GPU is sm{major}{minor} "
+                "(allowed: BF16)",
+            )
+    if profile.linear == Linear.HUMMING:
+        from h3serve.accel import humming
+
+        missing = humming.available(device)
+        if missing is not None:
+            raise ProfileError("linear", missing)
