@@ -145,13 +145,13 @@ def test_preflight_refuses_a_key_file_others_can_read(tmp_path, capsys, monkeypa
 
 
 def test_preflight_refuses_too_little_memory_with_the_budget(checkpoint, tmp_path):
-    from h3serve.cli import CliError, _check_memory
+    from h3serve.service.preflight import PreflightError, check_memory
     from h3serve.settings import load_settings
 
     settings = load_settings(env={"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path)})
-    assert _check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True)).device_weights > 0
-    with pytest.raises(CliError) as err:
-        _check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
+    assert check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True)).device_weights > 0
+    with pytest.raises(PreflightError) as err:
+        check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
     message = str(err.value)
     assert message.startswith("not enough memory for profile BF16/BF16 on cpu: needs ") and "device need" in message
 

@@ -484,3 +484,12 @@ def test_check_refuses_a_missing_model_folder(capsys, tmp_path):
 def test_model_id_is_the_model_string_exactly_as_given():
     """The seed's identity gate compares /v1/models to the path as the operator wrote it, trailing slash and all."""
     assert load_settings(env={"H3_MODEL": "./models/x/"}).model_id == "./models/x/"
+
+
+def test_each_violation_carries_its_setting_as_data():
+    env = {"H3_API_PORT": "0", "H3_LINEAR_BACKEND": "HUMMING", "H3_EXECUTION_MODE": "compile", "H3_BIND_HOST": "a b"}
+    with pytest.raises(SettingsError) as info:
+        load_settings(env=env)
+    assert sorted(s for s in info.value.settings if s) == ["api_port", "bind_host", "linear_backend"]
+    for line, setting in zip(info.value.violations, info.value.settings, strict=True):
+        assert line.startswith(f"H3_{setting.upper()} ("), line

@@ -216,74 +216,29 @@ def _load_settings(args: argparse.Namespace, check_profile: bool = True, engine_
         raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
 
 
-def _check_model(settings):
-    from h3serve.model.folder import resolve_model_folder
+def _preflight(check, *args, **kwargs):
+    """A `service.preflight` check, its refusal as one CLI error line."""
+    from h3serve.service.preflight import PreflightError
 
-    if settings.model is None:
-        if settings.qkv_layout is not None:
-            raise CliError("H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set")
-        return None
     try:
-        folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
-    except (ValueError, OSError) as err:
-        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
-    try:
-        folder.check_task_type(settings.task_type)
-    except ValueError as err:
-        raise CliError(f"H3_TASK_TYPE (--task-type) {settings.task_type}: {err}") from err
-    return folder
-
-
-def _check_output_dir(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CliError(f"H3_OUTPUT_DIR (--output-dir) {path}: cannot create it ({err})") from err
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise CliError(f"H3_OUTPUT_DIR (--output-dir) {path}: not writable")
-
-
-def _check_port(host: str, port: int) -> None:
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as err:
-            raise CliError(f"H3_BIND_HOST/H3_API_PORT {host}:{port}: cannot listen there ({err.strerror})") from err
-
-
-def _check_memory(settings, folder, free: tuple[float, float, bool] | None = None):
-    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared; read
-    from the machine when None). Returns the budget; raises CliError naming what does not fit."""
-    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
-    from h3serve.pipeline.request import RELEASED_RULES
-
-    profile = settings.profile()
-    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)
-    device_free, host_free, shared = free if free is not None else free_memory(profile.torch_device)
-    problems = check_fits(budget, device_free, host_free, shared)
-    if problems:
-        raise CliError(
-            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
-            + "; ".join(problems)
-            + f"\n{budget.table()}\n(FP8 options: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS)"
-        )
-    return budget
+        return check(*args, **kwargs)
+    except PreflightError as err:
+        raise CliError(str(err)) from err
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
+    from h3serve.service import preflight
+
     settings = _load_settings(args)
-    folder = _check_model(settings)
+    folder = _preflight(preflight.check_model, settings)
     print(json.dumps(settings.resolved(), indent=2))
     if args.preflight:
-        _check_output_dir(settings.output_dir)
-        _check_port(settings.bind_host, settings.api_port)
+        _preflight(preflight.check_output_dir, settings.output_dir)
+        _preflight(preflight.check_port, settings.bind_host, settings.api_port)
         if folder is not None:
-            print(_check_memory(settings, folder).table())
+            print(_preflight(preflight.check_memory, settings, folder).table())
         print("h3serve: preflight ok (settings, model folder, output folder, port, memory)", file=sys.stderr)
         return 0
     print("h3serve: settings ok", file=sys.stderr)
@@ -312,6 +267,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from h3serve.pipeline.engine import Engine
+    from h3serve.service import preflight
     from h3serve.service.app import create_app
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
@@ -319,15 +275,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Everything is checked before any weight loads: settings, the model folder, the output folder, the port.
     settings = _load_settings(args)
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
-    folder = _check_model(settings)
+    folder = _preflight(preflight.check_model, settings)
     if settings.cache_dir is not None:
         from h3serve.accel.caches import use_cache_dir
 
         log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
-    _check_output_dir(settings.output_dir)
-    _check_port(settings.bind_host, settings.api_port)
+    _preflight(preflight.check_output_dir, settings.output_dir)
+    _preflight(preflight.check_port, settings.bind_host, settings.api_port)
     if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
-        log.info("memory budget before load:\n%s", _check_memory(settings, folder).table())
+        log.info("memory budget before load:\n%s", _preflight(preflight.check_memory, settings, folder).table())
     start = time.perf_counter()
     try:
         engine = Engine.load(folder, settings.profile(), task_type=settings.task_type, step_cache=settings.step_cache())

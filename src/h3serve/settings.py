@@ -217,12 +217,28 @@ class Settings(EngineSettings):
         return values
 
 
+class Violation(str):
+    """One refusal: the line shown, and the setting it concerns as data (`setting`: a field name; None for a config
+    file or a variable that is no setting)."""
+
+    setting: str | None
+
+    def __new__(cls, text: str, setting: str | None = None) -> Violation:
+        line = super().__new__(cls, text)
+        line.setting = setting
+        return line
+
+
 class SettingsError(ValueError):
-    """Every violation found, one per line."""
+    """Every violation found, one per line; `settings`: the setting of each, in order."""
 
     def __init__(self, violations: list[str]):
         super().__init__("\n".join(violations))
         self.violations = violations
+
+    @property
+    def settings(self) -> list[str | None]:
+        return [getattr(v, "setting", None) for v in self.violations]
 
 
 def env_name(field: str) -> str:
@@ -231,6 +247,11 @@ def env_name(field: str) -> str:
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def refusal(field: str, message: str) -> Violation:
+    """A violation of `field`, shown under its environment name and flag."""
+    return Violation(f"{_label(field)}: {message}", field)
 
 
 def _label(field: str) -> str:
@@ -329,7 +350,7 @@ def load_settings(
             failed.add(field)
             got = raw.get(field)
             shown = REDACTED if field == "api_key" else repr(got)
-            violations.append(f"{_label(field)}: {e['msg']}, got {shown} (from {source.get(field, 'default')})")
+            violations.append(refusal(field, f"{e['msg']}, got {shown} (from {source.get(field, 'default')})"))
     settings = schema.model_validate({k: v for k, v in raw.items() if k not in failed})
     violations += _engine_rules(settings, failed, env, check_profile)
     if isinstance(settings, Settings):
@@ -372,11 +393,11 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             try:
                 parse_cache_config(s.cache_config)
             except ValueError as err:
-                out.append(f"{_label('cache_config')}: {err}")
+                out.append(refusal("cache_config", f"{err}"))
             if s.cache_backend == "none":
-                out.append(f"{_label('cache_config')}: given, but H3_CACHE_BACKEND is none; set cache_dit or remove it")
+                out.append(refusal("cache_config", "given, but H3_CACHE_BACKEND is none; set cache_dit or remove it"))
         if s.cache_backend == "cache_dit" and s.cache_config is None:
-            out.append(f"{_label('cache_backend')}: cache_dit requires an explicit, tested H3_CACHE_CONFIG")
+            out.append(refusal("cache_backend", "cache_dit requires an explicit, tested H3_CACHE_CONFIG"))
     # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
     if ok("cache_dir") and s.cache_dir is not None:
         try:
@@ -384,21 +405,21 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
 
             use_cache_dir(s.cache_dir, environ=dict(env))  # a dry run on a copy of the environment
             if not os.access(s.cache_dir, os.W_OK | os.X_OK):
-                out.append(f"{_label('cache_dir')}: {s.cache_dir} is not writable")
+                out.append(refusal("cache_dir", f"{s.cache_dir} is not writable"))
         except (OSError, ValueError) as err:
-            out.append(f"{_label('cache_dir')}: {err}")
+            out.append(refusal("cache_dir", f"{err}"))
     # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck) asks
     # neither: an unset device resolves by asking torch for CUDA, which a call every 30 s must not do.
     if ok("linear_backend", "cache_backend") and s.cache_backend != "none":
         try:
             check_step_cache(s.linear_backend)
         except ProfileError as err:
-            out.append(f"{_label(SETTING_OF[err.setting])}: {err} (H3_CACHE_BACKEND is {s.cache_backend})")
+            out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
     if check_profile and ok(*PROFILE_FIELDS):
         try:
             check(s.profile())
         except ProfileError as err:
-            out.append(f"{_label(SETTING_OF.get(err.setting, 'device'))}: {err}")
+            out.append(refusal(SETTING_OF.get(err.setting, "device"), str(err)))
     return out
 
 
@@ -409,33 +430,44 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
     key_ok = True
     if ok("api_key", "api_key_file"):
         if s.api_key is not None and s.api_key_file is not None:
-            out.append(f"{env_name('api_key')} and {_label('api_key_file')}: give the key one way, not both")
+            out.append(
+                Violation(
+                    f"{env_name('api_key')} and {_label('api_key_file')}: give the key one way, not both",
+                    "api_key_file",
+                )
+            )
             key_ok = False
         else:
             try:
                 key = s.key
             except ValueError as err:
-                out.append(f"{_label('api_key_file')}: {err}")
+                out.append(refusal("api_key_file", f"{err}"))
                 key, key_ok = None, False
             if key is not None and not KEY_PATTERN.fullmatch(key):
-                where = env_name("api_key") if s.api_key is not None else _label("api_key_file")
+                field = "api_key" if s.api_key is not None else "api_key_file"
                 out.append(
-                    f"{where}: the key must be 32 or more characters of [A-Za-z0-9._~-] "
-                    f"(got {len(key)} characters; e.g. `openssl rand -hex 32`)"
+                    refusal(
+                        field,
+                        "the key must be 32 or more characters of [A-Za-z0-9._~-] "
+                        f"(got {len(key)} characters; e.g. `openssl rand -hex 32`)",
+                    )
                 )
                 key_ok = False
     if ok("bind_host"):
         if not HOST_PATTERN.fullmatch(s.bind_host):
-            out.append(f"{_label('bind_host')}: must match [A-Za-z0-9.:-]+, got {s.bind_host!r}")
+            out.append(refusal("bind_host", f"must match [A-Za-z0-9.:-]+, got {s.bind_host!r}"))
         elif s.bind_host not in LOOPBACK_HOSTS and ok("allow_remote_api"):
             if not s.allow_remote_api:
                 out.append(
-                    f"{_label('bind_host')}: {s.bind_host} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); "
-                    f"a remote bind requires H3_ALLOW_REMOTE_API=true and an API key"
+                    refusal(
+                        "bind_host",
+                        f"{s.bind_host} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); "
+                        "a remote bind requires H3_ALLOW_REMOTE_API=true and an API key",
+                    )
                 )
             elif s.api_key is None and s.api_key_file is None and key_ok:
                 out.append(
-                    f"{_label('bind_host')}: a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE"
+                    refusal("bind_host", f"a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE")
                 )
     return out
 

@@ -42,8 +42,7 @@ from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
-from h3serve.pipeline.layout import MediaGeometry, Reference, build_layout, build_ref2va_layout
-from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, RenderRequest, RequestRules, resolve_canvas
+from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, RenderRequest, RequestRules
 from h3serve.pipeline.sampling import (
     bind_model,
     denoise,
@@ -53,8 +52,8 @@ from h3serve.pipeline.sampling import (
     step_timesteps,
 )
 from h3serve.pipeline.schedule import DualSchedule
-from h3serve.pipeline.variants import encode_conditions, encode_prompt
-from h3serve.vocab import TASK_ANCHORS, DiTKind, Task, TaskType, dit_kind
+from h3serve.pipeline.variants import clock_layouts, encode_conditions, encode_prompt
+from h3serve.vocab import Task, TaskType, dit_kind
 
 # The render's stages in order, each with its share of a job's progress (percent; denoise is spread over its
 # forwards, video over its decode windows).
@@ -220,7 +219,7 @@ class Engine:
             layout = conditions.layout(request, cfg.patch_size)
             noise = draw_layout_noise(request_generator(request.seed), layout, cfg.latents_dim, cfg.audio_latents_dim)
             video_rows, audio_rows = initial_rows(layout, noise, conditions.latents, conditions.audio)
-            schedule = DualSchedule.build(request.steps, request.video_shift, request.audio_shift)
+            schedule = request.schedule
         with self._stage(timings, "tables", ctx):
             tables = self.tables[kind].for_steps(step_timesteps(layout, schedule))
         with self._stage(timings, "denoise", ctx):
@@ -258,22 +257,11 @@ class Engine:
 
     def prepare_tables(self) -> float:
         """Make the AdaLN tables of the default schedule (`DEFAULT_STEPS` grid points, the default shifts) for every
-        task the loaded DiTs serve, so that requests with the defaults find them made (a start-up step; other
-        schedules are made on demand). Only each step's distinct timesteps matter, and those depend only on which
-        clocks a layout has, so a one-row prompt on the warmup's canvas stands in for the requests: per base mode,
-        and for ref2va without and with reference audio. Returns the seconds it took."""
+        task the loaded DiTs serve (`variants.clock_layouts`), so that requests with the defaults find them made (a
+        start-up step; other schedules are made on demand). Returns the seconds it took."""
         start = time.perf_counter()
         schedule = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT)
-        width, height = self.rules.warmup_size or resolve_canvas(16, 9, self.rules.canvas)
-        frames = self.rules.warmup_frames or self.rules.frames.default_frames
-        geometry = MediaGeometry.from_pixels(height, width, frames)
-        patch = self.components.dit_config.patch_size
-        layouts: dict[str, list] = {DiTKind.FL2VA: [], DiTKind.REF2VA: []}
-        for anchors in dict.fromkeys(TASK_ANCHORS.values()):
-            layouts[DiTKind.FL2VA].append(build_layout([1], geometry, anchors, patch_size=patch))
-        image = Reference.image(patch[1], patch[2])
-        for refs in ([image], [image, Reference.audio(1)]):
-            layouts[DiTKind.REF2VA].append(build_ref2va_layout([1], refs, geometry, patch_size=patch))
+        layouts = clock_layouts(self.rules, self.components.dit_config.patch_size)
         with self.lock:
             for kind, tables in self.tables.items():
                 for layout in layouts[kind]:

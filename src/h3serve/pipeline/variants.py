@@ -19,8 +19,8 @@ from h3serve.pipeline.conditioning import (
 )
 from h3serve.pipeline.layout import MediaGeometry, PackedLayout, Reference, build_layout, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
-from h3serve.pipeline.request import RenderRequest
-from h3serve.vocab import Task
+from h3serve.pipeline.request import RenderRequest, RequestRules, resolve_canvas
+from h3serve.vocab import TASK_ANCHORS, DiTKind, Task
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,19 @@ def encode_conditions(
         latents = encode_references(components.video_vae, components.audio_vae, request.references)
         return Conditions(text, latents.video, latents.audio, tuple(reference_descriptors(request.references)))
     return Conditions(text, encode_keyframes(components.video_vae, keyframes))
+
+
+def clock_layouts(rules: RequestRules, patch_size: tuple[int, int, int]) -> dict[DiTKind, list[PackedLayout]]:
+    """A layout for each set of clocks a request can have, per DiT: a step's distinct timesteps depend only on which
+    clocks a layout has, so a one-row prompt on the warmup's canvas stands in for every request (per base mode, and
+    for Ref2VA without and with reference audio) when a schedule's AdaLN tables are made ahead."""
+    width, height = rules.warmup_size or resolve_canvas(16, 9, rules.canvas)
+    geometry = MediaGeometry.from_pixels(height, width, rules.warmup_frames or rules.frames.default_frames)
+    base = [
+        build_layout([1], geometry, anchors, patch_size=patch_size) for anchors in dict.fromkeys(TASK_ANCHORS.values())
+    ]
+    image = Reference.image(patch_size[1], patch_size[2])
+    refs = [
+        build_ref2va_layout([1], r, geometry, patch_size=patch_size) for r in ([image], [image, Reference.audio(1)])
+    ]
+    return {DiTKind.FL2VA: base, DiTKind.REF2VA: refs}

@@ -1,0 +1,73 @@
+"""What `serve` and `check --preflight` check of the host before any weight loads: the model folder, the output folder,
+the port, and the profile's memory budget against the free memory. Each refusal is a PreflightError: one line naming
+the setting and what is wrong."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class PreflightError(ValueError):
+    """A host check that failed; the message names the setting (its environment name and flag)."""
+
+
+def check_model(settings):
+    from h3serve.model.folder import resolve_model_folder
+
+    if settings.model is None:
+        if settings.qkv_layout is not None:
+            raise PreflightError(
+                "H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set"
+            )
+        return None
+    try:
+        folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
+    except (ValueError, OSError) as err:
+        raise PreflightError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    try:
+        folder.check_task_type(settings.task_type)
+    except ValueError as err:
+        raise PreflightError(f"H3_TASK_TYPE (--task-type) {settings.task_type}: {err}") from err
+    return folder
+
+
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise PreflightError(f"H3_OUTPUT_DIR (--output-dir) {path}: cannot create it ({err})") from err
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PreflightError(f"H3_OUTPUT_DIR (--output-dir) {path}: not writable")
+
+
+def check_port(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise PreflightError(
+                f"H3_BIND_HOST/H3_API_PORT {host}:{port}: cannot listen there ({err.strerror})"
+            ) from err
+
+
+def check_memory(settings, folder, free: tuple[float, float, bool] | None = None):
+    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared; read
+    from the machine when None). Returns the budget; raises PreflightError naming what does not fit."""
+    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
+    from h3serve.pipeline.request import RELEASED_RULES
+
+    profile = settings.profile()
+    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)
+    device_free, host_free, shared = free if free is not None else free_memory(profile.torch_device)
+    problems = check_fits(budget, device_free, host_free, shared)
+    if problems:
+        raise PreflightError(
+            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
+            + "; ".join(problems)
+            + f"\n{budget.table()}\n(FP8 options: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS)"
+        )
+    return budget
