@@ -94,6 +94,32 @@ def test_no_import_cycle_in_the_package():
     assert cycle is None, " -> ".join(cycle)
 
 
+# The layers, lowest first: a module imports only from its own layer or below (the data flow of docs/design.md).
+LAYERS = (
+    ("h3serve.vocab", "h3serve.config", "h3serve"),
+    ("h3serve.model", "h3serve.media"),
+    ("h3serve.accel",),
+    ("h3serve.pipeline",),
+    ("h3serve.settings",),
+    ("h3serve.service", "h3serve.accept"),
+    ("h3serve.cli",),
+)
+
+
+def _layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if any(module == n or (n != "h3serve" and module.startswith(n + ".")) for n in names):
+            return i
+    raise AssertionError(f"{module} is in no layer")
+
+
+def test_imports_follow_the_layers():
+    graph = import_graph()
+    upward = [f"{a} -> {b}" for a, edges in graph.items() for b in edges if _layer(b) > _layer(a)]
+    assert upward == []
+    assert _layer("h3serve.model.dit") < _layer("h3serve.accel.apply") < _layer("h3serve.pipeline.engine")
+
+
 def test_no_global_statement_and_no_kernel_setter_in_the_package():
     offenders = []
     for path in PACKAGE.rglob("*.py"):
