@@ -25,9 +25,9 @@ from h3serve.pipeline.conditioning import (
     RELEASED_VIDEO_PROCESSING,
     VideoProcessing,
     encode_text,
-    present,
-    present_references,
     sample_reference_video,
+    tokenize_prompt,
+    tokenize_reference_prompt,
 )
 from h3serve.pipeline.references import DecodedReference
 from oracle import oracle
@@ -136,7 +136,9 @@ def test_presentation_matches_diffusers(tokenizer, image_processor, case):
     )
     ids, tags = step._build_presentation(tokenizer, PROMPT, theirs, image_counts, video_counts, video_times)
 
-    p = present_references(tokenizer, PROMPT, references, image_processor, VideoProcessing.from_folder(PROCESSOR))
+    p = tokenize_reference_prompt(
+        tokenizer, PROMPT, references, image_processor, VideoProcessing.from_folder(PROCESSOR)
+    )
     assert tokenizer.decode(list(p.token_ids)) == tokenizer.decode(ids)  # readable diff on failure
     assert list(p.token_ids) == ids
     assert list(p.token_tags) == tags
@@ -161,7 +163,7 @@ def test_presentation_text(tokenizer, image_processor):
         video_ref(3, 30, 64, 64, 4, sound=False),
         image_ref(4, 64, 64, 5),
     ]
-    p = present_references(tokenizer, "go", references, image_processor)
+    p = tokenize_reference_prompt(tokenizer, "go", references, image_processor)
     text = tokenizer.decode([i for i, t in zip(p.token_ids, p.token_tags, strict=True) if t == 1])
     assert text == (
         "<Audio 1>: <Video 1>: <0.2 seconds><1.2 seconds><Picture 1>: <Audio 2>: "
@@ -180,7 +182,10 @@ def test_audio_only_needs_no_vision_and_vision_is_refused(tokenizer, image_proce
     encoder = tiny_text_encoder(tokenizer, None, seed=0)
     audio_only = encode_text(encoder, PROMPT, references=[audio_ref(0, 1)])
     # The label and the prompt are tokenized apart (": " keeps its own space token), not as one string.
-    ids = [*tokenizer("<Audio 1>: ", add_special_tokens=False)["input_ids"], *present(tokenizer, PROMPT).token_ids]
+    ids = [
+        *tokenizer("<Audio 1>: ", add_special_tokens=False)["input_ids"],
+        *tokenize_prompt(tokenizer, PROMPT).token_ids,
+    ]
     assert audio_only.token_tags.tolist() == [1] * len(ids)
     assert torch.equal(audio_only.states, encoder(ids))
     with pytest.raises(ValueError, match="vision"):

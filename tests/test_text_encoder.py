@@ -23,7 +23,7 @@ from h3serve.model.text_encoder import (
     load_tokenizer,
 )
 from h3serve.model.tiny import randomize, tiny_text_encoder, tiny_text_encoder_config
-from h3serve.pipeline.conditioning import encode_text, present
+from h3serve.pipeline.conditioning import encode_text, tokenize_prompt
 from oracle import oracle
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
@@ -62,18 +62,18 @@ def test_prompt_is_tokenized_verbatim(tokenizer):
     assert set(prompts) == {"T2VA", "I2VA", "FL2VA", "L2VA"}
     # The whole guide too: ~3.5k tokens, far past any default max length, to show nothing truncates.
     for prompt in [*prompts.values(), GUIDE.read_text()]:
-        p = present(tokenizer, prompt)
+        p = tokenize_prompt(tokenizer, prompt)
         assert tokenizer.decode(list(p.token_ids)) == prompt  # nothing added, nothing dropped
         assert set(p.token_tags) == {1}
         assert p.pixel_values is None
-    ids = present(tokenizer, prompts["T2VA"]).token_ids
+    ids = tokenize_prompt(tokenizer, prompts["T2VA"]).token_ids
     assert ids[0] not in tokenizer.all_special_ids and ids[-1] not in tokenizer.all_special_ids  # no BOS/EOS
-    assert len(present(tokenizer, GUIDE.read_text()).token_ids) > 3000
+    assert len(tokenize_prompt(tokenizer, GUIDE.read_text()).token_ids) > 3000
 
 
 def test_h3_special_tokens(tokenizer):
     """H3's added tokens (`<d>`, `</d>`, ...) are single tokens when they appear in the prompt."""
-    p = present(tokenizer, "(S1) says: <d>[English] Hi.</d>")
+    p = tokenize_prompt(tokenizer, "(S1) says: <d>[English] Hi.</d>")
     d_open, d_close = tokenizer.convert_tokens_to_ids(["<d>", "</d>"])
     assert d_open != tokenizer.unk_token_id and d_close != tokenizer.unk_token_id
     assert p.token_ids.count(d_open) == 1 and p.token_ids.count(d_close) == 1
@@ -83,7 +83,7 @@ def test_h3_special_tokens(tokenizer):
 def test_keyframe_presentation(tokenizer, image_processor, height, width, pads):
     """docs/model.md §3: `"<Picture i>: "` + vision block of n = H*W/32^2 pads, tagged video, then the prompt."""
     prompt = example_prompts()["FL2VA"]
-    p = present(tokenizer, prompt, [keyframe(height, width, 0), keyframe(height, width, 1)], image_processor)
+    p = tokenize_prompt(tokenizer, prompt, [keyframe(height, width, 0), keyframe(height, width, 1)], image_processor)
     start, pad, end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])
     ids, tags = list(p.token_ids), list(p.token_tags)
     assert ids.count(pad) == 2 * pads and ids.count(start) == 2 and ids.count(end) == 2
@@ -132,7 +132,9 @@ def test_layer_equals_transformers_hidden_states(tmp_path, tokenizer, image_proc
     assert (encoder.model.visual is not None) == with_keyframes
     keyframes = [keyframe(64, 96, 0), keyframe(64, 96, 1)] if with_keyframes else []
     cond = encode_text(encoder, example_prompts()["FL2VA"][:300], keyframes)
-    presentation = present(encoder.tokenizer, example_prompts()["FL2VA"][:300], keyframes, encoder.image_processor)
+    presentation = tokenize_prompt(
+        encoder.tokenizer, example_prompts()["FL2VA"][:300], keyframes, encoder.image_processor
+    )
     hidden = reference_hidden_states(full, presentation, layer)
     assert torch.equal(cond.states, hidden[layer][0])
     assert not torch.allclose(cond.states, hidden[layer - 1][0])

@@ -42,7 +42,7 @@ from h3serve.accel.profile import (
     check_step_cache,
 )
 from h3serve.media.mp4 import DEFAULT_THREADS, MAX_THREADS
-from h3serve.vocab import TaskType
+from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 ENV_PREFIX = "H3_"
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
@@ -200,7 +200,7 @@ class Settings(EngineSettings):
         """The id /v1/models lists: the served name, else the model path exactly as given, else the tiny model's."""
         if self.served_model_name:
             return self.served_model_name
-        return self.model if self.model is not None else "h3serve-tiny"
+        return self.model if self.model is not None else TINY_MODEL_NAME
 
     def resolved(self) -> dict[str, Any]:
         """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`

@@ -1,5 +1,5 @@
 """The words every layer shares: tasks, the DiTs that run them, reference kinds, the 17n+5 frame grid, the stereo
-channel count and the smoke request.
+channel count, the smoke request and the built-in tiny model's name.
 
 A leaf: it imports only `config`, so the model folder, the pipeline, the settings, the CLI and the HTTP schemas all
 name these without importing each other. The enums are `StrEnum`s, so a member equals (and hashes as) its string:
@@ -131,6 +131,13 @@ def latent_frames(num_frames: int) -> int:
 # The generated soundtrack, and every reference soundtrack the model reads, is stereo: two mono channels that the
 # audio VAE codes as a batch of two and the packed layout holds as two blocks of rows (L then R).
 AUDIO_CHANNELS = 2
+
+
+# --- the built-in tiny model -----------------------------------------------------------------------------------------
+
+# The name `model/tiny.py` gives its components, and the id /v1/models lists when no model folder is served. Here, not
+# in model/tiny.py, so that the settings name it without importing torch.
+TINY_MODEL_NAME = "h3serve-tiny"
 
 
 # --- the smoke request ----------------------------------------------------------------------------------------------

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import SAMPLE_RATE, from_diffusers_keys
-from h3serve.model.latents import LatentStats
+from h3serve.model.latents import HasLatentStats
 from h3serve.model.ops import AttentionKernel, attention, sdpa
 
 
 @dataclass(frozen=True, kw_only=True)
-class AudioVAEConfig:
+class AudioVAEConfig(HasLatentStats):
     """Field names are the keys of the diffusers `audio_vae/config.json`; `from_original` maps the original
     `audio_vae/metadata.json` + `config.json` (which hard-code the resblock tables and head count)."""
 
@@ -75,13 +75,7 @@ class AudioVAEConfig:
             raise ValueError("latent_dim must be divisible by num_attention_heads")
         if self.latent_dim % self.latent_channels:
             raise ValueError("latent_dim must be a multiple of latent_channels")
-        stats = LatentStats.for_channels(self.latents_mean, self.latents_std, self.latent_channels)
-        object.__setattr__(self, "latents_mean", stats.mean)
-        object.__setattr__(self, "latents_std", stats.std)
-
-    @property
-    def latent_stats(self) -> LatentStats:
-        return LatentStats(self.latents_mean, self.latents_std)
+        self._check_latent_stats()
 
     @property
     def hop_length(self) -> int:

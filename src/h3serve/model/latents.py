@@ -1,8 +1,8 @@
 """Per-channel latent statistics, one type for both VAEs and the keyframe path: z_norm = (z - mean) / std.
 
 The DiT works on normalised latents; each VAE config carries the statistics of its latent space (24 values for
-video, 32 for audio, as `latents_mean` / `latents_std` in its config.json). Channels are at dim 1 of a latent of any
-rank ((B, C, N) audio, (B, C, T, H, W) video) and the arithmetic runs in float32.
+video, 32 for audio, as `latents_mean` / `latents_std` in its config.json; `HasLatentStats` wires them). Channels are
+at dim 1 of a latent of any rank ((B, C, N) audio, (B, C, T, H, W) video) and the arithmetic runs in float32.
 """
 
 from __future__ import annotations
@@ -52,3 +52,23 @@ class LatentStats:
         """The transformer's latent -> what the VAE decoder takes."""
         m, s = self._view(z)
         return z * s + m
+
+
+class HasLatentStats:
+    """What both VAE configs share: `latents_mean` / `latents_std` fields (their config.json keys) holding the
+    statistics of a `latent_channels`-channel latent space, read as one `LatentStats`."""
+
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+    latent_channels: int
+
+    def _check_latent_stats(self) -> None:
+        """Called from the config's `__post_init__`: a wrong count, a non-finite mean or a non-positive std is a
+        ValueError, and JSON lists become the float tuples a frozen, hashable config stores."""
+        stats = LatentStats.for_channels(self.latents_mean, self.latents_std, self.latent_channels)
+        object.__setattr__(self, "latents_mean", stats.mean)
+        object.__setattr__(self, "latents_std", stats.std)
+
+    @property
+    def latent_stats(self) -> LatentStats:
+        return LatentStats(self.latents_mean, self.latents_std)

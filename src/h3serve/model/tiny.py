@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
-from h3serve.config import SAMPLE_RATE, DiTConfig
+from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, SAMPLE_RATE, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
 from h3serve.model.folder import Components
@@ -28,15 +28,16 @@ from h3serve.model.text_encoder import (
     truncated_qwen3vl,
 )
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
-from h3serve.vocab import TASK_TYPES, DiTKind, TaskType
+from h3serve.vocab import TASK_TYPES, TINY_MODEL_NAME, DiTKind, TaskType
 
 TINY_SEED = 20261130
 
 TINY_VIDEO_LATENT_CHANNELS = 8
 TINY_AUDIO_LATENT_CHANNELS = 8
+TINY_HIDDEN_SIZE = 48
 
 TINY_DIT = DiTConfig(
-    hidden_size=48,
+    hidden_size=TINY_HIDDEN_SIZE,
     num_layers=2,
     token_refiner_num_layers=2,
     num_attention_heads=2,
@@ -49,8 +50,8 @@ TINY_DIT = DiTConfig(
     timestep_input_dim=32,
     time_embed_hidden_size=56,
     time_embed_dim=24,
-    adaln_out_features=6 * 3 * 48,
-    final_adaln_out_features=2 * 48,
+    adaln_out_features=NUM_BLOCK_MODULATIONS * NUM_MODALITIES * TINY_HIDDEN_SIZE,
+    final_adaln_out_features=2 * TINY_HIDDEN_SIZE,  # shift and scale of the final norm
     rope_inv_freq_len=4,  # 24 of 32 head dims rotate
 )
 
@@ -217,5 +218,10 @@ def tiny_components(
     for part in parts:
         part.to(device).eval().requires_grad_(False)
     return Components(
-        dit=dit, text_encoder=text_encoder, video_vae=video_vae, audio_vae=audio_vae, name="h3-tiny", ref_dit=ref_dit
+        dit=dit,
+        text_encoder=text_encoder,
+        video_vae=video_vae,
+        audio_vae=audio_vae,
+        name=TINY_MODEL_NAME,
+        ref_dit=ref_dit,
     )

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from h3serve.config import from_diffusers_keys
-from h3serve.model.latents import LatentStats
+from h3serve.model.latents import HasLatentStats
 from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_table, sdpa
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 
 
 @dataclass(frozen=True, kw_only=True)
-class VideoVAEConfig:
+class VideoVAEConfig(HasLatentStats):
     """Architecture and recipe of the video VAE.
 
     Field names are the keys of the diffusers `vae/config.json`: it is the one released config that names every
@@ -120,9 +120,7 @@ class VideoVAEConfig:
             raise ValueError(f"rotary width {self.rope_dim} (head_dim x rope_dim_ratio) must be a multiple of 6")
         if not 0 <= self.token_drop < self.tokens_chunk_size:
             raise ValueError(f"token_drop must be in [0, {self.tokens_chunk_size}), got {self.token_drop}")
-        stats = LatentStats.for_channels(self.latents_mean, self.latents_std, self.latent_channels)
-        object.__setattr__(self, "latents_mean", stats.mean)
-        object.__setattr__(self, "latents_std", stats.std)
+        self._check_latent_stats()
         r = self.spatial_ratio
         if self.tile_size % r or self.tile_overlap_min % r:
             raise ValueError(f"tile_size and tile_overlap_min must be multiples of the spatial ratio {r}")
@@ -130,10 +128,6 @@ class VideoVAEConfig:
             raise ValueError("tile_overlap_min must be smaller than tile_size")
 
     # Derived geometry ------------------------------------------------------------------------------------------
-    @property
-    def latent_stats(self) -> LatentStats:
-        return LatentStats(self.latents_mean, self.latents_std)
-
     @property
     def spatial_ratio(self) -> int:
         return math.prod(self.spatial_downsample_factors)

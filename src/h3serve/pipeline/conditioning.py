@@ -1,18 +1,20 @@
 """Conditioning: a request's prompt and keyframes -> the text rows and keyframe latents the denoise loop starts from.
 
-    fit_keyframes     keyframes (packed order) onto the canvas
-    present           H3's presentation: `"<Picture i>: "` + a vision block per keyframe, then the prompt, tokenized
-    present_references  the ref2va presentation: a label per reference (request order), vision blocks, the prompt
-    encode_text       the presentation -> Qwen3-VL layer-50 rows, with each row's modality tag
-    encode_keyframes  each fitted keyframe -> video VAE posterior -> one sampled, fp16-rounded, normalised latent
-    encode_references ref2va: image / video references as keyframes are (the video's 17n+5 prefix); soundtracks and
-                      audio references -> the audio VAE's posterior mean, normalised, as clean channel-major rows
+    fit_keyframes              keyframes (packed order) onto the canvas
+    tokenize_prompt            H3's prompt format: `"<Picture i>: "` + a vision block per keyframe, then the prompt
+    tokenize_reference_prompt  the ref2va format: a label per reference (request order), vision blocks, the prompt
+    encode_text                the tokenized prompt -> Qwen3-VL layer-50 rows, with each row's modality tag
+    encode_keyframes           each fitted keyframe -> video VAE posterior -> a sampled, fp16-rounded, normalised latent
+    encode_references          ref2va: image / video references as keyframes are (the video's 17n+5 prefix);
+                               soundtracks and audio references -> the audio VAE's posterior mean, normalised, as clean
+                               channel-major rows
 
-Presentation: the prompt is tokenized verbatim (no chat template, no special tokens, no truncation). Each keyframe,
-in packed order, comes first as `"<Picture i>: "` plus `<|vision_start|> <|image_pad|>*n <|vision_end|>`; the rows
-of that vision block are tagged video for the DiT's AdaLN, all others text.
+The prompt format (diffusers' "presentation"): the prompt is tokenized verbatim (no chat template, no special tokens,
+no truncation). Each keyframe, in packed order, comes first as `"<Picture i>: "` plus
+`<|vision_start|> <|image_pad|>*n <|vision_end|>`; the rows of that vision block are tagged video for the DiT's
+AdaLN, all others text.
 
-Ref2VA presentation (docs/model.md §3, checked against diffusers' ref2va text-encoder step): labels are numbered per
+The Ref2VA format (docs/model.md §3, checked against diffusers' ref2va text-encoder step): labels are numbered per
 kind and emitted in request order. An image is `"<Picture i>: "` + an image vision block. Audio is `"<Audio j>: "`
 alone (no waveform reaches Qwen). A video that keeps its soundtrack is first `"<Audio j>: "`, then `"<Video k>: "`;
 a video's frames (24 fps) are read at 2 fps, merged in pairs by Qwen's temporal patch (the last one repeated when
@@ -44,13 +46,12 @@ VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vi
 VIDEO_PAD = "<|video_pad|>"
 # The rate Qwen reads a reference video at (diffusers' `video_sample_fps`); reference videos arrive at 24 fps.
 REFERENCE_VIDEO_SAMPLE_FPS = 2.0
-REFERENCE_VIDEO_FPS = float(FPS)
 # Keyframe posteriors are sampled with their own generator, so a keyframe always encodes to the same anchor.
 KEYFRAME_POSTERIOR_SEED = 42
 
 
 @dataclass(frozen=True)
-class Presentation:
+class TokenizedPrompt:
     """One request's text stream, tokenized: ids and modality tags per row, and the keyframes' vision inputs."""
 
     token_ids: tuple[int, ...]
@@ -87,8 +88,10 @@ def fit_keyframes(keyframes: Sequence[Image.Image], width: int, height: int) -> 
     return fitted
 
 
-def present(tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image_processor=None) -> Presentation:
-    """Tokenize the H3 presentation of a prompt and its keyframes (in packed order: first, then last)."""
+def tokenize_prompt(
+    tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image_processor=None
+) -> TokenizedPrompt:
+    """Tokenize a prompt and its keyframes (in packed order: first, then last) in H3's prompt format."""
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     ids: list[int] = []
@@ -109,7 +112,7 @@ def present(tokenizer, prompt: str, keyframes: Sequence[Image.Image] = (), image
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     ids += prompt_ids
     tags += [Modality.TEXT] * len(prompt_ids)
-    return Presentation(tuple(ids), tuple(int(t) for t in tags), pixel_values, grid)
+    return TokenizedPrompt(tuple(ids), tuple(int(t) for t in tags), pixel_values, grid)
 
 
 def encode_text(
@@ -127,22 +130,22 @@ def encode_text(
         kinds = {_reference_kind(r) for r in references}
         if kinds - {AUDIO_KIND} and not encoder.has_vision:
             raise ValueError("this text encoder was loaded without the vision tower; references cannot be encoded")
-        p = present_references(
+        tokens = tokenize_reference_prompt(
             encoder.tokenizer,
             prompt,
             references,
             encoder.image_processor,
             video_processing or RELEASED_VIDEO_PROCESSING,
         )
-        return TextConditioning(_run_encoder(encoder, p), torch.tensor(p.token_tags, dtype=torch.long))
+        return TextConditioning(_run_encoder(encoder, tokens), torch.tensor(tokens.token_tags, dtype=torch.long))
     if keyframes and not encoder.has_vision:
         raise ValueError("this text encoder was loaded without the vision tower; keyframes cannot be encoded")
-    p = present(encoder.tokenizer, prompt, keyframes, encoder.image_processor)
-    states = encoder(p.token_ids, p.pixel_values, p.image_grid_thw)
-    return TextConditioning(states, torch.tensor(p.token_tags, dtype=torch.long))
+    tokens = tokenize_prompt(encoder.tokenizer, prompt, keyframes, encoder.image_processor)
+    states = encoder(tokens.token_ids, tokens.pixel_values, tokens.image_grid_thw)
+    return TextConditioning(states, torch.tensor(tokens.token_tags, dtype=torch.long))
 
 
-# --- ref2va presentation -----------------------------------------------------------------------------------------
+# --- the ref2va prompt format ------------------------------------------------------------------------------------
 
 IMAGE_KIND, VIDEO_KIND, AUDIO_KIND = ReferenceKind.IMAGE, ReferenceKind.VIDEO, ReferenceKind.AUDIO
 
@@ -201,7 +204,7 @@ def _reference_has_audio(reference) -> bool:
 
 def sample_reference_video(
     num_frames: int,
-    fps: float = REFERENCE_VIDEO_FPS,
+    fps: float = FPS,
     sample_fps: float = REFERENCE_VIDEO_SAMPLE_FPS,
     temporal_patch: int = 2,
 ) -> tuple[list[int], list[float]]:
@@ -263,14 +266,14 @@ def video_vision_inputs(frames: np.ndarray, vp: VideoProcessing) -> tuple[torch.
     return x.reshape(gt * gh * gw, 3 * tp * p * p), (gt, gh, gw)
 
 
-def present_references(
+def tokenize_reference_prompt(
     tokenizer,
     prompt: str,
     references: Sequence,
     image_processor=None,
     video_processing: VideoProcessing = RELEASED_VIDEO_PROCESSING,
-) -> Presentation:
-    """Tokenize the ref2va presentation of a prompt and its decoded references (request order).
+) -> TokenizedPrompt:
+    """Tokenize a prompt and its decoded references (request order) in the ref2va prompt format.
 
     `references` are `DecodedReference`s or anything with `kind` ("image" | "video" | "audio"), `pixels` (an image's
     (H, W, 3), a video's (F, H, W, 3) uint8 at 24 fps) and `audio` (a video's soundtrack or None). The vision inputs
@@ -329,7 +332,7 @@ def present_references(
                 text(f"<{t:.1f} seconds>")
                 block(video_pad, n)
     text(prompt)
-    return Presentation(
+    return TokenizedPrompt(
         tuple(ids),
         tuple(tags),
         pixel_values,
@@ -340,8 +343,10 @@ def present_references(
 
 
 @torch.no_grad()
-def _run_encoder(encoder: TextEncoder, p: Presentation) -> torch.Tensor:
-    return encoder(p.token_ids, p.pixel_values, p.image_grid_thw, p.pixel_values_videos, p.video_grid_thw)
+def _run_encoder(encoder: TextEncoder, tokens: TokenizedPrompt) -> torch.Tensor:
+    return encoder(
+        tokens.token_ids, tokens.pixel_values, tokens.image_grid_thw, tokens.pixel_values_videos, tokens.video_grid_thw
+    )
 
 
 def sample_keyframe_latents(

@@ -9,6 +9,9 @@ A task variant is data: T2VA, I2VA, L2VA and FL2VA differ only in the keyframe a
 
     [ text | reference blocks in request order | audio L then R | target video ]
 
+Both are one builder over a list of condition blocks (`_Block`): a keyframe is a block that leaves the RoPE cursor
+where it is, a reference one that moves it on. The clock arithmetic itself is `rope.py`'s.
+
 Everything here is plain tensors built on the CPU once per request; the denoise loop and the DiT read them and
 never change them.
 """
@@ -22,18 +25,14 @@ import numpy as np
 import torch
 
 from h3serve.config import AUDIO_LATENTS_PER_SECOND, FPS, PATCH_SIZE, SPATIAL_RATIO, Modality
+from h3serve.pipeline.rope import frame_grid, frame_times, last_frame_time, video_time_span
+from h3serve.pipeline.rope import spatial_grid as spatial_grid  # its home is rope; importable from here as before
 from h3serve.pipeline.rules import check_reference_kinds
 from h3serve.vocab import ANCHORS, AUDIO_CHANNELS, ReferenceKind, latent_frames
 from h3serve.vocab import TASK_ANCHORS as TASK_ANCHORS  # its home is vocab; importable from here as before
 
 # Conditioning rows are noised once to t = 0.999 and held there (or at t_video when that is cleaner).
 CONDITION_TIMESTEP = 0.999
-
-# One latent frame spans (5/3) * m RoPE time units, m following the VAE's 1, 4, 4, 4, 4 pixel-frame grouping:
-# 40 units per second at 24 fps, the same clock as the 40 Hz audio latents (one unit each).
-ROPE_FRAME_UNITS = 5.0 / 3.0
-ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
-ROPE_SPATIAL_SCALE = 32
 
 # Reference audio rows (Ref2VA) are clean: the posterior mean of the audio VAE, held at t = 1.0.
 REFERENCE_AUDIO_TIMESTEP = 1.0
@@ -68,38 +67,6 @@ class MediaGeometry:
             latent_width=width // SPATIAL_RATIO,
             audio_latents=round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND),
         )
-
-
-def spatial_grid(dim: int, patch: int, sqrt_area: float) -> np.ndarray:
-    """One aspect-normalised RoPE axis: `dim // patch` points, float64, centred near 16.
-
-    numpy on purpose: `np.linspace(endpoint=False)` is `start + k * step` and `torch.linspace` differs from it by an
-    ulp, which the released positions do not forgive. The stop is written `left + ratio`, as the reference does.
-    """
-    ratio = dim / sqrt_area
-    left = (1.0 - ratio) / 2.0
-    return np.linspace(left, left + ratio, dim // patch, endpoint=False) * ROPE_SPATIAL_SCALE
-
-
-def frame_times(num_latent_frames: int, origin: float) -> np.ndarray:
-    """RoPE time of every latent frame: origin, then steps of (5/3) * (1, 4, 4, 4, 4, 1, 4, ...), summed in order."""
-    spans = np.array(
-        [ROPE_FRAME_UNITS * ROPE_FRAMES_PER_LATENT[k % len(ROPE_FRAMES_PER_LATENT)] for k in range(num_latent_frames)],
-        dtype=np.float64,
-    )
-    return origin + np.concatenate([np.zeros(1), np.cumsum(spans[:-1])])
-
-
-def last_frame_time(num_latent_frames: int, origin: float) -> float:
-    """RoPE time of a "last" keyframe: the time of the last *pixel* frame, origin + (5/3) * (num_frames - 1).
-
-    Computed as the reference does, all spans summed with numpy's pairwise `sum`, minus one 5/3; a sequential
-    sum of the same series differs in the last ulp from 16 latent frames on.
-    """
-    spans = np.ones(num_latent_frames, dtype=np.float64) * ROPE_FRAME_UNITS
-    for offset, m in enumerate(ROPE_FRAMES_PER_LATENT):
-        spans[offset :: len(ROPE_FRAMES_PER_LATENT)] *= m
-    return float(origin) + float(spans.sum()) - ROPE_FRAME_UNITS
 
 
 @dataclass(frozen=True)
@@ -235,10 +202,10 @@ class PackedLayout:
             [float(t_video), float(t_audio), max(float(t_video), CONDITION_TIMESTEP), REFERENCE_AUDIO_TIMESTEP],
             dtype=torch.float32,
         )
-        present = torch.unique(self.row_clock)
-        values, inverse = torch.unique(per_clock[present], sorted=True, return_inverse=True)
+        used_clocks = torch.unique(self.row_clock)
+        values, inverse = torch.unique(per_clock[used_clocks], sorted=True, return_inverse=True)
         lookup = torch.zeros(NUM_CLOCKS, dtype=torch.long)
-        lookup[present] = inverse
+        lookup[used_clocks] = inverse
         return values, lookup[self.row_clock]
 
 
@@ -266,134 +233,18 @@ def build_layout(
 
     text_tags: the modality tag of every text-encoder row (TEXT, or VIDEO inside a keyframe's vision block).
     anchors: "first" and/or "last" per keyframe, in packed order (see `vocab.TASK_ANCHORS`).
+
+    A keyframe is one frame of the target's grid on the conditioning clock. It leaves the RoPE cursor where the text
+    ends: a "first" keyframe sits there, with the target's first frame; a "last" one at the target's last pixel frame.
     """
-    text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
     anchors = tuple(anchors)
     for anchor in anchors:
         if anchor not in ANCHORS:
             raise ValueError(f"keyframe anchor must be 'first' or 'last', got {anchor!r}")
     _, patch_h, patch_w = _check_patch(geometry, patch_size)
-    g = geometry
-
-    s = _Spans(
-        num_text=int(text_tags.shape[0]),
-        rows_per_frame=(g.latent_height // patch_h) * (g.latent_width // patch_w),
-        num_anchors=len(anchors),
-        num_audio=g.audio_latents * audio_channels,
-        latent_frames=g.latent_frames,
-    )
-    text_indices = torch.arange(s.num_text)
-    video_indices = torch.cat([torch.arange(s.cond_start, s.audio_start), torch.arange(s.video_start, s.seq)])
-    audio_indices = torch.arange(s.audio_start, s.video_start)
-
-    token_tags = torch.empty(s.seq, dtype=torch.long)
-    token_tags[text_indices] = text_tags
-    token_tags[video_indices] = Modality.VIDEO
-    token_tags[audio_indices] = Modality.AUDIO
-
-    row_clock = torch.full((s.seq,), CLOCK_VIDEO, dtype=torch.long)
-    row_clock[s.cond_start : s.audio_start] = CLOCK_CONDITION
-    row_clock[s.audio_start : s.video_start] = CLOCK_AUDIO
-
-    return PackedLayout(
-        anchors=anchors,
-        geometry=g,
-        patch_size=tuple(patch_size),
-        audio_channels=audio_channels,
-        num_text=s.num_text,
-        rows_per_frame=s.rows_per_frame,
-        token_tags=token_tags,
-        row_clock=row_clock,
-        position_ids=torch.from_numpy(_positions(s, g, anchors, patch_h, patch_w, audio_channels)),
-        text_indices=text_indices,
-        video_indices=video_indices,
-        audio_indices=audio_indices,
-    )
-
-
-@dataclass(frozen=True)
-class _Spans:
-    """Where each block of rows starts in the packed sequence."""
-
-    num_text: int
-    rows_per_frame: int
-    num_anchors: int
-    num_audio: int
-    latent_frames: int
-
-    @property
-    def cond_start(self) -> int:
-        return self.num_text
-
-    @property
-    def audio_start(self) -> int:
-        return self.cond_start + self.num_anchors * self.rows_per_frame
-
-    @property
-    def video_start(self) -> int:
-        return self.audio_start + self.num_audio
-
-    @property
-    def seq(self) -> int:
-        return self.video_start + self.latent_frames * self.rows_per_frame
-
-
-def _positions(
-    s: _Spans, g: MediaGeometry, anchors: tuple[str, ...], patch_h: int, patch_w: int, audio_channels: int
-) -> np.ndarray:
-    """(S, 3) float64 RoPE positions (t, h, w): text row i at (i, 0, 0); the media clock starts after the text."""
-    pos = np.zeros((s.seq, 3), dtype=np.float64)
-    pos[: s.num_text, 0] = np.arange(s.num_text, dtype=np.float64)
-    origin = float(s.num_text)
-    frame_hw, w_grid = _frame_grid(g.latent_height, g.latent_width, patch_h, patch_w)
-
-    for k, anchor in enumerate(anchors):
-        rows = slice(s.cond_start + k * s.rows_per_frame, s.cond_start + (k + 1) * s.rows_per_frame)
-        pos[rows, 0] = origin if anchor == "first" else last_frame_time(g.latent_frames, origin)
-        pos[rows, 1:] = frame_hw
-
-    _fill_audio(pos, s.audio_start, g.audio_latents, audio_channels, origin, w_grid)
-    _fill_video(pos, s.video_start, g.latent_frames, origin, frame_hw)
-    return pos
-
-
-def _frame_grid(latent_height: int, latent_width: int, patch_h: int, patch_w: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (h, w) positions of one latent frame's rows, row-major, (rows_per_frame, 2); and its w axis."""
-    sqrt_area = np.sqrt(latent_height * latent_width)
-    h_grid = spatial_grid(latent_height, patch_h, sqrt_area)
-    w_grid = spatial_grid(latent_width, patch_w, sqrt_area)
-    hh, ww = np.meshgrid(h_grid, w_grid, indexing="ij")
-    return np.stack([hh.reshape(-1), ww.reshape(-1)], axis=-1), w_grid
-
-
-def _fill_audio(
-    pos: np.ndarray, start: int, audio_latents: int, channels: int, origin: float, w_grid: np.ndarray
-) -> None:
-    """One channel-major audio block: one time unit per latent, no height, L at the first w point, R at the last."""
-    rows = slice(start, start + audio_latents * channels)
-    pos[rows, 0] = np.tile(origin + np.arange(audio_latents, dtype=np.float64), channels)
-    pos[rows, 2] = np.concatenate(
-        [np.full(audio_latents, w_grid[0]), np.full(audio_latents * (channels - 1), w_grid[-1])]
-    )
-
-
-def _fill_video(pos: np.ndarray, start: int, latent_frames: int, origin: float, frame_hw: np.ndarray) -> None:
-    """One frame-major video block starting at RoPE time `origin`."""
-    rows = slice(start, start + latent_frames * frame_hw.shape[0])
-    pos[rows, 0] = np.repeat(frame_times(latent_frames, origin), frame_hw.shape[0])
-    pos[rows, 1:] = np.tile(frame_hw, (latent_frames, 1))
-
-
-def video_time_span(num_latent_frames: int) -> float:
-    """RoPE time a Ref2VA reference video occupies: (5/3) * (1 + 4 + 4 + 4 + 4 + 1 + ...), summed in order.
-
-    A sequential float64 sum, as the reference advances its cursor; `last_frame_time`'s pairwise sum of the same
-    series differs from it in the last ulp from 16 latent frames on.
-    """
-    span = 0.0
-    for k in range(num_latent_frames):
-        span += ROPE_FRAME_UNITS * ROPE_FRAMES_PER_LATENT[k % len(ROPE_FRAMES_PER_LATENT)]
-    return span
+    target = frame_grid(geometry.latent_height, geometry.latent_width, patch_h, patch_w)
+    blocks = [_Block(frames=1, frame_hw=target[0], at_last_frame=anchor == "last") for anchor in anchors]
+    return _pack(text_tags, geometry, blocks, target, patch_size, audio_channels, anchors=anchors)
 
 
 def build_ref2va_layout(
@@ -415,70 +266,124 @@ def build_ref2va_layout(
     start at the final cursor. Reference video rows follow the conditioning clock max(t_video, 0.999), reference
     audio rows are clean (t = 1.0).
     """
-    text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
     references = validate_references(references, patch_size)
     _, patch_h, patch_w = _check_patch(geometry, patch_size)
-    g = geometry
+    target = frame_grid(geometry.latent_height, geometry.latent_width, patch_h, patch_w)
+    blocks = [_reference_block(ref, target[1], patch_h, patch_w) for ref in references]
+    return _pack(text_tags, geometry, blocks, target, patch_size, audio_channels, references=references)
 
-    num_text = int(text_tags.shape[0])
-    rows_per_frame = (g.latent_height // patch_h) * (g.latent_width // patch_w)
-    ref_video_rows = sum(ref.video_rows(patch_size) for ref in references)
-    ref_audio_rows = sum(ref.audio_rows(audio_channels) for ref in references)
-    audio_start = num_text + ref_video_rows + ref_audio_rows
-    video_start = audio_start + g.audio_latents * audio_channels
-    seq = video_start + g.latent_frames * rows_per_frame
 
-    pos = np.zeros((seq, 3), dtype=np.float64)
-    pos[:num_text, 0] = np.arange(num_text, dtype=np.float64)
-    target_hw, target_w = _frame_grid(g.latent_height, g.latent_width, patch_h, patch_w)
-    row_clock = torch.full((seq,), CLOCK_VIDEO, dtype=torch.long)
-    video_blocks: list[torch.Tensor] = []
-    audio_blocks: list[torch.Tensor] = []
+@dataclass(frozen=True, eq=False)
+class _Block:
+    """One condition block: its audio rows (channel-major), then its video rows (frame-major), at one RoPE time.
 
-    row, cursor = num_text, float(num_text)  # next free row; the RoPE time cursor
-    for ref in references:
-        if ref.has_audio:  # an audio reference, or a video's soundtrack packed right before its frames
-            n = ref.audio_rows(audio_channels)
-            w_grid = target_w
-            if ref.kind == ReferenceKind.VIDEO:
-                w_grid = _frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)[1]
-            _fill_audio(pos, row, ref.audio_latents, audio_channels, cursor, w_grid)
-            audio_blocks.append(torch.arange(row, row + n))
-            row_clock[row : row + n] = CLOCK_REFERENCE_AUDIO
-            row += n
-        if ref.has_video:
-            n = ref.video_rows(patch_size)
-            frame_hw = _frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)[0]
-            _fill_video(pos, row, ref.latent_frames, cursor, frame_hw)
-            video_blocks.append(torch.arange(row, row + n))
-            row_clock[row : row + n] = CLOCK_CONDITION
-            row += n
-        if ref.kind == ReferenceKind.IMAGE:
-            cursor += 1.0  # a single frame takes one integer slot, not a latent frame's 5/3
-        elif ref.kind == ReferenceKind.AUDIO:
-            cursor += float(ref.audio_latents)
-        else:
-            cursor += max(float(ref.audio_latents), video_time_span(ref.latent_frames))
-    assert row == audio_start
+    The time is the cursor's, or for `at_last_frame` (a "last" keyframe) the target's last pixel frame; `advance` is
+    how far the block moves the cursor on: 0 for a keyframe, a reference's span for a reference.
+    """
 
-    _fill_audio(pos, audio_start, g.audio_latents, audio_channels, cursor, target_w)
-    _fill_video(pos, video_start, g.latent_frames, cursor, target_hw)
-    row_clock[audio_start:video_start] = CLOCK_AUDIO
+    frames: int = 0  # latent frames of video rows
+    frame_hw: np.ndarray | None = None  # (rows_per_frame, 2): the (h, w) positions of one frame's rows
+    audio_latents: int = 0  # per channel
+    audio_w: np.ndarray | None = None  # the w axis whose first point holds L and whose last holds R
+    advance: float = 0.0
+    at_last_frame: bool = False
 
-    text_indices = torch.arange(num_text)
-    video_indices = torch.cat([*video_blocks, torch.arange(video_start, seq)])
-    audio_indices = torch.cat([*audio_blocks, torch.arange(audio_start, video_start)])
-    token_tags = torch.empty(seq, dtype=torch.long)
+    def audio_rows(self, audio_channels: int) -> int:
+        return self.audio_latents * audio_channels
+
+    @property
+    def video_rows(self) -> int:
+        return 0 if self.frame_hw is None else self.frames * self.frame_hw.shape[0]
+
+
+def _reference_block(ref: Reference, target_w: np.ndarray, patch_h: int, patch_w: int) -> _Block:
+    """A Ref2VA reference as a block at the cursor, with its advance."""
+    if ref.kind == ReferenceKind.AUDIO:
+        return _Block(audio_latents=ref.audio_latents, audio_w=target_w, advance=float(ref.audio_latents))
+    frame_hw, own_w = frame_grid(ref.latent_height, ref.latent_width, patch_h, patch_w)
+    if ref.kind == ReferenceKind.IMAGE:
+        # A single frame takes one integer slot, not a latent frame's 5/3.
+        return _Block(frames=1, frame_hw=frame_hw, advance=1.0)
+    span = max(float(ref.audio_latents), video_time_span(ref.latent_frames))
+    return _Block(
+        frames=ref.latent_frames, frame_hw=frame_hw, audio_latents=ref.audio_latents, audio_w=own_w, advance=span
+    )
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Where each run of rows starts in the packed sequence `[text | condition blocks | audio L, R | video]`."""
+
+    num_text: int
+    num_condition: int  # keyframe or reference rows, video and audio
+    num_audio: int  # generated audio rows, every channel
+    num_video: int  # generated video rows
+
+    @property
+    def cond_start(self) -> int:
+        return self.num_text
+
+    @property
+    def audio_start(self) -> int:
+        return self.cond_start + self.num_condition
+
+    @property
+    def video_start(self) -> int:
+        return self.audio_start + self.num_audio
+
+    @property
+    def seq(self) -> int:
+        return self.video_start + self.num_video
+
+
+def _pack(
+    text_tags: Sequence[int] | torch.Tensor,
+    geometry: MediaGeometry,
+    blocks: Sequence[_Block],
+    target: tuple[np.ndarray, np.ndarray],
+    patch_size: tuple[int, int, int],
+    audio_channels: int,
+    *,
+    anchors: tuple[str, ...] = (),
+    references: tuple[Reference, ...] = (),
+) -> PackedLayout:
+    """Lay out `[text | blocks | audio L, R | video]`: text row i at RoPE (i, 0, 0), the blocks from the cursor where
+    the text ends, the target's audio and video at the final cursor. target: the target frame's `frame_grid`."""
+    text_tags = torch.as_tensor(text_tags, dtype=torch.long).reshape(-1)
+    target_hw, target_w = target
+    _, patch_h, patch_w = patch_size
+    rows_per_frame = (geometry.latent_height // patch_h) * (geometry.latent_width // patch_w)
+    condition_video = sum(block.video_rows for block in blocks)
+    condition_audio = sum(block.audio_rows(audio_channels) for block in blocks)
+    spans = _Spans(
+        num_text=int(text_tags.shape[0]),
+        num_condition=condition_video + condition_audio,
+        num_audio=geometry.audio_latents * audio_channels,
+        num_video=geometry.latent_frames * rows_per_frame,
+    )
+
+    pos = np.zeros((spans.seq, 3), dtype=np.float64)  # (S, 3) float64 (t, h, w)
+    pos[: spans.num_text, 0] = np.arange(spans.num_text, dtype=np.float64)
+    row_clock = torch.full((spans.seq,), CLOCK_VIDEO, dtype=torch.long)
+    video_blocks, audio_blocks, cursor = _place_blocks(pos, row_clock, blocks, spans, geometry, audio_channels)
+    _fill_audio(pos, spans.audio_start, geometry.audio_latents, audio_channels, cursor, target_w)
+    _fill_video(pos, spans.video_start, geometry.latent_frames, cursor, target_hw)
+    row_clock[spans.audio_start : spans.video_start] = CLOCK_AUDIO
+
+    text_indices = torch.arange(spans.num_text)
+    video_indices = torch.cat([*video_blocks, torch.arange(spans.video_start, spans.seq)])
+    audio_indices = torch.cat([*audio_blocks, torch.arange(spans.audio_start, spans.video_start)])
+    token_tags = torch.empty(spans.seq, dtype=torch.long)
     token_tags[text_indices] = text_tags
     token_tags[video_indices] = Modality.VIDEO
     token_tags[audio_indices] = Modality.AUDIO
 
     return PackedLayout(
-        anchors=(),
-        geometry=g,
+        anchors=anchors,
+        geometry=geometry,
         patch_size=tuple(patch_size),
         audio_channels=audio_channels,
-        num_text=num_text,
+        num_text=spans.num_text,
         rows_per_frame=rows_per_frame,
         token_tags=token_tags,
         row_clock=row_clock,
@@ -487,9 +392,60 @@ def build_ref2va_layout(
         video_indices=video_indices,
         audio_indices=audio_indices,
         references=references,
-        num_reference_video_rows=ref_video_rows,
-        num_reference_audio_rows=ref_audio_rows,
+        # Keyframe rows are counted by `anchors` (PackedLayout.num_condition_video_rows), reference rows here.
+        num_reference_video_rows=condition_video if references else 0,
+        num_reference_audio_rows=condition_audio if references else 0,
     )
+
+
+def _place_blocks(
+    pos: np.ndarray,
+    row_clock: torch.Tensor,
+    blocks: Sequence[_Block],
+    spans: _Spans,
+    geometry: MediaGeometry,
+    audio_channels: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Write the condition blocks' positions and clocks in request order; return their video and audio row indices
+    and the RoPE cursor after the last of them, where the target starts."""
+    video_blocks: list[torch.Tensor] = []
+    audio_blocks: list[torch.Tensor] = []
+    row, cursor = spans.cond_start, float(spans.num_text)  # next free row; the RoPE time cursor
+    for block in blocks:
+        time = last_frame_time(geometry.latent_frames, cursor) if block.at_last_frame else cursor
+        if block.audio_latents:
+            n = block.audio_rows(audio_channels)
+            _fill_audio(pos, row, block.audio_latents, audio_channels, time, block.audio_w)
+            audio_blocks.append(torch.arange(row, row + n))
+            row_clock[row : row + n] = CLOCK_REFERENCE_AUDIO
+            row += n
+        if block.video_rows:
+            n = block.video_rows
+            _fill_video(pos, row, block.frames, time, block.frame_hw)
+            video_blocks.append(torch.arange(row, row + n))
+            row_clock[row : row + n] = CLOCK_CONDITION
+            row += n
+        cursor += block.advance
+    assert row == spans.audio_start
+    return video_blocks, audio_blocks, cursor
+
+
+def _fill_audio(
+    pos: np.ndarray, start: int, audio_latents: int, channels: int, origin: float, w_grid: np.ndarray
+) -> None:
+    """One channel-major audio block: one time unit per latent, no height, L at the first w point, R at the last."""
+    rows = slice(start, start + audio_latents * channels)
+    pos[rows, 0] = np.tile(origin + np.arange(audio_latents, dtype=np.float64), channels)
+    pos[rows, 2] = np.concatenate(
+        [np.full(audio_latents, w_grid[0]), np.full(audio_latents * (channels - 1), w_grid[-1])]
+    )
+
+
+def _fill_video(pos: np.ndarray, start: int, latent_frames: int, origin: float, frame_hw: np.ndarray) -> None:
+    """One frame-major video block starting at RoPE time `origin`."""
+    rows = slice(start, start + latent_frames * frame_hw.shape[0])
+    pos[rows, 0] = np.repeat(frame_times(latent_frames, origin), frame_hw.shape[0])
+    pos[rows, 1:] = np.tile(frame_hw, (latent_frames, 1))
 
 
 # --- row <-> latent conversions ---------------------------------------------------------------------------------
@@ -498,21 +454,20 @@ def build_ref2va_layout(
 def patchify_video(latents: torch.Tensor, patch_size: tuple[int, int, int] = PATCH_SIZE) -> torch.Tensor:
     """(1, C, F, H, W) -> (F*H/ph*W/pw, C*pt*ph*pw): frame-major, then row-major; features ordered (c, pt, ph, pw)."""
     pt, ph, pw = patch_size
-    b, c, f, h, w = latents.shape
-    if b != 1 or f % pt or h % ph or w % pw:
+    batch, channels, frames, height, width = latents.shape
+    if batch != 1 or frames % pt or height % ph or width % pw:
         raise ValueError(f"latents of shape {tuple(latents.shape)} do not patch into rows with {patch_size}")
-    x = latents.reshape(c, f // pt, pt, h // ph, ph, w // pw, pw)
-    return x.permute(1, 3, 5, 0, 2, 4, 6).reshape(-1, c * pt * ph * pw)
+    x = latents.reshape(channels, frames // pt, pt, height // ph, ph, width // pw, pw)
+    return x.permute(1, 3, 5, 0, 2, 4, 6).reshape(-1, channels * pt * ph * pw)
 
 
 def unpatchify_video(rows: torch.Tensor, geometry: MediaGeometry, patch_size: tuple[int, int, int] = PATCH_SIZE):
     """Inverse of `patchify_video` for the generated rows: (Nv, C*pt*ph*pw) -> (1, C, F, H, W)."""
     pt, ph, pw = patch_size
-    g = geometry
-    f, h, w = g.latent_frames // pt, g.latent_height // ph, g.latent_width // pw
-    c = rows.shape[-1] // (pt * ph * pw)
-    x = rows.reshape(f, h, w, c, pt, ph, pw).permute(3, 0, 4, 1, 5, 2, 6)
-    return x.reshape(1, c, g.latent_frames, g.latent_height, g.latent_width)
+    frames, height, width = geometry.latent_frames, geometry.latent_height, geometry.latent_width
+    channels = rows.shape[-1] // (pt * ph * pw)
+    x = rows.reshape(frames // pt, height // ph, width // pw, channels, pt, ph, pw).permute(3, 0, 4, 1, 5, 2, 6)
+    return x.reshape(1, channels, frames, height, width)
 
 
 def audio_rows_to_latents(rows: torch.Tensor, channels: int = AUDIO_CHANNELS) -> torch.Tensor:
