@@ -1,2 +1,3 @@
-"""The HTTP service: the vLLM-Omni/OpenAI video API over one engine (app.py), its jobs (jobs.py), request mapping
-and records (schemas.py), auth (security.py) and metrics (metrics.py)."""
+"""The HTTP service: the vLLM-Omni/OpenAI video API over one engine (app.py), its job store (store.py), the GPU worker
+and encoder thread (scheduler.py), the readiness render (warmup.py), the host checks before a start (preflight.py),
+request mapping and records (schemas.py), auth (security.py) and metrics (metrics.py)."""
