@@ -59,7 +59,7 @@ from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import block_passes, set_block_passes
 from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, uncompile_repeated_blocks
-from h3serve.accel.linear import Fp8Linear, quantize_blocks, restore
+from h3serve.accel.linear import Fp8Linear, block_linears, quantize_blocks, replace_block_linears
 from h3serve.accel.profile import Profile
 from h3serve.config import Modality
 from h3serve.pipeline.layout import MediaGeometry, build_layout
@@ -209,9 +209,7 @@ def configure(dit, attn: str, execution: str, linear: str, dev: str):
     if execution == "compile-qk":
         body = None  # the fused qk-norm + rotary pass alone
     set_block_passes(dit, qk, body)
-    for module in dit.modules():
-        if isinstance(module, Fp8Linear):
-            module.fast_accum = execution != "compile-fp32accum"
+    set_fast_accum(dit, execution != "compile-fp32accum")
     if execution.startswith("eager"):
         BlockStack.of(dit).set_compiler(None).install(dit)
         return None
@@ -242,14 +240,38 @@ def wanted(linear: str, attn: str, execution: str) -> bool:
     return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
 
 
+def set_fast_accum(dit, fast_accum: bool) -> None:
+    """The FP8 block linears' accumulation for this variant (`Fp8Linear.fast_accum`, fixed per layer when it is made):
+    new layers over the same e4m3 weights where it differs."""
+
+    def convert(module):
+        if isinstance(module, Fp8Linear) and module.fast_accum != fast_accum:
+            return Fp8Linear(module.weight, module.scale, module.bias, fast_accum=fast_accum)
+        return None
+
+    replace_block_linears(dit, convert)
+
+
 def swap_linears(dit, linear: str) -> dict | None:
+    """The profile's block linears in place of the BF16 ones, which are returned by name for `restore` (the engine's
+    own quantization releases them; this benchmark switches back)."""
+    if linear == "BF16":
+        return None
+    kept = {name: getattr(parent, leaf) for name, parent, leaf in block_linears(dit)}
     if linear == "CUTLASS":
-        return quantize_blocks(dit, keep=True)
-    if linear == "HUMMING":
+        quantize_blocks(dit)
+    else:
         from h3serve.accel.humming import quantize_blocks as humming_blocks
 
-        return humming_blocks(dit, keep=True)
-    return None
+        humming_blocks(dit)
+    return kept
+
+
+def restore(dit, kept: dict) -> None:
+    """Put back the block linears `swap_linears` kept."""
+    for name, module in kept.items():
+        parent, leaf = name.rsplit(".", 1)
+        setattr(dit.get_submodule(parent), leaf, module)
 
 
 def kernel_table(fn, top: int = 30) -> tuple[list[dict], dict]:

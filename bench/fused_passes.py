@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated pass names (qk_norm_rope, qk_rope included)")
     args = parser.parse_args()
     only = set(filter(None, args.only.split(",")))
-    fused.build()
+    kernels = fused.triton_kernels()
     from h3serve.accel import triton_block
 
     record = {**run_header(), "rows": args.rows, "passes": {}}
@@ -115,8 +115,8 @@ def main() -> None:
         if only and name not in only:
             continue
         eager_rounding = call[-1] is not True  # the FP8 passes run as the CUTLASS profile does
-        reference = fused.REFERENCES[op]
-        kernel = fused.KERNELS[op]
+        reference = getattr(fused.REFERENCES, op)  # called as the op is, by position (the same parameters)
+        kernel = kernels[op]
         kargs = (*call, eager_rounding) if op in ("norm_modulate", "swiglu") else call
         want = reference(*call)
         entry: dict = {"bytes": nbytes, "variants": {}, **reference_times(reference, call)}
@@ -157,8 +157,9 @@ def qk_passes(s: int, record: dict, only: set[str]) -> None:
     cos, sin = (t.cuda() for t in ops.rotary_table(torch.rand(s, RELEASED.rotary_dim // 2, generator=g) * 40))
     call = (q, k, qw, kw, 1e-6, cos, sin)
     nbytes = 4 * s * INNER * 2  # q and k read, q and k written
-    cases = {"qk_norm_rope": (fused.qk_norm_rope, ops.qk_norm_rope_reference),
-             "qk_rope": (functools.partial(fused.qk_norm_rope, exact=True), ops.qk_norm_rope_reference)}  # fmt: skip
+    kernels = fused.triton_kernels()
+    cases = {"qk_norm_rope": (fused.qk_kernel(kernels, exact=False), ops.qk_norm_rope_reference),
+             "qk_rope": (fused.qk_kernel(kernels, exact=True), ops.qk_norm_rope_reference)}  # fmt: skip
     chosen = dict(qk.LAUNCH)
     for name, (kernel, reference) in cases.items():
         if only and name not in only:

@@ -25,7 +25,10 @@ What the interpreter computes decides what is compared (measured with Triton 3.9
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
+import typing
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError(
@@ -39,7 +42,7 @@ import triton
 import triton.language as tl
 
 from h3serve.accel import fused, triton_block
-from h3serve.accel.linear import FP8, FP8_MAX
+from h3serve.accel.linear import FP8, FP8_MAX, quantize_rows
 from h3serve.accel.triton_block import _round
 from h3serve.accel.triton_qk_norm_rope import ROUND_NORM, qk_norm_rope_fused
 from h3serve.config import DiTConfig
@@ -212,8 +215,7 @@ def test_qk_norm_rope_kernel_against_its_reference(s, h, d, r, dtype):
 def test_norm_modulate_kernel_against_its_reference(dtype, s, n, residual, quantize):
     x, y, w, table, idx = mod_inputs(s, n, dtype)
     args = (x, y if residual else None, w, table, idx, 1e-6, 2, 3, 4)
-    reference = fused.REFERENCES["norm_modulate"]
-    want_x, want_h, _ = reference(*args, False)
+    want_x, want_h, _ = fused.norm_modulate_reference(*args, False)
     got = triton_block.norm_modulate_op(*args, quantize, True)
     if residual:  # x + gate * y, two roundings, the reference's own
         assert torch.equal(got[0], want_x)
@@ -242,7 +244,7 @@ def test_norm_modulate_kernel_against_its_reference(dtype, s, n, residual, quant
 @pytest.mark.parametrize("dtype", EXACT, ids=str)
 def test_swiglu_kernel_against_its_reference(dtype, s, n, quantize):
     f = (torch.randn(s, 2 * n, generator=torch.Generator().manual_seed(5)) * 2).to(dtype)
-    want, _ = fused.REFERENCES["swiglu"](f, False)
+    want, _ = fused.swiglu_reference(f, False)
     got = triton_block.swiglu_op(f, quantize, True)
     # Eager's two roundings (GPU: equal). The kernel's exp is numpy's and the CPU reference's is ATen's vectorized
     # one, a unit of float32 apart on some values: a few float32 units of the result (here at most 4), and the SiLU's
@@ -264,7 +266,7 @@ def test_quantize_rows_kernel_is_quantize_rows(dtype, s, n):
     x = (torch.randn(s, n, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
     got = triton_block.quantize_rows_op(x)
     assert_quantized(got, x, frac=0, what=f"quantize_rows {dtype} {n}")
-    _, scales = fused.REFERENCES["quantize_rows"](x)  # the CPU's division: a unit of float32 at most
+    _, scales = quantize_rows(x)  # the CPU's division: a unit of float32 at most
     torch.testing.assert_close(got[1], scales, rtol=2**-23, atol=0)
 
 
@@ -275,11 +277,53 @@ def test_modulate_and_gated_residual_kernels_are_their_references(dtype, s, n, q
     """No sum in either: eager's roundings give eager's values, every one (as on the GPU)."""
     x, y, w, table, idx = mod_inputs(s, n, dtype)
     normed = F.rms_norm(x, (n,), w, 1e-6)
-    want, _ = fused.REFERENCES["modulate"](normed, table, idx, 3, 4, False)
+    want, _ = fused.modulate_reference(normed, table, idx, 3, 4, False)
     got = triton_block.modulate_op(normed, table, idx, 3, 4, quantize)
     if quantize:
         assert_quantized(got, want, frac=0, what=f"modulate e4m3 {dtype} {n}")
     else:
         assert torch.equal(got[0], want)
     gated = triton_block.gated_residual_op(x, y, table, idx, 2)
-    assert torch.equal(gated, fused.REFERENCES["gated_residual"](x, y, table, idx, 2))
+    assert torch.equal(gated, fused.gated_residual_reference(x, y, table, idx, 2))
+
+
+# ---- the passes as the block calls them -------------------------------------------------------------------------
+
+PASS_OPS = {field.name: getattr(triton_block, f"{field.name}_op") for field in dataclasses.fields(fused.BlockPasses)}
+
+
+def test_each_op_takes_its_pass_signature():
+    """Each op's registered schema takes its pass's parameters (`fused.BlockPasses`' Protocols), names and order:
+    `block_forward` calls an op by the names it calls the reference by."""
+    hints = typing.get_type_hints(fused.BlockPasses)
+    for name, op in PASS_OPS.items():
+        schema = [argument.name for argument in getattr(torch.ops.h3serve, name).default._schema.arguments]
+        assert schema == list(inspect.signature(hints[name].__call__).parameters)[1:], name
+        assert getattr(fused.BlockPasses.from_kernels(PASS_OPS), name) is op
+
+
+@pytest.mark.parametrize("composition", [fused.exact_passes, fused.compile_passes])
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_the_block_over_the_kernels(dtype, composition):
+    """`block_forward` over the ops (`BlockPasses.from_kernels`, each called by keyword) against `Block.forward`: the
+    exact passes' only difference is the SwiGLU's exp (numpy's here, ATen's in the reference: a float32 unit on some
+    values), the compiled passes' the norm's sum too (`test_norm_modulate_kernel_against_its_reference`)."""
+    from h3serve.model.dit import H3DiT
+    from h3serve.model.tiny import TINY_DIT, randomize
+
+    dit = randomize(H3DiT(TINY_DIT), seed=3, keep=("rope.inv_freq",)).to(dtype).eval().requires_grad_(False)
+    block = dit.blocks[1]
+    g = torch.Generator().manual_seed(0)
+    hidden, d = TINY_DIT.hidden_size, TINY_DIT.attention_head_dim
+    x = (torch.randn(45, hidden, generator=g) * 2).to(dtype)
+    table = (torch.randn(TABLE_ROWS, len(MODULATIONS) * hidden, generator=g) * 0.3).to(dtype)
+    indices = torch.randint(0, 6, (45,), generator=g)
+    rope = ops.rotary_table(torch.rand(45, (d * 3 // 4) // 2, generator=g) * 30)
+    passes = composition(fused.BlockPasses.from_kernels(PASS_OPS))
+    with torch.no_grad():
+        want = block(x, table, indices, rope)
+        got = fused.block_forward(block, x, table, indices, rope, passes, eager_rounding=True)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    relative = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    print(f"block over the kernels, {composition.__name__} {dtype}: relative {relative:.2e}")
+    assert relative <= (1e-6 if dtype == torch.float32 else 1e-3)  # here at most 3.5e-8 and 0

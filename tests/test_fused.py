@@ -101,10 +101,10 @@ def test_fused_equals_the_reference(s, h, d, r, dtype):
     q, k, qw, kw, cos, sin = inputs(s, h, d, r, dtype, "cuda")
     rq, rk = ops.qk_norm_rope_reference(q, k, qw, kw, 1e-5, cos, sin)
     fq, fk = kernel(q, k, qw, kw, 1e-5, cos, sin)
-    from h3serve.accel.triton_qk_norm_rope import qk_norm_rope_fused
+    from h3serve.accel.triton_qk_norm_rope import ROUND_NORM, qk_norm_rope_fused
 
-    other = qk_norm_rope_fused(q, k, qw, kw, 1e-5, cos, sin, round_norm=False)  # the rounding not chosen, for the log
-    for name, (a, b) in (("chosen", (fq, fk)), ("one norm rounding", other)):
+    other = qk_norm_rope_fused(q, k, qw, kw, 1e-5, cos, sin, round_norm=not ROUND_NORM)  # not chosen, for the log
+    for name, (a, b) in (("chosen", (fq, fk)), (f"round_norm={not ROUND_NORM}", other)):
         for ref, got in ((rq, a), (rk, b)):
             diff = (got.float() - ref.float()).abs()
             print(f"{name} {dtype} {s}x{h}x{d} R={r}: {(diff > 0).float().mean():.2e} differ, max {diff.max():.3g}")

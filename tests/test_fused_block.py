@@ -5,6 +5,8 @@ eager and compiled, against `Block.forward` (marked `gpu`)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 
 import pytest
 import torch
@@ -55,10 +57,12 @@ def test_the_restructured_block_is_block_forward_bit_for_bit(linear):
 
 
 @pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
-def test_the_exact_passes_are_block_forward_bit_for_bit(linear):
+@pytest.mark.parametrize("composition", [fused.exact_passes, fused.compile_passes])
+def test_the_exact_passes_are_block_forward_bit_for_bit(linear, composition):
     """The eager profile's composition (torch's rms_norm between the modulation and gated residual passes, the block's
     last residual and the SwiGLU gate as passes of their own), over the reference passes; on the GPU the same over the
-    kernels (`test_the_exact_passes_on_the_gpu_are_the_reference_ops`)."""
+    kernels (`test_the_exact_passes_on_the_gpu_are_the_reference_ops`). The compiled profile's composition (the BF16
+    SwiGLU and the last residual the plain ops) too."""
     dit = tiny_blocks()
     if linear == "CUTLASS":
         quantize_blocks(dit)
@@ -66,8 +70,20 @@ def test_the_exact_passes_are_block_forward_bit_for_bit(linear):
     x, table, indices, rope = block_inputs(block, 45)
     with torch.no_grad():
         want = block(x, table, indices, rope)
-        got = fused.block_forward(block, x, table, indices, rope, passes=fused.exact_passes(fused.REFERENCES))
+        got = fused.block_forward(block, x, table, indices, rope, passes=composition(fused.REFERENCES))
     assert torch.equal(got, want)
+
+
+def test_each_pass_has_one_signature():
+    """Every field of `BlockPasses` is typed by its pass's Protocol, whose parameters (names and order: the Triton
+    op's schema, tests/interpreted_kernels.py) the reference and the exact composition take; `block_forward` calls
+    every pass by those names."""
+    hints = typing.get_type_hints(fused.BlockPasses)
+    for field in dataclasses.fields(fused.BlockPasses):
+        protocol = hints[field.name]
+        want = list(inspect.signature(protocol.__call__).parameters)[1:]  # without self
+        for passes in (fused.REFERENCES, fused.exact_passes(fused.REFERENCES), fused.compile_passes(fused.REFERENCES)):
+            assert list(inspect.signature(getattr(passes, field.name)).parameters) == want, field.name
 
 
 def test_the_references_compute_what_they_name():
@@ -245,7 +261,8 @@ def test_the_fused_block_against_block_forward(linear, compiled):
         quantize_blocks(dit)
     block = dit.blocks[0]
     x, table, indices, rope = block_inputs(block, 3000, "cuda")
-    fn = fused.block_body(fused.compile_passes(kernels()), eager_rounding=linear == "BF16")
+    passes = fused.compile_passes(fused.BlockPasses.from_kernels(kernels()))
+    fn = fused.block_body(passes, eager_rounding=linear == "BF16")
     if compiled:
         fn = torch.compile(fn, fullgraph=True)
     with torch.no_grad():

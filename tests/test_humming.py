@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h3serve.accel import humming as hm
-from h3serve.accel.linear import FP8, Fp8Linear, _block_linears, quantize_weight
+from h3serve.accel.linear import FP8, Fp8Linear, block_linears, quantize_weight
 
 
 def _linear(k: int = 96, n: int = 64, seed: int = 0, bias: bool = False) -> torch.nn.Linear:
@@ -113,11 +113,11 @@ def test_quantize_blocks_replaces_every_block_linear_once_and_frees_the_bf16_wei
     blocks = len(dit.blocks) + len(dit.token_refiner.blocks)
     weights = {n: m.weight.clone() for n, m in dit.named_modules() if n.endswith(("qkv_proj", "fc2"))}
     assert not hm.is_humming(dit)
-    assert hm.quantize_blocks(dit) == {}
+    assert hm.quantize_blocks(dit) == 4 * blocks
     assert hm.is_humming(dit)
     humming = {n: m for n, m in dit.named_modules() if isinstance(m, hm.HummingLinear)}
     assert len(humming) == 4 * blocks
-    assert all(isinstance(getattr(parent, leaf), hm.HummingLinear) for _, parent, leaf in _block_linears(dit))
+    assert all(isinstance(getattr(parent, leaf), hm.HummingLinear) for _, parent, leaf in block_linears(dit))
     # No BF16 copy of a block linear's weight is left in the model: only the e4m3 weight and its scales.
     state = dit.state_dict()
     assert all(state[f"{name}.weight"].dtype == FP8 for name in humming)
@@ -126,7 +126,7 @@ def test_quantize_blocks_replaces_every_block_linear_once_and_frees_the_bf16_wei
         q, scale = quantize_weight(weight)
         assert torch.equal(humming[name].weight.view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(humming[name].scale, scale), name
-    assert hm.quantize_blocks(dit, keep=True) == {}  # already replaced: nothing left to do
+    assert hm.quantize_blocks(dit) == 0  # already replaced: nothing left to do
 
 
 def test_cutlass_block_linears_are_converted_with_the_same_bytes():
@@ -138,27 +138,12 @@ def test_cutlass_block_linears_are_converted_with_the_same_bytes():
     dit = H3DiT(TINY_DIT).to(torch.bfloat16)
     quantize_blocks(dit)
     fp8 = {n: (m.weight.clone(), m.scale.clone()) for n, m in dit.named_modules() if isinstance(m, Fp8Linear)}
-    assert len(fp8) > 0 and hm.quantize_blocks(dit) == {}
+    assert len(fp8) > 0 and hm.quantize_blocks(dit) == len(fp8)
     modules = dict(dit.named_modules())
     for name, (weight, scale) in fp8.items():
         assert isinstance(modules[name], hm.HummingLinear), name
         assert torch.equal(modules[name].weight.view(torch.uint8), weight.view(torch.uint8)), name
         assert torch.equal(modules[name].scale, scale), name
-
-
-def test_quantize_blocks_keeps_the_bf16_linears_for_restore():
-    from h3serve.accel.linear import restore
-    from h3serve.model.dit import H3DiT
-    from h3serve.model.tiny import TINY_DIT
-
-    dit = H3DiT(TINY_DIT).to(torch.bfloat16)
-    before = {k: v.clone() for k, v in dit.state_dict().items()}
-    replaced = hm.quantize_blocks(dit, keep=True)
-    assert len(replaced) == 4 * (len(dit.blocks) + len(dit.token_refiner.blocks)) and hm.is_humming(dit)
-    assert all(isinstance(m, torch.nn.Linear) for m in replaced.values())
-    restore(dit, replaced)
-    assert not hm.is_humming(dit)
-    assert all(torch.equal(before[k], v) for k, v in dit.state_dict().items())
 
 
 def test_quantize_blocks_refuses_a_model_without_block_linears():

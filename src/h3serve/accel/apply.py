@@ -112,9 +112,10 @@ def block_passes(profile: Profile, enabled: bool) -> tuple[QkNormRopeKernel, Cal
     if not enabled:
         return ops.qk_norm_rope_reference, None
     kernels = fused.triton_kernels()
+    passes = fused.BlockPasses.from_kernels(kernels)
     if profile.execution == Execution.EAGER:
-        return fused.qk_kernel(kernels, exact=True), fused.block_body(fused.exact_passes(kernels), eager_rounding=True)
-    body = fused.block_body(fused.compile_passes(kernels), eager_rounding=profile.linear == Linear.BF16)
+        return fused.qk_kernel(kernels, exact=True), fused.block_body(fused.exact_passes(passes), eager_rounding=True)
+    body = fused.block_body(fused.compile_passes(passes), eager_rounding=profile.linear == Linear.BF16)
     return fused.qk_kernel(kernels, exact=False), body
 
 

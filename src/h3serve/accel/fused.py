@@ -8,12 +8,14 @@ swiglu        value * silu(gate) of fc1's output [, quantized for fc2]
 quantize_rows the attention output, quantized for out_proj
 modulate, gated_residual   the exact passes' pieces (no sum in either)
 
-`block_forward` is `Block.forward` written over a pass table: `compile_passes` (what the compiled block traces on
-CUDA), `exact_passes` (what eager runs on CUDA: every sum stays torch's own, each RMSNorm torch's `rms_norm`, whose
-reduction order no other kernel repeats, so eager keeps the reference ops' numbers bit for bit), or `REFERENCES`
-(the passes' plain compositions, with which the restructured block is checked bit for bit against `Block.forward`
-on the CPU, tests/test_fused_block.py). `eager_rounding`: each kernel rounds its intermediates to the activations'
-dtype where eager does; without it they stay float32, as Inductor's fused code keeps them.
+`block_forward` is `Block.forward` written over a `BlockPasses` value, one field per pass, each pass's signature
+stated once (a `Protocol`; the Triton op's schema and the reference take the same parameters): `compile_passes`
+(what the compiled block traces on CUDA), `exact_passes` (what eager runs on CUDA: every sum stays torch's own, each
+RMSNorm torch's `rms_norm`, whose reduction order no other kernel repeats, so eager keeps the reference ops' numbers
+bit for bit), or `REFERENCES` (the passes' plain compositions, with which the restructured block is checked bit for
+bit against `Block.forward` on the CPU, tests/test_fused_block.py). `eager_rounding`: each kernel rounds its
+intermediates to the activations' dtype where eager does; without it they stay float32, as Inductor's fused code
+keeps them.
 
 The Triton kernels are `torch.library.triton_op`s (`triton_kernels()`), so `torch.compile` traces them into the
 compiled block as kernels of their own and eager calls launch them directly. They need a CUDA device and Triton
@@ -23,9 +25,12 @@ costs and buys is measured by bench/fused_passes.py and bench/dit_step.py (bench
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +109,84 @@ def triton_kernels() -> Mapping[str, Callable]:
 
 
 # ---- the block passes -------------------------------------------------------------------------------------------
+# Each pass's signature, stated once: the Triton op of the same name (`triton_kernels()`, its registered schema) and
+# the reference below take these parameters in this order, and `block_forward` names every one after the tensors.
+# x, y: (S, N) rows of the residual stream; table: (TABLE_ROWS, 6N) a block's modulation rows, each the six vectors of
+# `MODULATIONS` side by side; indices: (S,) each row's table row (t_index * 3 + tag); gate, shift, scale: which of
+# the six (a chunk index, `CHUNK`). `quantize`: the output as `quantize_rows` makes it ((S, N) e4m3 and (S, 1) float32
+# scales) for an FP8 GEMM, else the activations' dtype and an empty (0, 1) for the scales. `eager_rounding`: the
+# kernel rounds its intermediates to the activations' dtype where eager does, else keeps them float32 (as Inductor's
+# fused code does); the references are eager, so it changes nothing there.
+
+
+class NormModulate(Protocol):
+    def __call__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        weight: torch.Tensor,
+        table: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        eps: float,
+        gate: int,
+        shift: int,
+        scale: int,
+        quantize: bool,
+        eager_rounding: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[x = x + gate * y;] h = modulate(rms_norm(x, weight, eps), shift, scale) [-> quantize_rows(h)]: a block's
+        AdaLN pass before a GEMM. Returns (x, h or its e4m3 rows, the scales); x is empty (0, N) from a kernel
+        without `y` (`gate` is not read then)."""
+        ...
+
+
+class Swiglu(Protocol):
+    def __call__(self, f: torch.Tensor, *, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """fc1's output (S, 2F) as `[gate | value]` -> value * silu(gate) (S, F) [-> quantize_rows]; (h, scales)."""
+        ...
+
+
+class QuantizeRows(Protocol):
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, N) -> (S, N) e4m3 and (S, 1) float32 scales, `quantize_rows` (the attention output, for out_proj)."""
+        ...
+
+
+class Modulate(Protocol):
+    def __call__(
+        self, n: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, *, shift: int, scale: int, quantize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """AdaLN modulation of rows already normalised (n * (1 + scale) + shift) [-> quantize_rows]; (h, scales)."""
+        ...
+
+
+class GatedResidual(Protocol):
+    def __call__(
+        self, x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, *, gate: int
+    ) -> torch.Tensor:
+        """x + gate * y, the residual stream as stored."""
+        ...
+
+
+@dataclass(frozen=True)
+class BlockPasses:
+    """The passes `block_forward` runs, one field per pass, each of the signature its Protocol states.
+
+    `modulate` and `gated_residual` with torch's `rms_norm` between them are what the exact passes' `norm_modulate`
+    is made of (`exact_passes`); `gated_residual` is also the block's last residual add."""
+
+    norm_modulate: NormModulate
+    swiglu: Swiglu
+    quantize_rows: QuantizeRows
+    modulate: Modulate
+    gated_residual: GatedResidual
+
+    @classmethod
+    def from_kernels(cls, kernels: Mapping[str, Callable]) -> BlockPasses:
+        """Triton's passes as they are registered (`triton_kernels()`): each op's schema is its pass's signature, so
+        the op itself is the field (called by keyword, as an op takes its schema's names)."""
+        return cls(**{field.name: kernels[field.name] for field in dataclasses.fields(cls)})
 
 
 def norm_modulate_reference(
@@ -119,10 +202,8 @@ def norm_modulate_reference(
     quantize: bool,
     eager_rounding: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[x = x + gate * y;] h = modulate(rms_norm(x), shift, scale) [-> quantize_rows(h)], the gate, shift and scale
-    rows gathered from `table`'s chunks of those numbers (`MODULATIONS`) by `indices`, as `Block.forward` does.
-    Returns (x, h or its e4m3 rows, the (S, 1) scales or an empty (0, 1)); the kernel returns an empty x without `y`.
-    The reference is eager itself, so `eager_rounding` (the kernel's choice) changes nothing here."""
+    """`NormModulate` as `Block.forward` computes it: the gate, shift and scale rows gathered from `table`'s chunks by
+    `indices`. Returns x itself without `y`."""
     chunks = table.chunk(len(MODULATIONS), dim=-1)
     if y is not None:
         x = ops.gated_residual(x, chunks[gate].index_select(0, indices), y)
@@ -134,8 +215,7 @@ def norm_modulate_reference(
 
 
 def swiglu_reference(f: torch.Tensor, quantize: bool, eager_rounding: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1's output (S, 2F) as `[gate | value]` -> value * silu(gate) (S, F) [-> quantize_rows]; eager, whatever
-    `eager_rounding` says (the kernel's choice)."""
+    """`Swiglu` as `Block.forward` computes it."""
     gate, value = f.chunk(2, dim=-1)
     h = value * F.silu(gate)
     return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
@@ -144,7 +224,7 @@ def swiglu_reference(f: torch.Tensor, quantize: bool, eager_rounding: bool = Tru
 def modulate_reference(
     n: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, shift: int, scale: int, quantize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """AdaLN modulation of already normalised rows, the shift and scale rows gathered from `table` [-> quantize]."""
+    """`Modulate` as `Block.forward` computes it, the shift and scale rows gathered from `table`."""
     chunks = table.chunk(len(MODULATIONS), dim=-1)
     h = ops.modulate(n, chunks[shift].index_select(0, indices), chunks[scale].index_select(0, indices))
     return quantize_rows(h) if quantize else (h, h.new_empty((0, 1), dtype=torch.float32))
@@ -153,54 +233,78 @@ def modulate_reference(
 def gated_residual_reference(
     x: torch.Tensor, y: torch.Tensor, table: torch.Tensor, indices: torch.Tensor, gate: int
 ) -> torch.Tensor:
-    """x + gate * y, the gate rows gathered from `table`."""
+    """`GatedResidual` as `Block.forward` computes it, the gate rows gathered from `table`."""
     return ops.gated_residual(x, table.chunk(len(MODULATIONS), dim=-1)[gate].index_select(0, indices), y)
 
 
-REFERENCES: Mapping[str, Callable] = MappingProxyType(
-    {
-        "norm_modulate": norm_modulate_reference,
-        "swiglu": swiglu_reference,
-        "quantize_rows": quantize_rows,
-        "modulate": modulate_reference,
-        "gated_residual": gated_residual_reference,
-    }
+# The passes' plain compositions: with them the restructured block is `Block.forward` bit for bit (on the CPU,
+# tests/test_fused_block.py), and each kernel is checked against its own.
+REFERENCES = BlockPasses(
+    norm_modulate=norm_modulate_reference,
+    swiglu=swiglu_reference,
+    quantize_rows=quantize_rows,
+    modulate=modulate_reference,
+    gated_residual=gated_residual_reference,
 )
 # Where each modulation vector sits in a block's table row (a chunk index, not a denoise step).
 CHUNK = {name: MODULATIONS.index(name) for name in MODULATIONS}
 
 
-def compile_passes(kernels: Mapping[str, Callable]) -> dict[str, Callable]:
-    """What the compiled block runs (`block_forwards`): the kernels' norm + modulation passes, their SwiGLU and row
-    quantization with FP8 linears; the BF16 SwiGLU gate and the block's last gated residual stay the plain ops, left to
-    Inductor (its pass for the gate is at its traffic floor; the residual is one pass either way)."""
+def compile_passes(passes: BlockPasses) -> BlockPasses:
+    """What the compiled block runs (`accel.apply`) over `passes` (`BlockPasses.from_kernels(triton_kernels())`):
+    their norm + modulation passes, their SwiGLU and row quantization with FP8 linears; the BF16 SwiGLU gate and the
+    block's last gated residual stay the plain ops, left to Inductor (its pass for the gate is at its traffic floor;
+    the residual is one pass either way)."""
+    quantized_swiglu = passes.swiglu
 
-    def swiglu(f: torch.Tensor, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels["swiglu"](f, True, eager_rounding) if quantize else swiglu_reference(f, False)
+    def swiglu(f: torch.Tensor, *, quantize: bool, eager_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if quantize:
+            return quantized_swiglu(f, quantize=True, eager_rounding=eager_rounding)
+        return swiglu_reference(f, quantize=False)
 
-    return {**kernels, "swiglu": swiglu, "gated_residual": gated_residual_reference}
+    return dataclasses.replace(passes, swiglu=swiglu, gated_residual=gated_residual_reference)
 
 
-def exact_passes(kernels: Mapping[str, Callable]) -> dict[str, Callable]:
+def exact_passes(passes: BlockPasses) -> BlockPasses:
     """The eager block's passes: exact, so eager stays bit for bit the reference ops (`Block.forward`).
 
     Every sum stays torch's own: each RMSNorm is torch's `rms_norm`, whose reduction order no other kernel repeats.
-    Around it the kernels do what has no sum, each value rounded where eager rounds: the gathered modulation rows with
-    the gated residual adds and the modulation ([-> e4m3 for an FP8 GEMM]), and the SwiGLU gate. `kernels`:
-    Triton's (`triton_kernels()`), or `REFERENCES`, with which the composition itself is checked on a CPU."""
+    Around it the passes do what has no sum, each value rounded where eager rounds: the gathered modulation rows with
+    the gated residual adds and the modulation ([-> e4m3 for an FP8 GEMM]), and the SwiGLU gate. `passes`: Triton's
+    (`BlockPasses.from_kernels(triton_kernels())`), or `REFERENCES`, with which the composition itself is checked on a
+    CPU."""
+    modulate, gated_residual = passes.modulate, passes.gated_residual
 
-    def norm_modulate(x, y, weight, table, indices, eps, gate, shift, scale, quantize, eager_rounding=True):
+    def norm_modulate(
+        x: torch.Tensor,
+        y: torch.Tensor | None,
+        weight: torch.Tensor,
+        table: torch.Tensor,
+        indices: torch.Tensor,
+        *,
+        eps: float,
+        gate: int,
+        shift: int,
+        scale: int,
+        quantize: bool,
+        eager_rounding: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if y is not None:
-            x = kernels["gated_residual"](x, y, table, indices, gate)
+            x = gated_residual(x, y, table, indices, gate=gate)
         n = F.rms_norm(x, (x.shape[-1],), weight, eps)
-        return x, *kernels["modulate"](n, table, indices, shift, scale, quantize)
+        return x, *modulate(n, table, indices, shift=shift, scale=scale, quantize=quantize)
 
-    return {**kernels, "norm_modulate": norm_modulate}
+    return dataclasses.replace(passes, norm_modulate=norm_modulate)
+
+
+def _fp8(linear: torch.nn.Module) -> bool:
+    """Whether the pass before `linear` quantizes its output for it (an FP8 GEMM's input)."""
+    return isinstance(linear, Fp8Linear)
 
 
 def _project(linear: torch.nn.Module, h: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A block linear on a pass's output: already quantized rows for an Fp8Linear, else the layer itself."""
-    return linear.matmul_rows(h, scales, dtype) if isinstance(linear, Fp8Linear) else linear(h)
+    return linear.matmul_rows(h, scales, dtype) if _fp8(linear) else linear(h)
 
 
 def block_forward(
@@ -209,7 +313,7 @@ def block_forward(
     table: torch.Tensor,
     adaln_indices: torch.Tensor,
     rope: Rope,
-    passes: Mapping[str, Callable],
+    passes: BlockPasses,
     eager_rounding: bool = True,
 ) -> torch.Tensor:
     """`Block.forward` with its element-wise work done by `passes`: `compile_passes(...)` (what compile traces),
@@ -218,21 +322,22 @@ def block_forward(
     qk-norm + rotary are the block's own kernels (`Attention.kernel`, `.qk_kernel`)."""
     attn, mlp = block.attn, block.mlp
     dtype = x.dtype
-    norm = passes["norm_modulate"]
-    _, h, s = norm(x, None, block.norm1.weight, table, adaln_indices, block.norm1.eps, 0, CHUNK["shift_msa"],
-                   CHUNK["scale_msa"], isinstance(attn.qkv_proj, Fp8Linear), eager_rounding)  # fmt: skip
+    # x (S, hidden) -> h, the attention's input: no residual to add before the first pass (y None, `gate` unread)
+    _, h, s = passes.norm_modulate(
+        x, None, block.norm1.weight, table, adaln_indices, eps=block.norm1.eps, gate=0, shift=CHUNK["shift_msa"],
+        scale=CHUNK["scale_msa"], quantize=_fp8(attn.qkv_proj), eager_rounding=eager_rounding,
+    )  # fmt: skip
     q, k, v = (t.unflatten(-1, (attn.heads, -1)) for t in _project(attn.qkv_proj, h, s, dtype).chunk(3, dim=-1))
     q, k = attn.qk_kernel(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, *rope)
-    out = ops.attention(q, k, v, kernel=attn.kernel).flatten(1).to(dtype)
-    if isinstance(attn.out_proj, Fp8Linear):
-        y = attn.out_proj.matmul_rows(*passes["quantize_rows"](out), dtype)
-    else:
-        y = attn.out_proj(out)
-    x, h, s = norm(x, y, block.norm2.weight, table, adaln_indices, block.norm2.eps, CHUNK["gate_msa"],
-                   CHUNK["shift_mlp"], CHUNK["scale_mlp"], isinstance(mlp.fc1, Fp8Linear), eager_rounding)  # fmt: skip
-    f = _project(mlp.fc1, h, s, dtype)
-    y = _project(mlp.fc2, *passes["swiglu"](f, isinstance(mlp.fc2, Fp8Linear), eager_rounding), dtype)
-    return passes["gated_residual"](x, y, table, adaln_indices, CHUNK["gate_mlp"])
+    out = ops.attention(q, k, v, kernel=attn.kernel).flatten(1).to(dtype)  # (S, inner)
+    y = attn.out_proj.matmul_rows(*passes.quantize_rows(out), dtype) if _fp8(attn.out_proj) else attn.out_proj(out)
+    # x + gate_msa * y, stored, -> h, the MLP's input
+    x, h, s = passes.norm_modulate(
+        x, y, block.norm2.weight, table, adaln_indices, eps=block.norm2.eps, gate=CHUNK["gate_msa"],
+        shift=CHUNK["shift_mlp"], scale=CHUNK["scale_mlp"], quantize=_fp8(mlp.fc1), eager_rounding=eager_rounding,
+    )  # fmt: skip
+    h, s = passes.swiglu(_project(mlp.fc1, h, s, dtype), quantize=_fp8(mlp.fc2), eager_rounding=eager_rounding)
+    return passes.gated_residual(x, _project(mlp.fc2, h, s, dtype), table, adaln_indices, gate=CHUNK["gate_mlp"])
 
 
 def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torch.Tensor:
@@ -240,7 +345,7 @@ def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torc
     return block_forward(block, x, table, adaln_indices, rope, passes=REFERENCES)
 
 
-def block_body(passes: Mapping[str, Callable], eager_rounding: bool) -> Callable:
+def block_body(passes: BlockPasses, eager_rounding: bool) -> Callable:
     """The function a `Block` runs instead of its own forward (`accel.blocks.BlockStack.bodies`): `block_forward`
     over `passes`, called as `body(block, x, table, adaln_indices, rope)`."""
     return functools.partial(block_forward, passes=passes, eager_rounding=eager_rounding)

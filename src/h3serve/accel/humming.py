@@ -32,7 +32,7 @@ import json
 import torch
 from torch import nn
 
-from h3serve.accel.linear import FP8, Fp8Linear, _block_linears, quantize_rows, quantize_weight, replace_block_linears
+from h3serve.accel.linear import FP8, Fp8Linear, block_linears, quantize_rows, quantize_weight, replace_block_linears
 
 HUMMING_PACKAGE = "humming-kernels"
 HUMMING_VERSION = "0.1.20"
@@ -142,7 +142,7 @@ class HummingLinear(nn.Module):
     after `prepare`, `humming_weight` and `humming_scale` in Humming's layout and `layer_config` describing them.
     """
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, *, fused_quant: bool = False):
         super().__init__()
         if weight.dtype != FP8 or weight.ndim != 2:
             raise ValueError(f"weight must be a 2-D {FP8} tensor, got {weight.dtype} {tuple(weight.shape)}")
@@ -156,12 +156,13 @@ class HummingLinear(nn.Module):
         self.register_buffer("humming_scale", None)
         self.layer_config = None  # humming.config.LayerConfig once prepared
         # Quantize the activations with Humming's fused per-row kernel instead of `quantize_rows` (one kernel for
-        # several torch ops; its scale arithmetic is its own, so not bitwise the CUTLASS backend's operands).
-        # Off by default; bench/humming_check.py measures both.
-        self.fused_quant = False
+        # several torch ops; its scale arithmetic is its own, so not bitwise the CUTLASS backend's operands). Fixed
+        # per layer when it is made: off for every layer the backend makes; bench/humming_check.py makes a layer
+        # with it on to measure both.
+        self.fused_quant = fused_quant
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, keep_fp8: bool = False) -> HummingLinear:
+    def from_linear(cls, linear: nn.Linear, *, keep_fp8: bool = False, fused_quant: bool = False) -> HummingLinear:
         """Quantize `linear`'s weight (bitwise as Fp8Linear.from_linear); on a CUDA device also `prepare` it."""
         if linear.bias is not None:
             raise ValueError(
@@ -170,7 +171,7 @@ class HummingLinear(nn.Module):
             )
         with torch.no_grad():
             q, scale = quantize_weight(linear.weight)
-        module = cls(q, scale)
+        module = cls(q, scale, fused_quant=fused_quant)
         if q.is_cuda:
             module.prepare(keep_fp8=keep_fp8)
         return module
@@ -254,25 +255,20 @@ class HummingLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """The same arithmetic in float32 (dequantized operands, exact products), the same as Fp8Linear.reference
-        for the same linear: what `forward` approximates. Runs anywhere; needs the e4m3 weight (before `prepare`,
-        or `keep_fp8`). Tests and checks only."""
+        """Fp8Linear.reference over the same e4m3 weight and scales (float32 on dequantized operands): what `forward`
+        approximates. Runs anywhere; needs the e4m3 weight (before `prepare`, or `keep_fp8`). Tests and checks only."""
         if self.weight is None:
             raise RuntimeError("HummingLinear.reference needs the e4m3 weight: prepare() released it (use keep_fp8)")
-        rows = x.reshape(-1, self.in_features)
-        q, scale = quantize_rows(rows)
-        y = (q.float() * scale) @ (self.weight.float() * self.scale.t()).t()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return Fp8Linear(self.weight, self.scale, None).reference(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, prepared={self.prepared}"
 
 
-def quantize_blocks(model: nn.Module, keep: bool = False, *, keep_fp8: bool = False) -> dict[str, nn.Module]:
+def quantize_blocks(model: nn.Module, *, keep_fp8: bool = False) -> int:
     """Replace the block linears of an already loaded `model` by HummingLinear in place, one at a time, as
     h3serve.accel.linear.quantize_blocks does for CUTLASS: each BF16 weight (or Fp8Linear, as `Fp8LoadHook` loads
-    them) is released as soon as its copy in Humming's layout exists, unless `keep`. With `keep`, returns the
-    replaced modules by name for `h3serve.accel.linear.restore` (a benchmark switching profiles). `keep_fp8` keeps
+    them) is released as soon as its copy in Humming's layout exists; returns how many it replaced. `keep_fp8` keeps
     each layer's e4m3 weight for `reference`. On a CPU model the replacements hold e4m3 weights only (`reference`
     works, `forward` refuses)."""
 
@@ -283,8 +279,8 @@ def quantize_blocks(model: nn.Module, keep: bool = False, *, keep_fp8: bool = Fa
             return HummingLinear.from_fp8(module, keep_fp8=keep_fp8)
         return None
 
-    return replace_block_linears(model, convert, keep=keep)
+    return replace_block_linears(model, convert)
 
 
 def is_humming(model: nn.Module) -> bool:
-    return any(isinstance(getattr(p, leaf), HummingLinear) for _, p, leaf in _block_linears(model))
+    return any(isinstance(getattr(p, leaf), HummingLinear) for _, p, leaf in block_linears(model))

@@ -84,7 +84,7 @@ class Fp8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
-def _block_linears(model: nn.Module):
+def block_linears(model: nn.Module):
     """(full name, parent module, attribute) of every block linear of `model` that the FP8 backend replaces."""
     for name, module in model.named_modules():
         if isinstance(module, REPEATED_BLOCKS):
@@ -93,39 +93,31 @@ def _block_linears(model: nn.Module):
                 yield f"{name}.{path}", module.get_submodule(parent_path), leaf
 
 
-def quantize_blocks(model: nn.Module, keep: bool = False) -> dict[str, nn.Linear]:
+def quantize_blocks(model: nn.Module) -> int:
     """Replace the block linears of an already loaded `model` by Fp8Linear in place, one at a time (each BF16 weight
-    is released as soon as its FP8 copy exists, unless `keep`). With `keep`, returns the replaced modules by name for
-    `restore` (a benchmark switching profiles); a checkpoint load quantizes through `Fp8LoadHook` instead."""
-    return replace_block_linears(
-        model, lambda m: Fp8Linear.from_linear(m) if isinstance(m, nn.Linear) else None, keep=keep
-    )
+    is released as soon as its FP8 copy exists); returns how many it replaced (none already FP8). A checkpoint load
+    quantizes through `Fp8LoadHook` instead."""
+    return replace_block_linears(model, lambda m: Fp8Linear.from_linear(m) if isinstance(m, nn.Linear) else None)
 
 
-def replace_block_linears(
-    model: nn.Module, convert: Callable[[nn.Module], nn.Module | None], keep: bool = False
-) -> dict[str, nn.Module]:
+def replace_block_linears(model: nn.Module, convert: Callable[[nn.Module], nn.Module | None]) -> int:
     """Replace each block linear by `convert(module)` in place, one at a time (`convert` returns None to leave one
-    as it is); with `keep`, return the replaced modules by name for `restore`. Refuses a model without any."""
-    replaced: dict[str, nn.Module] = {}
-    found = 0
-    for full, parent, leaf in _block_linears(model):
+    as it is), each old module released as soon as its replacement is in place (a benchmark that switches back keeps
+    its own references: bench/dit_step.py). Returns how many it replaced; refuses a model without any."""
+    found = replaced = 0
+    for _, parent, leaf in block_linears(model):
         found += 1
-        module = getattr(parent, leaf)
-        new = convert(module)
-        if new is None:
-            continue
-        setattr(parent, leaf, new)
-        if keep:
-            replaced[full] = module
-        del module  # without `keep`, the old weights go as soon as their replacement exists
+        new = convert(getattr(parent, leaf))
+        if new is not None:
+            setattr(parent, leaf, new)
+            replaced += 1
     if not found:
         raise ValueError(f"{type(model).__name__} has no block linears to quantize")
     return replaced
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(getattr(p, leaf), Fp8Linear) for _, p, leaf in _block_linears(model))
+    return any(isinstance(getattr(p, leaf), Fp8Linear) for _, p, leaf in block_linears(model))
 
 
 class Fp8LoadHook:
@@ -139,7 +131,7 @@ class Fp8LoadHook:
 
     def linears(self, module: nn.Module):
         """(parent, attribute) of every linear this hook quantizes, on the meta module."""
-        for _, parent, leaf in _block_linears(module):
+        for _, parent, leaf in block_linears(module):
             yield parent, leaf
 
     def transform(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -213,10 +205,3 @@ def quantize_text_encoder(text_encoder: nn.Module) -> int:
     if not count:
         raise ValueError(f"no decoder-layer linears under {TEXT_LAYERS!r} to quantize")
     return count
-
-
-def restore(model: nn.Module, replaced: dict[str, nn.Linear]) -> None:
-    """Put back the modules `quantize_blocks(keep=True)` replaced."""
-    for full, linear in replaced.items():
-        parent_path, leaf = full.rsplit(".", 1)
-        setattr(model.get_submodule(parent_path), leaf, linear)

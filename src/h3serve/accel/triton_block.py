@@ -52,17 +52,70 @@ def _quantize(h, scale, inverse, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _amax_terms(h, mask, MASKED: tl.constexpr):
+    """|h| for a row's amax, the lanes past the row's end set to 0 (MASKED), or left as they are where they hold +0
+    already (a row as loaded, `other=0`): there the select would only cost registers (`_quantize_rows_kernel` at its
+    launch: 34 -> 44 on sm90, Triton 3.9)."""
+    if MASKED:  # noqa: SIM108 (a Triton constexpr branch, kept as a statement)
+        a = tl.where(mask, tl.abs(h), 0.0)
+    else:
+        a = tl.abs(h)
+    return a
+
+
+@triton.jit
 def _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT: tl.constexpr, ROUND: tl.constexpr,
-               DTYPE: tl.constexpr):  # fmt: skip
+               DTYPE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """A row held in registers, stored in the activations' dtype, or (QUANT) as `quantize_rows` makes it from the
     row rounded to that dtype: its scale, then its e4m3 values."""
     if QUANT:
         h = _round(h, DTYPE)
-        scale = _scale_of(tl.max(tl.where(mask, tl.abs(h), 0.0), axis=0))
+        scale = _scale_of(tl.max(_amax_terms(h, mask, MASKED), axis=0))
         tl.store(scale_ptr + row, scale)
         tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
     else:
         tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _store_chunks(values: tl.constexpr, args, h_ptr, scale_ptr, row, N, QUANT: tl.constexpr, ROUND: tl.constexpr,
+                  CHUNK: tl.constexpr, DTYPE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """A row too wide for registers, made chunk by chunk by `values(args, row, cols, mask, ROUND, DTYPE)` (float32)
+    and stored as `_store_row` stores a row: in the activations' dtype, or (QUANT) pass 1 the amax of the row rounded
+    to that dtype, then its scale, pass 2 its e4m3 values, each chunk made again (its reads come from L2 then)."""
+    if QUANT:
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < N
+            h = _round(values(args, row, cols, mask, ROUND, DTYPE), DTYPE)
+            amax = tl.maximum(amax, _amax_terms(h, mask, MASKED))
+        scale = _scale_of(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < N
+            h = _round(values(args, row, cols, mask, ROUND, DTYPE), DTYPE)
+            tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
+    else:
+        for c0 in range(0, N, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < N
+            h = values(args, row, cols, mask, ROUND, DTYPE)
+            tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _store_values(values: tl.constexpr, args, h_ptr, scale_ptr, row, N, QUANT: tl.constexpr, ROUND: tl.constexpr,
+                  CHUNK: tl.constexpr, DTYPE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """The row `values` makes (`_store_chunks`), held in registers and made once where it fits (CHUNK >= N)."""
+    if CHUNK >= N:
+        cols = tl.arange(0, CHUNK)
+        mask = cols < N
+        h = values(args, row, cols, mask, ROUND, DTYPE)
+        _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT, ROUND, DTYPE, MASKED)
+    else:
+        _store_chunks(values, args, h_ptr, scale_ptr, row, N, QUANT, ROUND, CHUNK, DTYPE, MASKED)
 
 
 @triton.jit
@@ -105,6 +158,14 @@ def _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT: tl.constexpr, SCALE: t
 
 
 @triton.jit
+def _modulated_chunk(args, row, cols, mask, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+    """`_modulated` of the row's residual as `src` holds it: the values `_norm_modulate_kernel` stores in chunks."""
+    src, rstd, w_ptr, mod, N, SHIFT, SCALE, NORM = args
+    x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    return _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
+
+
+@triton.jit
 def _norm_modulate_kernel(
     x_ptr, y_ptr, w_ptr, table_ptr, idx_ptr, x_out_ptr, h_ptr, scale_ptr, N, table_stride, eps,
     GATE: tl.constexpr, SHIFT: tl.constexpr, SCALE: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
@@ -128,7 +189,7 @@ def _norm_modulate_kernel(
         else:
             rstd = 1.0
         h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
-        _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT, ROUND, DTYPE)
+        _store_row(h, h_ptr, scale_ptr, row, cols, mask, N, QUANT, ROUND, DTYPE, True)
     else:
         if NORM:
             acc = tl.zeros((CHUNK,), dtype=tl.float32)
@@ -145,26 +206,8 @@ def _norm_modulate_kernel(
         else:
             rstd = 1.0
         src = x_out_ptr if RESIDUAL else x_ptr  # the residual this program stored (same layout: same threads)
-        amax = tl.zeros((CHUNK,), dtype=tl.float32)
-        for c0 in range(0, N, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            mask = cols < N
-            x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
-            if QUANT:
-                amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
-            else:
-                tl.store(h_ptr + row * N + cols, h.to(DTYPE), mask=mask)
-        if QUANT:
-            scale = _scale_of(tl.max(amax, axis=0))
-            tl.store(scale_ptr + row, scale)
-            for c0 in range(0, N, CHUNK):
-                cols = c0 + tl.arange(0, CHUNK)
-                mask = cols < N
-                x = tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-                h = _modulated(x, rstd, w_ptr, mod, cols, mask, N, SHIFT, SCALE, ROUND, DTYPE, NORM)
-                h = _round(h, DTYPE)
-                tl.store(h_ptr + row * N + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
+        _store_chunks(_modulated_chunk, (src, rstd, w_ptr, mod, N, SHIFT, SCALE, NORM),
+                      h_ptr, scale_ptr, row, N, QUANT, ROUND, CHUNK, DTYPE, True)  # fmt: skip
 
 
 @triton.jit
@@ -183,7 +226,9 @@ def _gated_residual_kernel(
 
 
 @triton.jit
-def _swiglu(f_ptr, row, cols, mask, F, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+def _swiglu(args, row, cols, mask, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+    """A chunk of value * silu(gate), fc1's output row (2F) read as `[gate | value]`."""
+    f_ptr, F = args
     gate = tl.load(f_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
     value = tl.load(f_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
     if ROUND:  # eager: silu = x / (1 + exp(-x)) rounded, then the product
@@ -200,53 +245,22 @@ def _swiglu_kernel(
     """value * silu(gate), one row per program: held in registers (CHUNK >= F), else in chunks (QUANT: pass 1 the
     amax, pass 2 the e4m3 values)."""
     row = tl.program_id(0).to(tl.int64)
-    if CHUNK >= F:
-        cols = tl.arange(0, CHUNK)
-        mask = cols < F
-        h = _swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE)
-        _store_row(h, h_ptr, scale_ptr, row, cols, mask, F, QUANT, ROUND, DTYPE)
-    else:
-        amax = tl.zeros((CHUNK,), dtype=tl.float32)
-        for c0 in range(0, F, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            mask = cols < F
-            h = _swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE)
-            if QUANT:
-                amax = tl.maximum(amax, tl.where(mask, tl.abs(_round(h, DTYPE)), 0.0))
-            else:
-                tl.store(h_ptr + row * F + cols, h.to(DTYPE), mask=mask)
-        if QUANT:
-            scale = _scale_of(tl.max(amax, axis=0))
-            tl.store(scale_ptr + row, scale)
-            for c0 in range(0, F, CHUNK):
-                cols = c0 + tl.arange(0, CHUNK)
-                mask = cols < F
-                h = _round(_swiglu(f_ptr, row, cols, mask, F, ROUND, DTYPE), DTYPE)
-                tl.store(h_ptr + row * F + cols, _quantize(h, scale, 1.0 / scale, ROUND), mask=mask)
+    _store_values(_swiglu, (f_ptr, F), h_ptr, scale_ptr, row, F, QUANT, ROUND, CHUNK, DTYPE, True)
+
+
+@triton.jit
+def _loaded(args, row, cols, mask, ROUND: tl.constexpr, DTYPE: tl.constexpr):
+    """A chunk of the row as it is: `_quantize_rows_kernel`'s values (ROUND and DTYPE unread)."""
+    x_ptr, N = args
+    return tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, N, CHUNK: tl.constexpr):
-    """`quantize_rows` exactly: the row held in registers (CHUNK >= N), else pass 1 the amax, pass 2 the values."""
+    """`quantize_rows` exactly: the row held in registers (CHUNK >= N), else pass 1 the amax, pass 2 the values. The
+    values are float32 as loaded (DTYPE float32: no rounding), quantized by an IEEE division (ROUND)."""
     row = tl.program_id(0).to(tl.int64)
-    if CHUNK >= N:
-        cols = tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        scale = _scale_of(tl.max(tl.abs(x), axis=0))
-        tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * N + cols, _quantize(x, scale, 1.0, True), mask=cols < N)
-    else:
-        amax = tl.zeros((CHUNK,), dtype=tl.float32)
-        for c0 in range(0, N, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = _scale_of(tl.max(amax, axis=0))
-        tl.store(scale_ptr + row, scale)
-        for c0 in range(0, N, CHUNK):
-            cols = c0 + tl.arange(0, CHUNK)
-            x = tl.load(x_ptr + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-            tl.store(q_ptr + row * N + cols, _quantize(x, scale, 1.0, True), mask=cols < N)
+    _store_values(_loaded, (x_ptr, N), q_ptr, scale_ptr, row, N, True, True, CHUNK, tl.float32, False)
 
 
 # Each pass's chunk width and warps, (CHUNK, num_warps), per case: the fastest of bench/fused_passes.py's choices at
