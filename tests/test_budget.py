@@ -17,7 +17,7 @@ from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.model.video_vae import VideoVAEConfig
 from h3serve.pipeline.budget import OVERHEAD_GIB, check_fits, plan_budget
-from h3serve.pipeline.request import RELEASED_RULES
+from h3serve.pipeline.rules import RELEASED_RULES
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "data" / "reference" / "FL2VA"

@@ -43,7 +43,7 @@ from h3serve.pipeline.conditioning import VideoProcessing, encode_text
 from h3serve.pipeline.engine import Engine, RenderResult
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
-from h3serve.pipeline.request import CanvasRule, FrameRule, RequestRules
+from h3serve.pipeline.rules import CanvasRule, FrameRule, RequestRules
 from oracle import oracle
 
 oracle("diffusers")

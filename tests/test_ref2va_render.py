@@ -16,7 +16,7 @@ from h3serve.cli import main
 from h3serve.media.mp4 import probe_mp4
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.engine import Engine
-from h3serve.pipeline.request import RequestError
+from h3serve.pipeline.rules import RequestError
 
 PROMPT = "A red fox trots through fresh snow at dawn."
 

@@ -32,7 +32,7 @@ from h3serve.pipeline.references import (
     resample_audio,
     resample_frames,
 )
-from h3serve.pipeline.request import CanvasRule, RequestError, resolve_canvas
+from h3serve.pipeline.rules import CanvasRule, RequestError, resolve_canvas
 from oracle import oracle
 
 RNG = np.random.default_rng(0)

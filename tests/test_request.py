@@ -10,16 +10,15 @@ import pytest
 from PIL import Image
 
 from h3serve.pipeline.conditioning import fit_keyframes
-from h3serve.pipeline.request import (
+from h3serve.pipeline.request import decode_keyframe, validate_request
+from h3serve.pipeline.rules import (
     MAX_SEED,
     RELEASED_RULES,
     CanvasRule,
     FrameRule,
     RequestError,
     RequestRules,
-    decode_keyframe,
     resolve_canvas,
-    validate_request,
 )
 from h3serve.pipeline.schedule import DualSchedule
 from h3serve.vocab import Task

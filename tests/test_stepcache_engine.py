@@ -10,7 +10,7 @@ import pytest
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config
 from h3serve.pipeline.engine import Engine
-from h3serve.pipeline.request import RequestError
+from h3serve.pipeline.rules import RequestError
 
 # Caches on the tiny model: forwards 2, 4, 6 and 8 of 9 (measured relative changes 0.03-0.22 against 0.5).
 CACHING = parse_cache_config(

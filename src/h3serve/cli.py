@@ -414,7 +414,8 @@ class _RenderPlan:
 def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     from h3serve.media.mp4 import DEFAULT_CRF, check_settings
     from h3serve.model.folder import resolve_model_folder
-    from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, validate_request
+    from h3serve.pipeline.request import validate_request
+    from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
 
     settings = _load_settings(args, engine_only=True)  # the profile, checked against this machine
     prompt = _read_prompt(args)

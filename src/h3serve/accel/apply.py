@@ -57,16 +57,7 @@ def load_plan(profile: Profile) -> LoadPlan:
     return LoadPlan(dit_hook=chain(quantize, offload), text_hook=text, adaln_on_host=offload is not None)
 
 
-@dataclass(frozen=True)
-class Applied:
-    """What `apply` did: the compile's graph counter (None when eager) and each DiT's block stack, for logs."""
-
-    graphs: GraphCounter | None
-    stacks: tuple[str, ...]
-    fused: bool
-
-
-def apply(components: Components, profile: Profile, compiler: Compiler | None = None) -> Applied:
+def apply(components: Components, profile: Profile, compiler: Compiler | None = None) -> GraphCounter | None:
     """Give every loaded model the profile's choices, on the model itself:
     - each attention module its kernel (DiT, video decoder, audio encoder);
     - the video decoder its weights in the autocast dtype (bitwise the same decode);
@@ -74,7 +65,8 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
       the text encoder's FP8 linears when asked;
     - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
       compile traces the fused passes; compile shares one compiler (code and graph counter) between the DiTs.
-    `compiler`: a benchmark's own compile options; the engine passes none."""
+    `compiler`: a benchmark's own compile options; the engine passes none. Returns the compile's graph counter (None
+    when eager)."""
     dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
     for model in (*dits, components.video_vae, components.audio_vae):
         attention.set_kernel(model, profile.attention)
@@ -97,12 +89,9 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
     qk, body = block_passes(profile, passes)
     for dit in dits:
         set_block_passes(dit, qk, body)
-        BlockStack.of(dit).set_compiler(compiler if profile.execution == Execution.COMPILE else None).install(dit)
-    return Applied(
-        graphs=compiler.counter if compiler is not None else None,
-        stacks=tuple(BlockStack.of(dit).describe() for dit in dits),
-        fused=passes,
-    )
+        stack = BlockStack.of(dit).set_compiler(compiler if profile.execution == Execution.COMPILE else None)
+        log.info("DiT blocks run: %s", stack.install(dit).describe())
+    return compiler.counter if compiler is not None else None
 
 
 def block_passes(profile: Profile, enabled: bool) -> tuple[QkNormRopeKernel, Callable | None]:

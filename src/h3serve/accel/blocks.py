@@ -76,13 +76,12 @@ class BlockStack:
         """Set every repeated block's forward from the declared layers (the only place that does)."""
         blocks = [m for m in model.modules() if isinstance(m, REPEATED_BLOCKS)]
         main = getattr(model, "blocks", None)
-        for block in main or ():  # a wrapper's own, from an earlier install, on blocks of any class
-            block.__dict__.pop("forward", None)
         if not blocks and (self.bodies or self.compiler is not None):
             names = ", ".join(c.__name__ for c in REPEATED_BLOCKS)
             raise ValueError(f"{type(model).__name__} has no repeated blocks ({names})")
-        for block in blocks:
+        for block in {*blocks, *(main or ())}:  # an earlier install's forwards (a wrapper's: blocks of any class)
             block.__dict__.pop("forward", None)
+        for block in blocks:
             cls = type(block)
             body = self.bodies.get(cls)
             if self.compiler is not None:

@@ -179,9 +179,6 @@ class Profile:
         given = {k: v for k, v in values.items() if v is not None}
         return cls(device=device, **(defaults | given))
 
-    def replace(self, **values: Any) -> Profile:
-        return dataclasses.replace(self, **values)
-
     @property
     def cuda(self) -> bool:
         return device_type(self.device) == "cuda"

@@ -4,6 +4,7 @@ naming its field, raised before anything is encoded."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,8 @@ from h3serve.config import DiTConfig
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
-from h3serve.pipeline.request import RenderRequest, RequestError, RequestRules, validate_request
+from h3serve.pipeline.request import RenderRequest, validate_request
+from h3serve.pipeline.rules import RequestError, RequestRules
 from h3serve.vocab import TASK_ANCHORS, Task
 
 REF2VA = Task.REF2VA
@@ -64,7 +66,7 @@ class Admission:
         layout = build_ref2va_layout([], blocks, geometry, patch_size=self.dit_config.patch_size)  # no prompt rows
         references = layout.num_reference_video_rows + layout.num_reference_audio_rows
         target = layout.num_video_rows + layout.num_audio_rows
-        limit = largest_request_rows(self.dit_config, self.rules) - PLANNED_TEXT_ROWS
+        limit = self.row_limit
         if references + target > limit:
             raise RequestError(
                 "references",
@@ -73,6 +75,12 @@ class Admission:
                 f"keyframe request, {self.rules.frames.max_frames} frames of 16:9). Use fewer or smaller reference "
                 "images or videos, or fewer frames",
             )
+
+    @functools.cached_property
+    def row_limit(self) -> int:
+        """Reference and target rows the memory plan covers: its largest request's rows less the prompt's allowance
+        (made once: that layout has over a hundred thousand rows)."""
+        return largest_request_rows(self.dit_config, self.rules) - PLANNED_TEXT_ROWS
 
     def validate(self, prompt: str, **fields: Any) -> RenderRequest:
         """`validate_request(prompt, **fields)` under this engine's rules, for a served task (its keywords: task,

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from h3serve.config import DEFAULT_STEPS, NUM_BLOCK_MODULATIONS, DiTConfig
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, NUM_BLOCK_MODULATIONS, VIDEO_SHIFT, DiTConfig
 from h3serve.vocab import TASK_ANCHORS, TASK_TYPES, DiTKind, Task, TaskType
 
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
     from h3serve.model.folder import Components, ModelFolder
-    from h3serve.pipeline.request import RequestRules
+    from h3serve.pipeline.rules import RequestRules
 
 GIB = 2**30
 REFERENCE_ROWS = 6435  # T2VA 768x448, 56 frames, 537 prompt rows: the benchmarks' reference shape
@@ -50,7 +50,7 @@ def largest_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = P
     """Packed rows of the largest request the rules allow: FL2VA (two keyframes), the largest 16:9 canvas, the most
     frames, `text_rows` prompt rows."""
     from h3serve.pipeline.layout import MediaGeometry, build_layout
-    from h3serve.pipeline.request import resolve_canvas
+    from h3serve.pipeline.rules import resolve_canvas
 
     width, height = resolve_canvas(16, 9, rules.canvas)
     geometry = MediaGeometry.from_pixels(height, width, rules.frames.max_frames)
@@ -140,7 +140,7 @@ def _tables(cfg: DiTConfig, profile: Profile, dits: int, schedules_kept: int) ->
     from h3serve.model.dit import TABLE_ROWS
     from h3serve.pipeline.schedule import DualSchedule
 
-    steps = DualSchedule.build(DEFAULT_STEPS, 1.0, 1.0).num_steps
+    steps = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT).num_steps  # the default schedule's forwards
     per_block = TABLE_ROWS * NUM_BLOCK_MODULATIONS * cfg.hidden_size * profile.torch_dtype.itemsize
     label = f"adaln_tables ({schedules_kept} schedules of {steps} steps{' per DiT' if dits > 1 else ''})"
     return dits * schedules_kept * steps * cfg.num_layers * per_block, label

@@ -29,7 +29,7 @@ import torch
 
 from h3serve.accel import profile as profiles
 from h3serve.accel.adaln import AdalnTables
-from h3serve.accel.apply import Applied, apply, load_plan
+from h3serve.accel.apply import apply, load_plan
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
@@ -42,7 +42,8 @@ from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
-from h3serve.pipeline.request import RELEASED_RULES, TINY_RULES, RenderRequest, RequestRules
+from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES, RequestRules
 from h3serve.pipeline.sampling import (
     bind_model,
     denoise,
@@ -85,16 +86,15 @@ class Engine:
         step_cache: StepCacheConfig | None = None,
         compiler: Compiler | None = None,
     ):
-        profiles.check(profile)
-        if step_cache is not None:
-            profiles.check_step_cache(profile.linear)
+        _check(profile, step_cache)
         components.check()
         self.components = components
         self.profile = profile
         self.rules = rules
         self.video_processing = video_processing  # how Qwen reads a reference video (the processor's config)
         self.lock = threading.Lock()
-        self.applied: Applied = apply(components, profile, compiler)
+        # The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled.
+        self.compiled: GraphCounter | None = apply(components, profile, compiler)
         # One AdaLN table cache per loaded DiT (FL2VA, Ref2VA): same architecture, different weights.
         self.tables = {kind: AdalnTables(dit, resident=profile.adaln_resident) for kind, dit in components.dits.items()}
         # Step caching (lossy, opt-in): the outer layer of each DiT's block stack (`accel.stepcache`).
@@ -121,9 +121,7 @@ class Engine:
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
         every request runs with unless it asks otherwise (None: no caching). The profile is checked against the
         machine before any weight loads."""
-        profiles.check(profile)
-        if step_cache is not None:
-            profiles.check_step_cache(profile.linear)
+        _check(profile, step_cache)
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
             return cls(components, profile, TINY_RULES, step_cache=step_cache)
@@ -148,11 +146,6 @@ class Engine:
     def tasks(self) -> tuple[str, ...]:
         """The tasks this engine serves: the base modes with the FL2VA DiT, ref2va with the Ref2VA DiT."""
         return self.admission.tasks
-
-    @property
-    def compiled(self) -> GraphCounter | None:
-        """The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled."""
-        return self.applied.graphs
 
     def validate(self, prompt: str, **fields: Any) -> RenderRequest:
         """`Admission.validate`: the request under this engine's rules, for a task whose DiT is loaded."""
@@ -267,6 +260,13 @@ class Engine:
                 for layout in layouts[kind]:
                     tables.for_steps(step_timesteps(layout, schedule))
         return time.perf_counter() - start
+
+
+def _check(profile: Profile, step_cache: StepCacheConfig | None) -> None:
+    """What this machine and a step cache allow of the profile (`accel.profile`), before anything loads."""
+    profiles.check(profile)
+    if step_cache is not None:
+        profiles.check_step_cache(profile.linear)
 
 
 def _peak_memory_mb(device: torch.device) -> float:

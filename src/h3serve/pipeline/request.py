@@ -25,9 +25,7 @@ from h3serve.pipeline.rules import (
     MAX_SEED,
     QUALITIES,
     RELEASED_RULES,
-    TINY_RULES,
     CanvasRule,
-    FrameRule,
     RequestError,
     RequestRules,
     decode_image,
@@ -36,25 +34,7 @@ from h3serve.pipeline.rules import (
 from h3serve.pipeline.schedule import DualSchedule
 from h3serve.vocab import TASK_ANCHORS, Task
 
-__all__ = [
-    "MAX_SEED",
-    "QUALITIES",
-    "RELEASED_RULES",
-    "TASKS",
-    "TINY_RULES",
-    "CanvasRule",
-    "FrameRule",
-    "RenderRequest",
-    "RequestError",
-    "RequestRules",
-    "decode_keyframe",
-    "resolve_canvas",
-    "validate_request",
-]
-
 log = logging.getLogger(__name__)
-
-TASKS = tuple(Task)  # the four base modes run the FL2VA DiT; ref2va runs the Ref2VA DiT
 
 
 @dataclass(frozen=True)
@@ -128,8 +108,8 @@ def validate_request(
     decoded here (`pipeline.references`); mute_references: positions of video references whose soundtrack is left
     out. quality: step caching for this request (`QUALITIES`), None for the server's setting.
     """
-    if task not in TASKS:
-        raise RequestError("task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if task not in tuple(Task):
+        raise RequestError("task", f"task must be one of {', '.join(Task)}, got {task!r}")
     task = Task(task)
     if task != Task.REF2VA and (references or mute_references):
         raise RequestError("references", f"references: only task ref2va takes references, got task {task}")

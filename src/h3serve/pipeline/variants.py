@@ -19,7 +19,8 @@ from h3serve.pipeline.conditioning import (
 )
 from h3serve.pipeline.layout import MediaGeometry, PackedLayout, Reference, build_layout, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
-from h3serve.pipeline.request import RenderRequest, RequestRules, resolve_canvas
+from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.rules import RequestRules, resolve_canvas
 from h3serve.vocab import TASK_ANCHORS, DiTKind, Task
 
 

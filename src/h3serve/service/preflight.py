@@ -58,7 +58,7 @@ def check_memory(settings, folder, free: tuple[float, float, bool] | None = None
     """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared; read
     from the machine when None). Returns the budget; raises PreflightError naming what does not fit."""
     from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
-    from h3serve.pipeline.request import RELEASED_RULES
+    from h3serve.pipeline.rules import RELEASED_RULES
 
     profile = settings.profile()
     budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)

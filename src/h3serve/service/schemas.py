@@ -39,8 +39,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from h3serve.config import DEFAULT_STEPS, FPS
-from h3serve.pipeline.request import MAX_SEED, QUALITIES, RenderRequest, RequestError, resolve_canvas
-from h3serve.pipeline.rules import MAX_REFERENCES
+from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.rules import MAX_REFERENCES, MAX_SEED, QUALITIES, RequestError, resolve_canvas
 from h3serve.service.errors import ApiError, bad_request
 from h3serve.vocab import ANCHORS, TASK_ANCHORS, Task, seconds_to_frames
 

@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
-from h3serve.model.folder import REF2VA
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.request import RenderRequest
+from h3serve.vocab import SMOKE_REQUEST, Task
 
 log = logging.getLogger(__name__)
 
-WARMUP_PROMPT = "Macro soldering a PCB under warm bench light, soft room tone."
 WARMUP_STEPS = 2  # grid points: one forward, as the seed's 2-step warmup
 
 
@@ -40,10 +39,10 @@ def warmup_request(engine: Engine) -> RenderRequest:
     """The production shape (768x448, 56 frames for the released model; the tiny model's own default): T2VA, or
     with only the Ref2VA DiT loaded, ref2va with one generated image reference."""
     size = engine.rules.warmup_size
-    task = "t2va" if "t2va" in engine.tasks else REF2VA
-    extra = {"references": [("warmup.png", _reference_png())]} if task == REF2VA else {}
+    task = Task.T2VA if Task.T2VA in engine.tasks else Task.REF2VA
+    extra = {"references": [("warmup.png", _reference_png())]} if task == Task.REF2VA else {}
     return engine.validate(
-        WARMUP_PROMPT,
+        SMOKE_REQUEST.prompt,
         task=task,
         width=size[0] if size else None,
         height=size[1] if size else None,
@@ -55,7 +54,7 @@ def warmup_request(engine: Engine) -> RenderRequest:
 
 
 def describe(request: RenderRequest) -> str:
-    return f"{request.task} {request.width}x{request.height} {request.num_frames} frames {request.steps - 1} step(s)"
+    return f"{request.task} {request.width}x{request.height} {request.num_frames} frames {request.forwards} step(s)"
 
 
 def run_warmup(engine: Engine, threads: int = DEFAULT_THREADS) -> WarmupResult:
