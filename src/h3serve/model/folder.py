@@ -27,15 +27,13 @@ from h3serve.model.loading import LoadHook, load_dit, load_text_encoder, open_ch
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, TextEncoder
 from h3serve.model.vae_loading import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
-from h3serve.vocab import TASK_TYPES, DiTKind
-from h3serve.vocab import dit_kind as dit_kind  # its home is vocab; importable from here as before
+from h3serve.vocab import TASK_TYPES, DiTKind, TaskType
 
 # Component folders both layouts share; the video VAE's differs (see `_video_vae_dir`).
 _SHARED = ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae")
 
 # Which DiTs a process loads: `vocab.TaskType` and `vocab.TASK_TYPES` (the FL2VA DiT serves t2va, i2va, l2va and
-# fl2va; the Ref2VA DiT serves ref2va). The two kinds under their old names here:
-FL2VA, REF2VA = DiTKind.FL2VA, DiTKind.REF2VA
+# fl2va; the Ref2VA DiT serves ref2va).
 
 
 @dataclass
@@ -52,8 +50,9 @@ class Components:
 
     @property
     def dits(self) -> dict[str, H3DiT]:
-        """The loaded DiTs by kind (`FL2VA`, `REF2VA`)."""
-        return {kind: dit for kind, dit in ((FL2VA, self.dit), (REF2VA, self.ref_dit)) if dit is not None}
+        """The loaded DiTs by kind (`DiTKind`)."""
+        loaded = ((DiTKind.FL2VA, self.dit), (DiTKind.REF2VA, self.ref_dit))
+        return {kind: dit for kind, dit in loaded if dit is not None}
 
     @property
     def task_type(self) -> str:
@@ -99,7 +98,7 @@ class ModelFolder:
         """Whether this folder holds the DiTs `task_type` loads. ValueError naming what is missing otherwise."""
         if task_type not in TASK_TYPES:
             raise ValueError(f"task type must be one of {', '.join(TASK_TYPES)}, got {task_type!r}")
-        if REF2VA in TASK_TYPES[task_type] and self.ref_transformer is None:
+        if DiTKind.REF2VA in TASK_TYPES[task_type] and self.ref_transformer is None:
             raise ValueError(
                 f"task type {task_type} loads the Ref2VA DiT, but model folder {self.root} has none (looked for "
                 f"{self.root / 'transformer_ref'} and {self.root.parent / 'Ref2VA' / 'transformer'}); use task type "
@@ -233,7 +232,7 @@ def load_ref_dit(
     hook: LoadHook | None = None,
 ) -> H3DiT:
     """The Ref2VA DiT of a resolved folder, loaded as strictly as the FL2VA one (`load_dit`)."""
-    folder.check_task_type(REF2VA)
+    folder.check_task_type(TaskType.REF2VA)
     return load_dit(
         folder.ref_transformer,
         device=device,
@@ -249,7 +248,7 @@ def load_components(
     *,
     device: torch.device | str,
     dtype: torch.dtype,
-    task_type: str = FL2VA,
+    task_type: str = TaskType.FL2VA,
     dit_hook: LoadHook | None = None,
     text_hook: LoadHook | None = None,
 ) -> Components:
@@ -259,7 +258,7 @@ def load_components(
     folder.check_task_type(task_type)
     kinds = TASK_TYPES[task_type]
     dit = ref_dit = None
-    if FL2VA in kinds:
+    if DiTKind.FL2VA in kinds:
         dit = load_dit(
             folder.transformer,
             device=device,
@@ -268,7 +267,7 @@ def load_components(
             qkv_layout=folder.dit_qkv_layout,
             hook=dit_hook,
         )
-    if REF2VA in kinds:
+    if DiTKind.REF2VA in kinds:
         ref_dit = load_ref_dit(folder, device=device, dtype=dtype, hook=dit_hook)
     return Components(
         dit=dit,
