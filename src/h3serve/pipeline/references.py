@@ -15,9 +15,16 @@ What each kind becomes (the released model's preparation, as in docs/model.md §
 * audio: decoded at its own rate, truncated there to the generated duration, mono copied to both channels, then
   resampled to 32 kHz with a Hann-windowed sinc (the resampler torchaudio's `Resample` defaults to).
 
-The kind comes from the content: whatever PIL opens is an image; otherwise a PyAV container with a video stream (cover
-art does not count) is a video, and one with only an audio stream is audio. Long media is truncated, not refused, as
-the reference pipeline does; decoding stops once the generated duration is covered.
+The kind comes from the content: the format from the file's magic bytes (`media.formats`: images PNG, JPEG, WebP, BMP,
+TIFF; containers MP4/MOV, Matroska/WebM, AVI, Ogg, WAV, MP3, FLAC, AAC; anything else is refused), then a container
+with a video stream (cover art does not count) is a video and one with only an audio stream is audio. Each file is
+opened with its sniffed format's decoder alone, never by probing. Long media is truncated, not refused, as the
+reference pipeline does; decoding stops once the generated duration is covered.
+
+Hard limits, checked from the headers before anything is decoded: an image or a video frame of at most
+`CanvasRule.max_input_pixels` (16 canvases), a video at a known frame rate of at most `MAX_REFERENCE_FPS`, audio at
+a known sample rate of at most `MAX_REFERENCE_SAMPLE_RATE` that resamples to 32 kHz through a filter of at most
+`MAX_RESAMPLE_KERNEL` taps, mono or stereo.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch
 from PIL import Image
 
 from h3serve.config import AUDIO_LATENTS_PER_SECOND, FPS, SAMPLE_RATE, SPATIAL_RATIO
+from h3serve.media.formats import FormatError, FormatKind, MediaFormat, exception_text, sniff
 from h3serve.pipeline.layout import MediaGeometry, Reference, validate_references
 from h3serve.pipeline.rules import (
     RELEASED_RULES,
@@ -53,6 +61,14 @@ AUDIO_HOP = SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND  # audio VAE samples per lat
 # Hann-windowed sinc resampler: zero crossings per side and cutoff relative to the lower Nyquist frequency.
 SINC_ZERO_CROSSINGS = 6
 SINC_ROLLOFF = 0.99
+# Header limits of a reference video and audio (ours; the reference pipeline has none). Decoding stops at the target
+# duration, so the frame rate bounds the frames decoded (at most 10 per output frame) and the sample rate the samples.
+MAX_REFERENCE_FPS = 240
+MAX_REFERENCE_SAMPLE_RATE = 192_000
+# Taps of the polyphase resampling filter (phases x taps per phase) for a rate -> 32 kHz. The filter has one phase per
+# output sample of a block of gcd-reduced rates, so an odd rate costs quadratically: 44101 Hz would need 32000 x 44119
+# float64 taps (11 GB). Every common rate is far below the bound (11025 Hz, the largest: 1280 x 455).
+MAX_RESAMPLE_KERNEL = 1 << 20
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +130,16 @@ def resample_frames(frames: np.ndarray, fps: float, num_frames: int, target_fps:
     if fps != target_fps:
         frames = np.repeat(frames, frame_slots(frames.shape[0], fps, target_fps), axis=0)
     return frames[:num_frames]
+
+
+def resample_kernel_size(sample_rate: int, target_rate: int = SAMPLE_RATE) -> int:
+    """Taps of the polyphase filter `resample_audio` builds for sample_rate -> target_rate (0: no resampling)."""
+    if sample_rate == target_rate:
+        return 0
+    g = math.gcd(int(sample_rate), int(target_rate))
+    orig, new = int(sample_rate) // g, int(target_rate) // g
+    half = math.ceil(SINC_ZERO_CROSSINGS * orig / (min(orig, new) * SINC_ROLLOFF))
+    return new * (2 * half + orig)
 
 
 def _sinc_kernel(orig: int, new: int) -> tuple[torch.Tensor, int]:
@@ -199,20 +225,21 @@ def decode_references(
     if not isinstance(num_frames, int) or isinstance(num_frames, bool) or num_frames < 1:
         raise RequestError("num_frames", f"num_frames must be a positive integer, got {num_frames!r}")
     named = [_split(i, item) for i, item in enumerate(items)]
-    kinds = [_probe_kind(i, name, data) for i, (name, data) in enumerate(named)]
+    probed = [_probe(i, name, data, rules.canvas) for i, (name, data) in enumerate(named)]
+    kinds = [kind for kind, _ in probed]
     check_reference_kinds(kinds, [name for name, _ in named])
     for i in sorted(mute):
         if not (0 <= i < len(kinds)) or kinds[i] != VIDEO:
             raise RequestError("mute_references", "is not a video reference", i, of="references")
     max_seconds = num_frames / FPS
     decoded = []
-    for i, ((name, data), kind) in enumerate(zip(named, kinds, strict=True)):
+    for i, ((name, data), (kind, fmt)) in enumerate(zip(named, probed, strict=True)):
         if kind == IMAGE:
             decoded.append(_decode_image(i, name, data, rules))
         elif kind == VIDEO:
-            decoded.append(_decode_video(i, name, data, num_frames, rules.canvas, keep_sound=i not in mute))
+            decoded.append(_decode_video(i, name, data, fmt, num_frames, rules.canvas, keep_sound=i not in mute))
         else:
-            decoded.append(_decode_audio(i, name, data, max_seconds))
+            decoded.append(_decode_audio(i, name, data, fmt, max_seconds, rules.canvas))
     return tuple(decoded)
 
 
@@ -241,27 +268,103 @@ def _video_streams(container) -> list:
     return [s for s in container.streams.video if not s.disposition & av.stream.Disposition.attached_pic]
 
 
-def _probe_kind(i: int, name: str | None, data: bytes) -> str:
+def _refuse_nested_open(url: str, flags: int, options: dict) -> None:
+    """PyAV's `io_open` hook: a demuxer that asks for another file or URL (a playlist's entry, a MOV data reference)
+    gets an error. The allow-listed demuxers open none by default; this keeps it so whatever their options."""
+    raise PermissionError("a reference file may not open other files")
+
+
+def _open_container(data: bytes, fmt: MediaFormat, rule: CanvasRule):
+    """`data` opened with the sniffed demuxer alone. `max_pixels` bounds every frame the decoders allocate, including
+    those `avformat_find_stream_info` decodes while opening, so a frame larger than its header says fails too."""
+    return av.open(
+        io.BytesIO(data),
+        mode="r",
+        format=fmt.demuxer,
+        options={"max_pixels": str(rule.max_input_pixels)},
+        io_open=_refuse_nested_open,
+    )
+
+
+def _probe(i: int, name: str | None, data: bytes, rule: CanvasRule) -> tuple[ReferenceKind, MediaFormat]:
+    """The reference's kind and format: the format from its magic bytes; a container's kind from its streams."""
     try:
-        with Image.open(io.BytesIO(data)):
-            return IMAGE
-    except Exception:  # not an image to PIL: try the media demuxers
-        pass
+        fmt = sniff(data)
+    except FormatError as e:
+        raise _refused(i, name, f"could not be decoded as an image, a video or an audio file: {e}") from None
+    if fmt.kind == FormatKind.IMAGE:
+        return IMAGE, fmt
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if _video_streams(container):
-                return VIDEO
+        with _open_container(data, fmt, rule) as container:
+            if fmt.video and _video_streams(container):
+                return VIDEO, fmt
             if container.streams.audio:
-                return AUDIO
+                return AUDIO, fmt
     except Exception as e:  # FFmpeg raises many types (InvalidDataError, ValueError, ...)
         raise _refused(
-            i, name, f"could not be decoded as an image, a video or an audio file ({type(e).__name__}: {e})"
+            i, name, f"could not be decoded as a video or an audio file ({fmt.name}: {exception_text(e)})"
         ) from e
-    raise _refused(i, name, "has neither a video nor an audio stream")
+    raise _refused(i, name, f"is a {fmt.name} file with neither a video nor an audio stream")
+
+
+def _check_video_stream(i: int, name: str | None, stream, rule: CanvasRule) -> float:
+    """The stream's frame rate, once its header's frame size and rate are within the limits; nothing decoded yet."""
+    context = stream.codec_context
+    if context is None:
+        raise _refused(i, name, "has a video stream in a codec this server cannot decode")
+    width, height = context.width, context.height
+    if width < 1 or height < 1:  # also where `max_pixels` stopped FFmpeg's probe decode and it gave up the size
+        raise _refused(
+            i,
+            name,
+            "has a video stream without a usable frame size (none in its header, or above the "
+            f"{rule.max_input_pixels / 1e6:.1f} MP limit for an input video frame)",
+        )
+    try:
+        rule.check_input_size(width, height, video=True)
+    except ValueError as e:
+        raise _refused(i, name, str(e)) from None
+    rate = stream.average_rate or stream.guessed_rate
+    fps = float(rate) if rate else 0.0
+    if not (math.isfinite(fps) and fps > 0):
+        raise _refused(i, name, "has a video stream without a frame rate")
+    if fps > MAX_REFERENCE_FPS:
+        raise _refused(
+            i, name, f"has a video stream at {fps:g} fps; the limit for a reference video is {MAX_REFERENCE_FPS} fps"
+        )
+    return fps
+
+
+def _check_audio_stream(i: int, name: str | None, stream, what: str) -> None:
+    """A reference's audio stream (`what`: "audio", "a soundtrack"): a known sample rate within the limit and one that
+    resamples within `MAX_RESAMPLE_KERNEL`, one or two channels; from its header, before any sample is decoded."""
+    if stream.codec_context is None:
+        raise _refused(i, name, f"has {what} in a codec this server cannot decode")
+    rate_hz = int(stream.codec_context.sample_rate or 0)
+    if rate_hz <= 0:
+        raise _refused(i, name, f"has {what} without a sample rate")
+    if rate_hz > MAX_REFERENCE_SAMPLE_RATE:
+        raise _refused(
+            i, name, f"has {what} at {rate_hz} Hz; the limit for reference audio is {MAX_REFERENCE_SAMPLE_RATE} Hz"
+        )
+    if resample_kernel_size(rate_hz) > MAX_RESAMPLE_KERNEL:
+        raise _refused(
+            i,
+            name,
+            f"has {what} at {rate_hz} Hz, a rate that resamples to {SAMPLE_RATE} Hz only through a filter of "
+            f"{resample_kernel_size(rate_hz)} taps (the limit is {MAX_RESAMPLE_KERNEL}); convert it to a common rate "
+            "such as 48000 or 44100 Hz",
+        )
+    # The decoded channels follow the stream's layout (`_read_audio` converts to it), so this is the check
+    # `_prepare_checked` makes after decoding, made before it.
+    channels = stream.layout.nb_channels
+    if channels > AUDIO_CHANNELS:
+        raise _refused(i, name, f"has {what} of {channels} channels; mono or stereo is accepted")
 
 
 def _decode_image(i: int, name: str | None, data: bytes, rules: RequestRules) -> DecodedReference:
-    image = decode_image("references", i, data, name=name)  # EXIF orientation and RGB, as keyframes are decoded
+    # EXIF orientation and RGB, as keyframes are decoded; the format allow-list and the pixel limit with them.
+    image = decode_image("references", i, data, name=name, rule=rules.canvas)
     width, height = image.size
     ratio = width / height
     canvas = rules.canvas
@@ -280,19 +383,32 @@ def _decode_image(i: int, name: str | None, data: bytes, rules: RequestRules) ->
     )
 
 
+def _slot(frame: int, scale: float) -> int:
+    """The 24 fps slot source frame `frame` starts at, `scale` = 24 / its fps: round half up, as `frame_slots`."""
+    return math.floor(frame * scale + 0.5)
+
+
 def _decode_video(
-    i: int, name: str | None, data: bytes, num_frames: int, rule: CanvasRule, keep_sound: bool
+    i: int,
+    name: str | None,
+    data: bytes,
+    fmt: MediaFormat,
+    num_frames: int,
+    rule: CanvasRule,
+    keep_sound: bool,
 ) -> DecodedReference:
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with _open_container(data, fmt, rule) as container:
             stream = _video_streams(container)[0]
-            rate = stream.average_rate or stream.guessed_rate
-            fps = float(rate) if rate else 0.0
-            if not (math.isfinite(fps) and fps > 0):
-                raise _refused(i, name, "has a video stream without a frame rate")
-            frames, canvas, turns, source_size = [], None, 0, None
+            fps = _check_video_stream(i, name, stream, rule)
+            stream.codec_context.options = {"max_pixels": str(rule.max_input_pixels)}
+            kept, held, decoded, canvas, turns, source_size = [], [], 0, None, 0, None
             scale = FPS / fps
             for frame in container.decode(stream):
+                try:  # a frame larger than the stream's header said (`max_pixels` stops most decoders before)
+                    rule.check_input_size(frame.width, frame.height, video=True)
+                except ValueError as e:
+                    raise _refused(i, name, str(e)) from None
                 if canvas is None:
                     turns = round(frame.rotation / 90.0) % 4
                     width, height = (frame.height, frame.width) if turns % 2 else (frame.width, frame.height)
@@ -301,33 +417,42 @@ def _decode_video(
                         canvas = resolve_canvas(width, height, rule)
                     except ValueError as e:
                         raise _refused(i, name, f"is a video whose {e}") from e
-                rgb = frame.to_ndarray(format="rgb24")
-                if turns:
-                    rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
-                if rgb.shape[1::-1] != canvas:
-                    rgb = np.asarray(Image.fromarray(rgb).resize(canvas, Image.Resampling.LANCZOS))
-                frames.append(rgb)
+                # How often this frame appears on the 24 fps grid (`frame_slots`); a frame it drops (above 24 fps)
+                # is neither converted nor kept, so memory follows the frames generated, not the source's rate.
+                slots = _slot(decoded + 1, scale) - _slot(decoded, scale)
+                decoded += 1
+                if slots:
+                    rgb = frame.to_ndarray(format="rgb24")
+                    if turns:
+                        rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
+                    if rgb.shape[1::-1] != canvas:
+                        rgb = np.asarray(Image.fromarray(rgb).resize(canvas, Image.Resampling.LANCZOS))
+                    kept.append(rgb)
+                    held.append(slots)
                 # One frame past the target duration fixes how long the last kept frame is held; stop there.
-                if math.floor((len(frames) - 1) * scale + 0.5) >= num_frames:
+                if _slot(decoded - 1, scale) >= num_frames:
                     break
             sound = None
             if keep_sound and container.streams.audio:
+                _check_audio_stream(i, name, container.streams.audio[0], "a soundtrack")
                 container.seek(0)
                 sound = _read_audio(container, container.streams.audio[0], num_frames / FPS)
     except RequestError:
         raise
     except Exception as e:
-        raise _refused(i, name, f"could not be decoded as a video ({type(e).__name__}: {e})") from e
-    if not frames:
+        raise _refused(i, name, f"could not be decoded as a video ({fmt.name}: {exception_text(e)})") from e
+    if not decoded:
         raise _refused(i, name, "has a video stream without decodable frames")
-    pixels = resample_frames(np.stack(frames), fps, num_frames)
-    if pixels.shape[0] < MIN_REFERENCE_VIDEO_FRAMES:
+    count = min(sum(held), num_frames)
+    if count < MIN_REFERENCE_VIDEO_FRAMES:
         raise _refused(
             i,
             name,
-            f"is a video of {pixels.shape[0]} frames at {FPS} fps, too short: at least {MIN_REFERENCE_VIDEO_FRAMES} "
+            f"is a video of {count} frames at {FPS} fps, too short: at least {MIN_REFERENCE_VIDEO_FRAMES} "
             f"({MIN_REFERENCE_VIDEO_FRAMES / FPS:.2f} s) are needed",
         )
+    # The same frames as `resample_frames` over every decoded frame: the dropped ones were never kept.
+    pixels = np.repeat(np.stack(kept), held, axis=0)[:num_frames]
     audio = rate_hz = channels = None
     if sound is not None:
         waveform, rate_hz = sound
@@ -340,19 +465,25 @@ def _decode_video(
         audio=audio,
         source_size=source_size,
         source_fps=fps,
-        source_frames=len(frames),
+        source_frames=decoded,
         source_sample_rate=rate_hz,
         source_channels=channels,
         name=name,
     )
 
 
-def _decode_audio(i: int, name: str | None, data: bytes, max_seconds: float) -> DecodedReference:
+def _decode_audio(
+    i: int, name: str | None, data: bytes, fmt: MediaFormat, max_seconds: float, rule: CanvasRule
+) -> DecodedReference:
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            waveform, rate_hz = _read_audio(container, container.streams.audio[0], max_seconds)
+        with _open_container(data, fmt, rule) as container:
+            stream = container.streams.audio[0]
+            _check_audio_stream(i, name, stream, "audio")
+            waveform, rate_hz = _read_audio(container, stream, max_seconds)
+    except RequestError:
+        raise
     except Exception as e:
-        raise _refused(i, name, f"could not be decoded as audio ({type(e).__name__}: {e})") from e
+        raise _refused(i, name, f"could not be decoded as audio ({fmt.name}: {exception_text(e)})") from e
     audio = _prepare_checked(i, name, waveform, rate_hz, max_seconds, "audio")
     return DecodedReference(
         index=i,

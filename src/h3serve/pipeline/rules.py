@@ -3,7 +3,8 @@
     RequestError           a refused value: its field (and, for one item of a list, its index) as attributes
     RequestRules           canvas, frame, step and reference-size limits; `RELEASED_RULES`, `TINY_RULES`
     resolve_canvas         the released model's canvas for an aspect ratio
-    decode_image           one image input (a keyframe or a reference image) -> RGB, EXIF orientation applied
+    decode_image           one image input (a keyframe or a reference image) -> RGB, EXIF orientation applied; only
+                           the allow-listed formats (`media.formats`), at most `CanvasRule.max_input_pixels`
     check_reference_kinds  the per-request Ref2VA limits, which depend on the kinds alone
 
 `request.validate_request` applies these to a whole request and `references.decode_references` to Ref2VA's files;
@@ -18,12 +19,13 @@ valid, since the network runs short clips correctly, while anything longer than 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageOps
 
 from h3serve.config import CLIP_FRAMES, FPS, LATENTS_PER_CLIP, PATCH_SIZE, SPATIAL_RATIO
+from h3serve.media.formats import FormatError, FormatKind, exception_text, sniff
 from h3serve.vocab import MIN_FRAMES, SMOKE_REQUEST, ReferenceKind, snap_up
 
 MAX_SEED = 2**63 - 1
@@ -36,6 +38,10 @@ MAX_REFERENCE_IMAGES = 9
 MAX_REFERENCE_VIDEOS = 3
 MAX_REFERENCE_AUDIOS = 3
 MAX_REFERENCES = 12
+# A decoded input image or video frame may have this many times a canvas's area, at most. Inputs are resized down
+# (LANCZOS) to a canvas or a reference's encode size, so anything far larger only costs decode time and memory: PIL
+# holds 3 bytes a pixel and the resize reads each one.
+INPUT_PIXELS_PER_CANVAS = 16
 _KIND_LIMITS = {
     ReferenceKind.IMAGE: MAX_REFERENCE_IMAGES,
     ReferenceKind.VIDEO: MAX_REFERENCE_VIDEOS,
@@ -90,6 +96,23 @@ class CanvasRule:
     default_short_edge: int = 768  # the only short edge the released model was verified at
     min_aspect: float = 1 / 4
     max_aspect: float = 4.0
+
+    @property
+    def max_input_pixels(self) -> int:
+        """The most pixels a decoded input image or video frame may have: `INPUT_PIXELS_PER_CANVAS` canvases."""
+        return INPUT_PIXELS_PER_CANVAS * self.max_pixels
+
+    def check_input_size(self, width: int, height: int, video: bool = False) -> None:
+        """ValueError unless an input image (or a video's frames) of width x height is within `max_input_pixels`; its
+        message reads after the input's name: "is a 13000x13000 image (169.0 MP); the limit ..."."""
+        if width * height <= self.max_input_pixels:
+            return
+        size, megapixels = f"{width}x{height}", width * height / 1e6
+        what, limited = (f"video of {size} frames", "video frame") if video else (f"{size} image", "image")
+        raise ValueError(
+            f"is a {what} ({megapixels:.1f} MP); the limit for an input {limited} "
+            f"is {self.max_input_pixels / 1e6:.1f} MP ({INPUT_PIXELS_PER_CANVAS}x the largest canvas); scale it down"
+        )
 
     def check(self, width: int, height: int) -> None:
         """Raise RequestError unless (width, height) is a canvas of this rule.
@@ -197,27 +220,62 @@ def resolve_canvas(aspect_width: float, aspect_height: float, rule: CanvasRule =
 
 
 def decode_image(
-    field: str, index: int, image: Image.Image | bytes | bytearray | memoryview, *, name: str | None = None
+    field: str,
+    index: int,
+    image: Image.Image | bytes | bytearray | memoryview,
+    *,
+    name: str | None = None,
+    rule: CanvasRule = CanvasRule(),
 ) -> Image.Image:
-    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...), with its EXIF orientation applied, as
-    the reference's image loading does. `field`, `index` and `name` say which input it is, for the RequestError."""
+    """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, BMP or TIFF, told by their magic bytes), with
+    its EXIF orientation applied, as the reference's image loading does. Its size is checked against
+    `rule.max_input_pixels` from the header, before any pixel is decoded. `field`, `index` and `name` say which input
+    it is, for the RequestError."""
+
+    def refused(message: str) -> RequestError:
+        return RequestError(field, message, index, name=name)
+
     if isinstance(image, Image.Image):
         decoded = image
+        _check_image_size(decoded, rule, refused)
     elif isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        if not data:
+            raise refused("is empty (0 bytes)")
         try:
-            decoded = Image.open(io.BytesIO(bytes(image)))
-            decoded.load()
-        except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, DecompressionBombError)
-            raise RequestError(
-                field, f"could not be decoded as an image ({type(e).__name__}: {e})", index, name=name
+            fmt = sniff(data, (FormatKind.IMAGE,))
+        except FormatError as e:
+            raise refused(f"could not be decoded as an image: {e}") from None
+        try:
+            # Lazy: reads the header only. Only the sniffed format's plugin is tried.
+            decoded = Image.open(io.BytesIO(data), formats=[fmt.pil_format])
+        except Image.DecompressionBombError as e:  # PIL's own bound (2 * MAX_IMAGE_PIXELS) is far above ours
+            raise refused(
+                f"is a {fmt.name} image of more than {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.1f} MP; the limit for "
+                f"an input image is {rule.max_input_pixels / 1e6:.1f} MP ({INPUT_PIXELS_PER_CANVAS}x the largest "
+                "canvas); scale it down"
             ) from e
+        except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
+            raise refused(f"could not be decoded as an image ({fmt.name}: {exception_text(e)})") from e
+        _check_image_size(decoded, rule, refused)
+        try:
+            decoded.load()
+        except Exception as e:
+            raise refused(f"could not be decoded as an image ({fmt.name}: {exception_text(e)})") from e
     else:
-        raise RequestError(field, f"must be image bytes or a PIL image, got {type(image).__name__}", index, name=name)
+        raise refused(f"must be image bytes or a PIL image, got {type(image).__name__}")
     # Camera JPEGs store their rotation as EXIF; apply it, as the reference's image loading does.
     decoded = ImageOps.exif_transpose(decoded)
     if decoded.width < 1 or decoded.height < 1:
-        raise RequestError(field, f"has no pixels ({decoded.width}x{decoded.height})", index, name=name)
+        raise refused(f"has no pixels ({decoded.width}x{decoded.height})")
     return decoded.convert("RGB")
+
+
+def _check_image_size(image: Image.Image, rule: CanvasRule, refused: Callable[[str], RequestError]) -> None:
+    try:
+        rule.check_input_size(*image.size)
+    except ValueError as e:
+        raise refused(str(e)) from None
 
 
 def check_reference_kinds(kinds: Sequence[str], names: Sequence[str | None] | None = None) -> None:
