@@ -441,7 +441,7 @@ def test_check_prints_resolved_settings(capsys):
     assert out["api_port"] == 8000 and out["video_sync_timeout"] == 7200 and out["api_key"] is None
     assert out["model_id"] == "h3serve-tiny" and out["api_auth"] is False
     if not torch.cuda.is_available():
-        assert out["profile"]["device"] == "cpu"
+        assert out["profile"]["cpu"]["device"] == "cpu"
 
 
 def test_check_redacts_the_key(capsys, monkeypatch):

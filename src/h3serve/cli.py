@@ -2,18 +2,26 @@
 
 Everything the user gives is checked before any weight loads: the prompt, the keyframe files, the output path, the
 profile and the request against the model's rules. Any failure prints one line and exits non-zero, and no partial
-output file is left behind (the MP4 is written under a temporary name and renamed when complete).
+output file is left behind (the MP4 is written under a temporary name and renamed when complete). Ctrl-C exits 130
+and, during `render`, SIGTERM exits 143, each with one line and by the same unwinding, so neither leaves one either.
+
+The parsers and the quick commands (`--help`, `check` without --preflight, `ready`) import neither torch nor av:
+each command imports what it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,10 +37,38 @@ if TYPE_CHECKING:
     from h3serve.settings import EngineSettings
 
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, a shell's status for a command ended by Ctrl-C
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143
 
 
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status EXIT_ERROR."""
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread while `render` runs (`_sigterm_raises`), so that it unwinds as Ctrl-C's
+    KeyboardInterrupt does and the same cleanup removes the partial output. A BaseException like KeyboardInterrupt:
+    no `except Exception` on the way may take it for a failure."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """For the duration of a command, SIGTERM raises Terminated; then the previous handler is back. It raises once:
+    a repeat while unwinding is ignored, so it cannot cut the cleanup short. Left alone where the process ignores
+    SIGTERM (as Python leaves an ignored SIGINT) and off the main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:  # None: a handler not set from Python, which cannot be put back; the default is the closest
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _render_parser(sub: argparse._SubParsersAction) -> None:
@@ -107,16 +143,21 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "check",
         allow_abbrev=False,
-        help="validate the service settings (and the model folder) without loading weights",
+        help="validate the service settings (and the model folder) without loading weights; the hardware is "
+        "checked with --preflight",
         description="Resolve the settings as `serve` would and print them (the key redacted), or print every "
-        "violation and exit non-zero.",
+        "violation and exit non-zero. Every rule between the settings is checked, the profile's included; whether "
+        "this machine can run the profile (CUDA, cuDNN, FP8 tensor cores, Humming) and which device an unset "
+        "H3_DEVICE becomes are checked with --preflight, as `serve` and `render` check them. Without --preflight no "
+        "GPU is touched and torch is not imported (with --model, reading the model folder imports it).",
     )
     add_flags(c)
     c.add_argument(
         "--preflight",
         action="store_true",
-        help="also check the host as `serve` will: the model folder's shards, the output folder, the port, and the "
-        "memory the profile needs against what is free (printed as a budget table)",
+        help="also check the host as `serve` will: the profile against this machine (CUDA, cuDNN, FP8 tensor cores, "
+        "Humming), the model folder's shards, the output folder, the port, and the memory the profile needs against "
+        "what is free (printed as a budget table)",
     )
     c.set_defaults(func=cmd_check)
     r = sub.add_parser(
@@ -132,8 +173,7 @@ def _serve_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _accept_parser(sub: argparse._SubParsersAction) -> None:
-    from h3serve.accept import ACCEPT_PROMPT
-
+    smoke = SMOKE_REQUEST  # not `accept`'s names: importing it pulls httpx and av into every command's start
     p = sub.add_parser(
         "accept",
         help="two-render acceptance against a running server",
@@ -145,8 +185,7 @@ def _accept_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expect-model", help="the exact id /v1/models must list (default: exactly one model)")
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key (default: $H3_API_KEY)")
     p.add_argument("--out", type=Path, default=Path("accept"), help="folder for the MP4s and the report (accept/)")
-    p.add_argument("--prompt", default=ACCEPT_PROMPT, help="the prompt (the seed's smoke prompt)")
-    smoke = SMOKE_REQUEST
+    p.add_argument("--prompt", default=smoke.prompt, help="the prompt (the seed's smoke prompt)")
     p.add_argument("--width", type=int, default=smoke.width, help=f"canvas width ({smoke.width})")
     p.add_argument("--height", type=int, default=smoke.height, help=f"canvas height ({smoke.height})")
     p.add_argument(
@@ -231,17 +270,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from h3serve.service import preflight
 
-    settings = _load_settings(args)
+    # The hardware (which initialises CUDA, and takes seconds to import torch for) only with --preflight.
+    settings = _load_settings(args, check_profile=args.preflight)
     folder = _preflight(preflight.check_model, settings)
-    print(json.dumps(settings.resolved(), indent=2))
+    print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
         if folder is not None:
             print(_preflight(preflight.check_memory, settings, folder).table())
-        print("h3serve: preflight ok (settings, model folder, output folder, port, memory)", file=sys.stderr)
+        checked = "settings, profile on this machine, model folder, output folder, port, memory"
+        print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
         return 0
-    print("h3serve: settings ok", file=sys.stderr)
+    print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
     return 0
 
 
@@ -489,6 +530,12 @@ def _render(engine, request, progress: bool):
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    # From the first import on: a SIGTERM anywhere in the render unwinds like Ctrl-C, through write_mp4's cleanup.
+    with _sigterm_raises():
+        return _run_render(args)
+
+
+def _run_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
     from h3serve.pipeline.engine import STAGES, Engine
 
@@ -500,7 +547,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
-        f"steps ({request.forwards} DiT forwards), seed {request.seed} | {model_name} | {profile.describe()}",
+        f"grid points ({request.forwards} DiT forwards), seed {request.seed} | {model_name} | {profile.describe()}",
         file=sys.stderr,
     )
 
@@ -550,24 +597,30 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    # A server's log needs times; a one-shot command's does not.
-    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if args.command == "serve" else "%(levelname)s %(message)s"
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=fmt)
+    command, verbose = "h3serve", False
+    # The parse is inside: building the parsers imports the settings (pydantic), where a Ctrl-C may land too.
+    # argparse's own exits (--help, --version, a usage error) are SystemExit and pass through.
     try:
+        args = build_parser().parse_args(argv)
+        command, verbose = args.command, args.verbose
+        # A server's log needs times; a one-shot command's does not.
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if command == "serve" else "%(levelname)s %(message)s"
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format=fmt)
         return args.func(args)
     except CliError as err:
         print(f"h3serve: error: {err}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("h3serve: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except Terminated:
+        print("h3serve: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except Exception as err:  # an internal failure (out of memory, a bug): still one line, still no partial file
-        if args.verbose:
-            logging.exception("h3serve: %s failed", args.command)
-        hint = "" if args.verbose else " (run with -v for the traceback)"
-        print(f"h3serve: error: {args.command} failed: {type(err).__name__}: {err}{hint}", file=sys.stderr)
+        if verbose:
+            logging.exception("h3serve: %s failed", command)
+        hint = "" if verbose else " (run with -v for the traceback)"
+        print(f"h3serve: error: {command} failed: {type(err).__name__}: {err}{hint}", file=sys.stderr)
         return EXIT_ERROR
 
 

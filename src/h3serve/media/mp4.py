@@ -33,16 +33,14 @@ from typing import TYPE_CHECKING, BinaryIO
 import av
 import numpy as np
 
-from h3serve.config import FPS, SAMPLE_RATE
+from h3serve.config import ENCODER_THREADS, FPS, MAX_ENCODER_THREADS, SAMPLE_RATE
 
 if TYPE_CHECKING:  # torch is not imported for this module's sake: `h3serve ready` and the settings load without it
     import torch
 
 # crf 18 is near visually lossless for x264 and keeps a 5 s 768x448 clip around a few MB.
 DEFAULT_CRF = 18
-# Pinned, never 0 ("auto"): x264's output depends on its thread count. 4 is a measured sweet spot on small
-# frames (1 -> 2 threads is ~1.6x faster, beyond 4 nothing more) and is the same on every host.
-DEFAULT_THREADS = 4
+DEFAULT_THREADS = ENCODER_THREADS  # pinned: config.py says why
 # The x264 preset is part of the byte-identity promise, so it is a constant, not a knob.
 X264_PRESET = "medium"
 AUDIO_BIT_RATE = 128_000
@@ -50,7 +48,7 @@ AUDIO_BIT_RATE = 128_000
 AAC_FRAME_SAMPLES = 1024
 # Sample rates the AAC-LC standard defines (ISO/IEC 14496-3 sampling frequency index).
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
-MAX_THREADS = 64
+MAX_THREADS = MAX_ENCODER_THREADS
 
 # One colour convention for both directions: BT.709 matrix, limited (MPEG) range, tagged in the stream so
 # players do not guess (untagged HD is usually read as BT.709, SD as BT.601, which would shift colours).
