@@ -90,8 +90,9 @@ def main() -> None:
         passed, report = run_accept(plan)
         result["accept"] = {"passed": passed, **report}
 
-        form = AcceptPlan(url=url, out_dir=work, **shape).form()
-        job = c.post("/v1/videos", data=form).json()
+        plan = AcceptPlan(url=url, out_dir=work, **shape)
+        parts = plan.parts()
+        job = c.post("/v1/videos", files=parts).json()
         while (record := c.get(f"/v1/videos/{job['id']}").json())["status"] in ("queued", "in_progress"):
             time.sleep(0.2)
         async_mp4 = work / "async.mp4"
@@ -99,7 +100,7 @@ def main() -> None:
         same = passed and np.array_equal(decode_frames(async_mp4), decode_frames(work / "accept" / "accept-1.mp4"))
         result["async_job"] = {"record": record, "frames_equal_to_sync": bool(same)}
 
-        long = c.post("/v1/videos", data={**form, "num_inference_steps": "50"}).json()
+        long = c.post("/v1/videos", files={**parts, "num_inference_steps": (None, "50")}).json()
         while c.get(f"/v1/videos/{long['id']}").json()["progress"] < 10:
             time.sleep(0.05)
         t = time.perf_counter()

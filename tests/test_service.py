@@ -21,7 +21,7 @@ from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.media.mp4 import decode_frames, verify_mp4
 from h3serve.pipeline.engine import Engine
-from service_fixtures import SMOKE, live_server, settings, tiny_engine, wait_status
+from service_fixtures import SMOKE, FormClient, live_server, settings, tiny_engine, wait_status
 
 KEY = "k" * 16 + "0123456789abcdef-._~"  # 36 characters of the allowed set
 LONG = {"prompt": "a slow render", "num_inference_steps": "1000"}  # seconds on the tiny model: time to act on it
@@ -181,7 +181,8 @@ def test_readiness_false_until_the_warmup_passes(tmp_path):
             engine.lock.release()
             s.wait_ready()
             health = c.get("/health").json()
-            assert health["warmup"]["passed"] and health["warmup"]["request"] == "t2va 224x128 22 frames 1 step(s)"
+            expected = "t2va 224x128 22 frames, 2 grid points (1 DiT forward(s))"
+            assert health["warmup"]["passed"] and health["warmup"]["request"] == expected
             assert c.get("/ready").status_code == 200
     finally:
         if engine.lock.locked():
@@ -264,7 +265,7 @@ def test_a_restart_keeps_completed_jobs_and_fails_the_interrupted_ones(tmp_path)
     url = f"http://127.0.0.1:{port}"
     proc = _start(tmp_path, port)
     try:
-        with httpx.Client(base_url=url, timeout=60) as c:
+        with FormClient(base_url=url, timeout=60) as c:
             done = c.post("/v1/videos", data={"prompt": "kept", "num_inference_steps": "2"}).json()
             wait_status(c, done["id"], {"completed"})
             before = c.get(f"/v1/videos/{done['id']}/content").content
@@ -276,7 +277,7 @@ def test_a_restart_keeps_completed_jobs_and_fails_the_interrupted_ones(tmp_path)
         proc.wait(30)
     proc = _start(tmp_path, port)
     try:
-        with httpx.Client(base_url=url, timeout=60) as c:
+        with FormClient(base_url=url, timeout=60) as c:
             jobs = {j["id"]: j for j in c.get("/v1/videos", params={"limit": 100}).json()["data"]}
             assert set(jobs) == {done["id"], running["id"], queued["id"]}
             assert jobs[done["id"]]["status"] == "completed"
@@ -303,6 +304,35 @@ def test_a_clean_shutdown_fails_the_running_and_queued_jobs_with_the_reason(tmp_
         assert store.recovered == 0
         for job_id in (running["id"], queued["id"]):
             job = store.get(job_id)
-            assert job.status == "failed" and job.error.code == "server_stopped", job
+            assert job.status == "failed" and job.error.code == "interrupted", job
+    finally:
+        store.close()
+
+
+def test_sigterm_ends_serve_gracefully_recording_the_running_job_as_interrupted(tmp_path):
+    from h3serve.service.store import JobStore
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = _start(tmp_path, port)
+    try:
+        with FormClient(base_url=url, timeout=60) as c:
+            running = c.post("/v1/videos", data=LONG).json()
+            queued = c.post("/v1/videos", data={**LONG, "prompt": "queued"}).json()
+            wait_status(c, running["id"], {"in_progress"})
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal it caught: the exit says "terminated".
+        assert proc.wait(60) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stderr.read().decode()
+    assert "Traceback" not in log, log[-3000:]
+    store = JobStore(tmp_path)  # the stopping server wrote the records itself: nothing is left to recover
+    try:
+        assert store.recovered == 0
+        for job_id in (running["id"], queued["id"]):
+            job = store.get(job_id)
+            assert (job.status, job.error.code) == ("failed", "interrupted"), job
     finally:
         store.close()

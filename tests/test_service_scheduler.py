@@ -211,7 +211,7 @@ def test_a_shutdown_fails_every_unfinished_job_with_the_reason(tmp_path):
         stopper.join(60)
         for work in works:  # encoding, waiting for the encoder, handing off, queued
             record = store.get(work.id)
-            assert (record.status, record.error.code) == (JobStatus.FAILED, "server_stopped"), record
+            assert (record.status, record.error.code) == (JobStatus.FAILED, "interrupted"), record
         assert list(store.videos.iterdir()) == []
 
 

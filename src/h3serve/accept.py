@@ -65,6 +65,10 @@ class AcceptPlan:
             "extra_params": json.dumps(extra),
         }
 
+    def parts(self) -> dict[str, tuple[None, str]]:
+        """The form as multipart/form-data text parts (what `curl -F` sends; the server takes no urlencoded form)."""
+        return {name: (None, value) for name, value in self.form().items()}
+
 
 @dataclass
 class Report:
@@ -138,7 +142,7 @@ def _render(client: httpx.Client, plan: AcceptPlan, report: Report, index: int) 
     part = name.with_suffix(".part")
     start = time.perf_counter()
     try:
-        with client.stream("POST", "/v1/videos/sync", data=plan.form()) as response, open(part, "wb") as fh:
+        with client.stream("POST", "/v1/videos/sync", files=plan.parts()) as response, open(part, "wb") as fh:
             for chunk in response.iter_bytes():
                 fh.write(chunk)
     except httpx.HTTPError as err:

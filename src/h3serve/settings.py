@@ -41,7 +41,7 @@ from h3serve.accel.profile import (
     check,
     check_step_cache,
 )
-from h3serve.media.mp4 import DEFAULT_THREADS, MAX_THREADS
+from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 ENV_PREFIX = "H3_"
@@ -128,7 +128,7 @@ class EngineSettings(BaseModel):
         None, description="folder for persistent kernel caches (Inductor, Triton) reused across restarts"
     )
     encoder_threads: int = Field(
-        DEFAULT_THREADS, ge=1, le=MAX_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
+        ENCODER_THREADS, ge=1, le=MAX_ENCODER_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
     )
 
     def profile(self) -> Profile:
@@ -139,8 +139,22 @@ class EngineSettings(BaseModel):
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        values = {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
-        return Profile.for_device(device, **values)
+        return Profile.for_device(device, **self._profile_values())
+
+    def device_profiles(self) -> dict[str, Profile | ProfileError]:
+        """The profile on each device these settings may start on, without asking the hardware (so without torch):
+        the device set, or with none set cuda and cpu (a start takes cuda when available). A ProfileError where the
+        profile's own rules refuse; what this machine can run is `accel.profile.check`'s (`check --preflight`)."""
+        out: dict[str, Profile | ProfileError] = {}
+        for device in (self.device,) if self.device is not None else ("cuda", "cpu"):
+            try:
+                out[device] = Profile.for_device(device, **self._profile_values())
+            except ProfileError as err:
+                out[device] = err
+        return out
+
+    def _profile_values(self) -> dict[str, Any]:
+        return {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
 
     def step_cache(self):
         """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
@@ -184,6 +198,12 @@ class Settings(EngineSettings):
     max_upload_mb: int = Field(
         20, ge=1, le=512, description="largest upload (a keyframe or a reference file) accepted, in MiB"
     )
+    body_timeout: int = Field(
+        120, ge=1, le=3600, description="seconds a client has to send a request's whole body; slower is answered 408"
+    )
+    api_schema: bool = Field(
+        True, description="serve the OpenAPI schema at /openapi.json (behind the key like every API route)"
+    )
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -202,14 +222,19 @@ class Settings(EngineSettings):
             return self.served_model_name
         return self.model if self.model is not None else TINY_MODEL_NAME
 
-    def resolved(self) -> dict[str, Any]:
+    def resolved(self, *, resolve_device: bool = True) -> dict[str, Any]:
         """Every setting with the key redacted, plus the profile it resolves to: what `check` prints and `serve`
-        logs at start."""
+        logs at start. `resolve_device=False` leaves an unset device unresolved (resolving it asks torch for CUDA)
+        and shows the profile on each device it may resolve to (`device_profiles`)."""
         values = self.model_dump(mode="json")
         if values["api_key"] is not None:
             values["api_key"] = REDACTED
         values["api_auth"] = self.api_key is not None or self.api_key_file is not None
         values["model_id"] = self.model_id
+        if not resolve_device and self.device is None:
+            candidates = self.device_profiles().items()
+            values["profile"] = {d: p.as_dict() if isinstance(p, Profile) else f"invalid: {p}" for d, p in candidates}
+            return values
         try:
             values["profile"] = self.profile().as_dict()
         except ValueError as err:
@@ -273,6 +298,20 @@ def _choices(annotation: Any) -> str | None:
     return None
 
 
+class _StoreNamingFlag(argparse.Action):
+    """Store the value, and under `given_as(dest)` the flag it came as (a setting's old name or its own), so that a
+    refusal names the flag the user typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, given_as(self.dest), option_string)
+
+
+def given_as(field: str) -> str:
+    """The namespace attribute holding the flag a setting was given as (set only for settings with old names)."""
+    return f"{field}_given_as"
+
+
 def add_flags(parser: argparse.ArgumentParser, schema: type[EngineSettings] = Settings, *, old_names: bool = False):
     """One flag per setting of `schema`, generated from it (values are parsed and checked by `load_settings`).
     `old_names`: also accept `render`'s former flag names (`OLD_RENDER_FLAGS`) for the same settings."""
@@ -284,15 +323,16 @@ def add_flags(parser: argparse.ArgumentParser, schema: type[EngineSettings] = Se
         default = "unset" if info.default is None else info.default
         default = default.value if isinstance(default, enum.Enum) else default
         help_text = f"{info.description} (env {env_name(name)}; default {default})"
-        flags = [flag_name(name)]
+        flags, action = [flag_name(name)], None
         if old_names and name in OLD_RENDER_FLAGS:
+            action = _StoreNamingFlag
             flags.append(OLD_RENDER_FLAGS[name])
             help_text += f"; {OLD_RENDER_FLAGS[name]} is its former render name, kept for one release"
         if info.annotation is bool:
             parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             metavar = _choices(info.annotation) or name.upper()
-            parser.add_argument(*flags, dest=name, default=None, metavar=metavar, help=help_text)
+            parser.add_argument(*flags, dest=name, default=None, metavar=metavar, help=help_text, action=action)
 
 
 def load_settings(
@@ -306,8 +346,9 @@ def load_settings(
     """Merge defaults < config file < environment < flags into `schema`; validate every value and rule; raise
     SettingsError. An `H3_*` variable or file key that is no h3serve setting is refused; one that is a setting of
     another command (a service setting when `schema` is `EngineSettings`, for `render`) is left to that command.
-    `check_profile=False` skips asking the device whether it can run the profile (which initialises CUDA): for
-    `h3serve ready`, a healthcheck that only needs the address and the key."""
+    `check_profile=False` skips asking the machine whether it can run the profile (which imports torch and
+    initialises CUDA), for `h3serve ready` (a healthcheck that only needs the address and the key) and `h3serve check`
+    without --preflight; the profile's own rules are checked all the same (`EngineSettings.device_profiles`)."""
     env = os.environ if env is None else env
     raw: dict[str, Any] = {}
     source: dict[str, str] = {}
@@ -339,7 +380,7 @@ def load_settings(
         for name in CLI_FIELDS:
             value = getattr(args, name, None)
             if value is not None and name in fields:
-                raw[name], source[name] = value, flag_name(name)
+                raw[name], source[name] = value, getattr(args, given_as(name), None) or flag_name(name)
 
     failed: set[str] = set()
     try:
@@ -408,8 +449,10 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
                 out.append(refusal("cache_dir", f"{s.cache_dir} is not writable"))
         except (OSError, ValueError) as err:
             out.append(refusal("cache_dir", f"{err}"))
-    # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck) asks
-    # neither: an unset device resolves by asking torch for CUDA, which a call every 30 s must not do.
+    # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck, `check`
+    # without --preflight) does not ask the machine: an unset device resolves by asking torch for CUDA, which costs
+    # seconds and a call every 30 s must not do. The rules still hold; with the device unset, a profile that no
+    # device can run is refused.
     if ok("linear_backend", "cache_backend") and s.cache_backend != "none":
         try:
             check_step_cache(s.linear_backend)
@@ -420,6 +463,12 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             check(s.profile())
         except ProfileError as err:
             out.append(refusal(SETTING_OF.get(err.setting, "device"), str(err)))
+    elif ok(*PROFILE_FIELDS):
+        errors = list(s.device_profiles().values())
+        if all(isinstance(e, ProfileError) for e in errors):
+            first, *others = (str(e) for e in errors)
+            message = first + "".join(f"; without CUDA: {o}" for o in others if o != first)
+            out.append(refusal(SETTING_OF.get(errors[0].setting, "device"), message))
     return out
 
 

@@ -1,15 +1,16 @@
 """The HTTP app: `create_app(settings, engine)` builds the vLLM-Omni/OpenAI-compatible video API over a loaded engine.
 
-    GET    /health                    liveness, readiness, warmup result, profile, tasks served (no auth)
-    GET    /ready                     200 once the startup warmup has passed, else 503
+    GET    /health                    liveness, readiness, warmup result, profile, tasks served (no auth; HEAD too)
+    GET    /ready                     200 once the startup warmup has passed, else 503 (HEAD too)
+    GET    /openapi.json              the API's OpenAPI schema (unless H3_API_SCHEMA is off)
     GET    /metrics                   Prometheus text
     GET    /v1/models                 the served model (its entry lists the tasks served, from H3_TASK_TYPE)
     POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout); step caching in
                                       the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`)
     POST   /v1/videos                 queue an async job; returns its record at once
-    GET    /v1/videos                 jobs, newest first (limit, after)
+    GET    /v1/videos                 jobs, newest first (limit, after, order)
     GET    /v1/videos/{id}            one job record
-    GET    /v1/videos/{id}/content    the job's MP4
+    GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept)
     DELETE /v1/videos/{id}            cancel a queued or running job; delete a finished one and its MP4
 
 The app never touches kernels or tensors: it maps requests onto the engine's `RenderRequest` (schemas.py) and hands
@@ -18,42 +19,46 @@ them to the scheduler (scheduler.py), which renders them one at a time; the reco
 `create_app` builds the store, the scheduler and the metrics and puts them on `app.state`; the routes live on
 module-level routers and get them through dependencies (so `app.dependency_overrides` can replace one). Nothing
 blocking runs on the event loop: the handlers that only call the store or the scheduler are plain `def`s, which
-FastAPI runs in its threadpool, and the two POST routes read the body on the loop, then map it (which decodes the
-uploaded media) and queue it in a thread.
+FastAPI runs in its threadpool, and the two POST routes read the body on the loop (bodies.py: strict, capped, under
+a deadline), then map it, which decodes the uploaded media, in a small pool of its own (DECODE_WORKERS threads, so
+that a burst of large uploads cannot take every thread), and queue it in a thread.
+
+Every route refuses a query parameter it does not declare, and any query string that is not UTF-8 once unescaped:
+a parameter the server would not honour must not look accepted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
-from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from h3serve import __version__
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.engine import Engine
-from h3serve.service.errors import ApiError, bad_request, internal_error
+from h3serve.service.bodies import BodyLimits, ClientGone, read_body
+from h3serve.service.errors import ApiError, bad_request, escaped, internal_error, shown
 from h3serve.service.metrics import Metrics
 from h3serve.service.scheduler import QueueFull, Scheduler, Work
 from h3serve.service.schemas import (
-    FILE_FIELDS,
-    MAX_FILES,
     MAX_KEYFRAMES,
     MAX_REFERENCES,
     REF2VA,
     JobStatus,
     Mapped,
-    Upload,
     VideoJob,
-    decode_data_url,
     map_request,
     step_cache_mode,
 )
@@ -63,8 +68,8 @@ from h3serve.settings import Settings
 
 log = logging.getLogger(__name__)
 
-MAX_FIELD_BYTES = 1 << 20  # any non-file form field (the prompt cap is far below this)
 RETRY_AFTER_S = "5"
+DECODE_WORKERS = 2  # threads that map requests and decode their uploads
 MAX_PAGE = 100
 SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected client
 
@@ -81,10 +86,17 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
         metrics=metrics,
     )
     metrics.watch(scheduler, store)
-    app = FastAPI(title="h3serve", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None)
+    # The schema is served by a route of our own, behind the key; there is no /docs page (it would fetch its
+    # scripts from the internet, and these servers are often offline).
+    app = FastAPI(
+        title="h3serve", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.settings, app.state.engine, app.state.auth = settings, engine, BearerKey(settings.key)
     app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
+    app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(ClientGone, _client_gone)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _query_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -100,6 +112,7 @@ async def _lifespan(app: FastAPI):
         yield
     finally:
         await asyncio.to_thread(app.state.scheduler.stop)
+        app.state.decoder.shutdown(wait=False, cancel_futures=True)
         app.state.store.close()
 
 
@@ -145,9 +158,15 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 async def _query_error(_: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
-    param = str(first.get("loc", ["", ""])[-1]) or None
-    message = f"{param}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}"
+    param = escaped(str(first.get("loc", ["", ""])[-1])) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}, got {shown(first.get('input'))}"
     return JSONResponse(bad_request(param, message).body(), status_code=400)
+
+
+async def _client_gone(request: Request, _: Exception) -> Response:
+    """A client that left before its request was read: nobody to answer, nothing went wrong here."""
+    log.info("%s %s: the client disconnected before its request body was complete", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 async def _internal_error(request: Request, err: Exception) -> JSONResponse:
@@ -157,11 +176,36 @@ async def _internal_error(request: Request, err: Exception) -> JSONResponse:
     return JSONResponse(answer.body(), status_code=answer.status, headers=answer.headers)
 
 
+# ---- query strings: declared parameters only, UTF-8 once unescaped ---------------------------------------------------
+async def strict_query(request: Request) -> None:
+    """400 for a query parameter the route does not declare, or one whose name or value is not UTF-8 (Starlette would
+    read a bad escape as U+FFFD and go on)."""
+    raw = request.scope.get("query_string", b"")
+    if not raw:
+        return
+    route = request.scope.get("route")
+    declared = {p.alias for p in route.dependant.query_params} if route is not None else set()
+    for pair in raw.split(b"&"):
+        if not pair:
+            continue
+        name, _, value = pair.partition(b"=")
+        try:
+            key = unquote_to_bytes(name.replace(b"+", b" ")).decode("utf-8")
+            unquote_to_bytes(value.replace(b"+", b" ")).decode("utf-8")
+        except UnicodeDecodeError:
+            shown_name = shown(name.decode("latin-1"))
+            raise bad_request(None, f"the query parameter {shown_name} is not UTF-8 once unescaped") from None
+        if key not in declared:
+            allowed = ", ".join(sorted(declared)) or "none"
+            raise bad_request(escaped(key), f"unknown query parameter {shown(key)}; this route takes: {allowed}")
+
+
 # ---- open routes ----------------------------------------------------------------------------------------------------
-open_routes = APIRouter()
+open_routes = APIRouter(dependencies=[Depends(strict_query)])
 
 
 @open_routes.get("/health")
+@open_routes.head("/health", include_in_schema=False)
 def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) -> dict[str, Any]:
     warm = scheduler.warmup_result
     return {
@@ -185,10 +229,18 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
 
 
 # ---- authenticated routes -------------------------------------------------------------------------------------------
-routes = APIRouter(dependencies=[Depends(require_key)])
+routes = APIRouter(dependencies=[Depends(require_key), Depends(strict_query)])
+
+
+@routes.get("/openapi.json", include_in_schema=False)
+def openapi(request: Request, settings: SettingsDep) -> dict[str, Any]:
+    if not settings.api_schema:
+        raise ApiError(404, "not_found", "the OpenAPI schema is off on this server (H3_API_SCHEMA)")
+    return request.app.openapi()
 
 
 @routes.get("/ready")
+@routes.head("/ready", include_in_schema=False)
 def ready(scheduler: SchedulerDep) -> JSONResponse:
     body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value}
     return JSONResponse(body, status_code=200 if scheduler.ready else 503)
@@ -224,11 +276,13 @@ async def _parse(
     # The body cap counts the files a request to this server can carry: 2 keyframes, or 12 Ref2VA references when the
     # Ref2VA DiT is loaded, each up to H3_MAX_UPLOAD_MB, plus the form fields.
     body_files = MAX_REFERENCES if REF2VA in engine.tasks else MAX_KEYFRAMES
-    fields, uploads = await read_body(request, settings.max_upload_mb << 20, body_files)
+    limits = BodyLimits(settings.max_upload_mb << 20, body_files, float(settings.body_timeout))
     try:
-        return await asyncio.to_thread(
-            map_request, fields, uploads, engine, settings.model_id, settings.max_prompt_chars
+        body = await read_body(request, limits)
+        mapping = functools.partial(
+            map_request, body.fields, body.uploads, engine, settings.model_id, settings.max_prompt_chars
         )
+        return await asyncio.get_running_loop().run_in_executor(request.app.state.decoder, mapping)
     except ApiError:
         metrics.rejected.labels("invalid").inc()
         raise
@@ -308,12 +362,16 @@ async def create_job(
 
 
 @routes.get("/v1/videos")
-def list_jobs(store: StoreDep, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+def list_jobs(
+    store: StoreDep, limit: int = 20, after: str | None = None, order: Literal["asc", "desc"] = "desc"
+) -> dict[str, Any]:
+    """Jobs by creation time: newest first (order=desc, the default) or oldest first (asc); `after` continues from
+    the job of that id in the same order."""
     if not 1 <= limit <= MAX_PAGE:
         raise bad_request("limit", f"limit must be 1..{MAX_PAGE}, got {limit}")
     if after is not None and store.get(after) is None:
-        raise bad_request("after", f"after: no job {after!r}")
-    jobs, more = store.list(limit, after)
+        raise bad_request("after", f"after: no job {shown(after)}")
+    jobs, more = store.list(limit, after, oldest_first=order == "asc")
     data = [j.model_dump() for j in jobs]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
@@ -322,7 +380,7 @@ def list_jobs(store: StoreDep, limit: int = 20, after: str | None = None) -> dic
 def _find(store: JobStore, video_id: str) -> VideoJob:
     job = store.get(video_id)
     if job is None:
-        raise ApiError(404, "not_found", f"no video job {video_id!r}", "video_id")
+        raise ApiError(404, "not_found", f"no video job {shown(video_id)}", "video_id")
     return job
 
 
@@ -332,7 +390,11 @@ def get_job(store: StoreDep, video_id: str) -> dict[str, Any]:
 
 
 @routes.get("/v1/videos/{video_id}/content")
-def content(store: StoreDep, video_id: str) -> Response:
+def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
+    if variant != "video":
+        raise bad_request(
+            "variant", f"variant {shown(variant)} is not kept here: a job has only its MP4 (variant=video)"
+        )
     job = _find(store, video_id)
     path = store.path(job)
     if job.status != JobStatus.COMPLETED or path is None:
@@ -365,94 +427,3 @@ def step_cache_headers(report, quality: str | None) -> dict[str, str]:
     if report is not None:
         headers["X-H3-DiT-Forwards"] = str(report.forwards)
     return headers
-
-
-def _capped(request: Request, cap: int) -> Request:
-    """The request with its body stream counted: past `cap` bytes reading it raises 413, whatever Content-Length
-    claimed (a chunked upload has none), so no upload is spooled to disk or memory beyond the cap."""
-    receive, seen = request.receive, 0
-
-    async def counted() -> dict:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > cap:
-            raise ApiError(413, "too_large", f"the request body is over the limit of {cap} bytes")
-        return message
-
-    return Request(request.scope, counted)
-
-
-async def read_body(
-    request: Request, upload_cap: int, body_files: int = MAX_KEYFRAMES
-) -> tuple[dict[str, Any], list[Upload]]:
-    """The request's fields and file uploads (keyframes or references, in request order), from a multipart/urlencoded
-    form or a JSON object, size-capped: each file at `upload_cap`, the body at `body_files` files plus the fields."""
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    body_cap = body_files * upload_cap + MAX_FIELD_BYTES
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > body_cap:
-        raise ApiError(413, "too_large", f"the request body is {int(length)} bytes; the limit is {body_cap}")
-    request = _capped(request, body_cap)
-    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        return await _read_form(request, upload_cap)
-    if kind == "application/json":
-        body = await request.body()
-        if len(body) > body_cap:
-            raise ApiError(413, "too_large", f"the request body is {len(body)} bytes; the limit is {body_cap}")
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as err:  # malformed, not UTF-8, too deep, or a number too long to parse
-            raise bad_request(None, f"the body is not valid JSON ({type(err).__name__}: {err})") from err
-        if not isinstance(data, dict):
-            raise bad_request(None, f"the JSON body must be an object, got {type(data).__name__}")
-        uploads = []
-        for name in FILE_FIELDS:
-            value = data.pop(name, None)
-            values = value if isinstance(value, list) else [] if value is None else [value]
-            uploads += [_upload(name, decode_data_url(name, v), upload_cap) for v in values]
-        return data, uploads
-    raise ApiError(
-        415,
-        "unsupported_media_type",
-        f"content type {kind or 'none'!r} is not accepted; send multipart/form-data or application/json",
-    )
-
-
-async def _read_form(request: Request, upload_cap: int) -> tuple[dict[str, Any], list[Upload]]:
-    try:
-        form = await request.form(max_files=MAX_FILES, max_fields=64, max_part_size=MAX_FIELD_BYTES)
-    except StarletteHTTPException as err:  # malformed multipart, too many files or fields
-        if "files" in str(err.detail).lower():
-            message = (
-                f"input_references: at most {MAX_FILES} files ({MAX_REFERENCES} Ref2VA references, "
-                f"{MAX_KEYFRAMES} keyframes) ({err.detail})"
-            )
-            raise bad_request("input_references", message) from err
-        raise bad_request(None, f"the form could not be read: {err.detail}") from err
-    fields: dict[str, Any] = {}
-    uploads: list[Upload] = []
-    for name in dict.fromkeys(form.keys()):
-        values = form.getlist(name)
-        if name in FILE_FIELDS:
-            for value in values:
-                if not isinstance(value, UploadFile):
-                    raise bad_request(name, f"{name} must be an uploaded file (multipart file part)")
-                data = await value.read(upload_cap + 1)
-                uploads.append(_upload(name, data, upload_cap, value.filename or ""))
-        elif len(values) > 1:
-            raise bad_request(name, f"{name} is given {len(values)} times; give it once")
-        elif isinstance(values[0], UploadFile):
-            raise bad_request(name, f"{name} must be a text field, not a file")
-        else:
-            fields[name] = values[0]
-    await form.close()
-    return fields, uploads
-
-
-def _upload(name: str, data: bytes, cap: int, filename: str = "") -> Upload:
-    if len(data) > cap:
-        raise ApiError(413, "too_large", f"{name}: the file is larger than H3_MAX_UPLOAD_MB ({cap >> 20} MiB)", name)
-    if not data:
-        raise bad_request(name, f"{name}: the file is empty")
-    return Upload(name, data, filename)

@@ -13,14 +13,13 @@ class PreflightError(ValueError):
 
 
 def check_model(settings):
-    from h3serve.model.folder import resolve_model_folder
-
     if settings.model is None:
         if settings.qkv_layout is not None:
             raise PreflightError(
                 "H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set"
             )
         return None
+    from h3serve.model.folder import resolve_model_folder  # imports torch: only when there is a folder to read
     try:
         folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
     except (ValueError, OSError) as err:
@@ -46,6 +45,9 @@ def check_port(host: str, port: int) -> None:
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As uvicorn binds: with SO_REUSEADDR, a port whose old connections linger in TIME_WAIT or FIN_WAIT (a server
+        # killed while clients were connected) is free to listen on again; a port someone listens on is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as err:

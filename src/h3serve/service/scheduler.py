@@ -11,7 +11,8 @@ baseline the throughput test measures against).
 Cancellation is real wherever a job is. Waiting in the queue or the hand-off, it is removed at once. Rendering, it
 stops within one denoise step or decode window (`RenderContext`). Encoding, it cannot stop midway (PyAV has no hook
 between frames): the encode finishes, its MP4 is removed and the job is cancelled. `cancel` returns once the job has
-stopped, in every case. A shutdown (`stop`) ends every job not yet finished the same way, with `server_stopped`.
+stopped, in every case. A shutdown (`stop`) ends every job not yet finished the same way: failed, code
+`interrupted` (as a crash leaves them once the store reopens).
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ class Scheduler:
             self.metrics.render_finished("cancelled", None)
         stopped = self._stopping
         if work.persist and self.store.get(work.id) is not None:
-            status, code = (JobStatus.FAILED, "server_stopped") if stopped else (JobStatus.CANCELLED, "cancelled")
+            status, code = (JobStatus.FAILED, "interrupted") if stopped else (JobStatus.CANCELLED, "cancelled")
             error = JobError(code=code, message=reason or "cancelled")
             self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
         work.result = None  # a rendered video nobody will encode: its memory goes now

@@ -26,10 +26,7 @@ Files (multipart file parts, or base64 strings / data: URLs in a JSON body) mean
 
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import json
 import math
 import re
 import secrets
@@ -41,7 +38,8 @@ from pydantic import BaseModel
 from h3serve.config import DEFAULT_STEPS, FPS
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import MAX_REFERENCES, MAX_SEED, QUALITIES, RequestError, resolve_canvas
-from h3serve.service.errors import ApiError, bad_request
+from h3serve.service.bodies import LongInt, Upload, load_json
+from h3serve.service.errors import ApiError, bad_request, escaped, shown
 from h3serve.vocab import ANCHORS, TASK_ANCHORS, Task, seconds_to_frames
 
 FIELDS = (
@@ -50,7 +48,8 @@ FIELDS = (
     "quality",
 )  # fmt: skip
 EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices", "mute_references")
-FILE_FIELDS = ("input_reference", "input_references")
+TEXT_FIELDS = ("prompt", "model", "size", "user", "aspect_ratio", "quality")  # strings, whatever the body's form
+MAX_USER_CHARS = 256
 # Fields other servers take that H3 has no use for: refused with the reason, not silently dropped.
 NOT_USED = {
     "guidance_scale": "H3 is CFG-distilled and runs without classifier-free guidance",
@@ -68,14 +67,10 @@ FRAME_INDEX_TASKS = {tuple(FRAME_INDEX[a] for a in anchors): task for task, anch
 MAX_KEYFRAMES = 2  # first and last frame
 MAX_FILES = max(MAX_KEYFRAMES, MAX_REFERENCES)  # files one request may carry (ref2va: 12 references)
 MAX_SECONDS = 3600.0
+CHOICES = {"aspect_ratio": tuple(ASPECT_RATIOS), "quality": QUALITIES}
 SIZE = re.compile(r"^(\d{1,5})[xX](\d{1,5})$")
-
-
-@dataclass(frozen=True)
-class Upload:
-    field: str  # input_reference or input_references
-    data: bytes
-    filename: str = ""
+INTEGER = re.compile(r"\s*[+-]?\d{1,40}\s*")
+NUMBER = re.compile(r"\s*[+-]?(\d{1,40}(\.\d{0,40})?|\.\d{1,40})([eE][+-]?\d{1,4})?\s*")
 
 
 @dataclass(frozen=True)
@@ -86,63 +81,71 @@ class Mapped:
 
 
 def _int(param: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise bad_request(param, f"{param} must be an integer, got {value!r}")
-    if isinstance(value, int):
+    """An integer field: a JSON integer (or an integral float), or a form's decimal string of at most 40 digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+    if isinstance(value, str) and INTEGER.fullmatch(value):
         return int(value)
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    raise bad_request(param, f"{param} must be an integer, got {value!r}")
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        value = LongInt(len(value.strip().lstrip("+-")))
+    if isinstance(value, LongInt):
+        raise bad_request(param, f"{param} is out of range: got {value}")
+    raise bad_request(param, f"{param} must be an integer, got {shown(value)}")
 
 
 def _float(param: str, value: Any) -> float:
-    if isinstance(value, bool):
-        raise bad_request(param, f"{param} must be a number, got {value!r}")
-    try:
+    """A number field: a JSON number, or a form's decimal string (no NaN, no infinity)."""
+    number_type = isinstance(value, int | float) and not isinstance(value, bool)
+    if number_type or (isinstance(value, str) and NUMBER.fullmatch(value)):
         number = float(value)
-    except (TypeError, ValueError):
-        raise bad_request(param, f"{param} must be a number, got {value!r}") from None
+    else:
+        raise bad_request(param, f"{param} must be a finite number, got {shown(value)}")
     if not math.isfinite(number):
-        raise bad_request(param, f"{param} must be a finite number, got {value!r}")
+        raise bad_request(param, f"{param} must be a finite number, got {shown(value)}")
     return number
 
 
 def _extra_params(value: Any) -> dict[str, Any]:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise bad_request(
-                "extra_params", f"extra_params must be a JSON object; it is not valid JSON ({err})"
-            ) from err
+    if isinstance(value, str):  # a form field: the object as JSON text, read as strictly as a JSON body
+        value = load_json(value, "extra_params")
     if not isinstance(value, dict):
-        raise bad_request("extra_params", f"extra_params must be a JSON object, got {type(value).__name__}")
-    for key in value:
+        raise bad_request("extra_params", f"extra_params must be a JSON object, got {shown(value)}")
+    for key, item in value.items():
         if key not in EXTRA_PARAMS:
             raise bad_request(
-                f"extra_params.{key}", f"extra_params.{key} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}"
+                f"extra_params.{escaped(key)}",
+                f"extra_params.{escaped(key)} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}",
             )
+        if item is None:
+            raise bad_request(f"extra_params.{key}", f"extra_params.{key} is null; leave it out for its default")
     return value
 
 
-def decode_data_url(param: str, value: Any) -> bytes:
-    """A keyframe in a JSON body: a base64 string, optionally as a data: URL."""
-    if not isinstance(value, str):
-        raise bad_request(param, f"{param} in a JSON body must be a base64 string or data: URL")
-    payload = value.split(",", 1)[1] if value.startswith("data:") else value
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request(param, f"{param} is not valid base64") from None
+def _check_fields(fields: dict[str, Any]) -> None:
+    """Every field named as accepted, present with a value (null is refused: leave a field out for its default),
+    and the text fields text."""
+    for name, value in fields.items():
+        if name in NOT_USED:
+            raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
+        if name not in FIELDS:
+            raise bad_request(escaped(name), f"unknown field {shown(name)}; accepted: {', '.join(FIELDS)}")
+        if value is None:
+            raise bad_request(name, f"{name} is null; leave the field out for its default")
+        if name in TEXT_FIELDS and not isinstance(value, str):
+            allowed = f" (one of {', '.join(CHOICES[name])})" if name in CHOICES else ""
+            raise bad_request(name, f"{name} must be a string{allowed}, got {shown(value)}")
+    user = fields.get("user")
+    if user is not None and len(user) > MAX_USER_CHARS:
+        raise bad_request("user", f"user is {len(user)} characters; the limit is {MAX_USER_CHARS}")
 
 
 def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tuple[str, list[Upload]]:
     """The engine task and the keyframes in packed order (first before last) from task, frame_indices and files;
     for ref2va, the references in request order."""
     if task is not None and task not in TASKS:
-        raise bad_request("extra_params.task", f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        raise bad_request("extra_params.task", f"task must be one of {', '.join(TASKS)}, got {shown(task)}")
     n = len(uploads)
     if task == REF2VA:
         if indices is not None:
@@ -177,11 +180,14 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
         anchors = TASK_ANCHORS[task] if task in (Task.I2VA, Task.L2VA) else ANCHORS[:n]
         indices = [FRAME_INDEX[a] for a in anchors]
     if not (isinstance(indices, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)):
-        raise bad_request("extra_params.frame_indices", f"frame_indices must be a list of integers, got {indices!r}")
+        raise bad_request(
+            "extra_params.frame_indices", f"frame_indices must be a list of integers, got {shown(indices)}"
+        )
     if len(indices) != n or len(set(indices)) != n or not set(indices) <= {0, -1}:
         raise bad_request(
             "extra_params.frame_indices",
-            f"frame_indices must give one distinct index from [0, -1] per keyframe ({n} given), got {indices}",
+            f"frame_indices must give one distinct index from [0, -1] per keyframe ({n} given), got "
+            f"{[shown(i) for i in indices]}",
         )
     ordered = [u for _, u in sorted(zip(indices, uploads, strict=True), key=lambda p: p[0] != 0)]
     resolved = FRAME_INDEX_TASKS[tuple(sorted(indices, key=lambda i: i != 0))]
@@ -199,11 +205,13 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
     if task != REF2VA:
         raise bad_request(param, f"mute_references applies only to task ref2va (its video references), not {task}")
     if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
-        raise bad_request(param, f"mute_references must be a list of integer positions, got {value!r}")
+        raise bad_request(param, f"mute_references must be a list of integer positions, got {shown(value)}")
     n = len(uploads)
     for i in value:
         if not 0 <= i < n:
-            raise bad_request(param, f"mute_references: position {i} is not one of the {n} reference(s) (0..{n - 1})")
+            raise bad_request(
+                param, f"mute_references: position {shown(i)} is not one of the {n} reference(s) (0..{n - 1})"
+            )
     if len(set(value)) != len(value):
         raise bad_request(param, f"mute_references lists a position twice: {value}")
     return value
@@ -227,20 +235,19 @@ def _refusal(err: RequestError, names: dict[str, str], hint: str = "") -> ApiErr
 
 def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_model: str, max_prompt: int) -> Mapped:
     """Validate the API fields and build the engine's request; ApiError names the field on any refusal."""
-    for name in fields:
-        if name in NOT_USED:
-            raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
-        if name not in FIELDS:
-            raise bad_request(name, f"unknown field {name!r}; accepted: {', '.join(FIELDS)}")
+    _check_fields(fields)
     prompt = fields.get("prompt")
-    if not isinstance(prompt, str) or not prompt.strip():
+    if prompt is None or not prompt.strip():
         raise bad_request("prompt", "prompt is required and must be a non-empty string")
     if len(prompt) > max_prompt:
         raise bad_request("prompt", f"prompt is {len(prompt)} characters; the limit is {max_prompt}")
     model = fields.get("model")
     if model is not None and model != served_model:
         raise ApiError(
-            404, "model_not_found", f"model {model!r} is not served here; this server serves {served_model!r}", "model"
+            404,
+            "model_not_found",
+            f"model {shown(model)} is not served here; this server serves {shown(served_model)}",
+            "model",
         )
     extra = _extra_params(fields["extra_params"]) if "extra_params" in fields else {}
 
@@ -249,19 +256,23 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     height = _int("height", fields["height"]) if "height" in fields else None
     size_param = "width"
     if "size" in fields:
-        match = SIZE.fullmatch(str(fields["size"]).strip())
+        match = SIZE.fullmatch(fields["size"].strip())
         if not match:
-            raise bad_request("size", f"size must be WIDTHxHEIGHT, e.g. 768x448, got {fields['size']!r}")
+            raise bad_request("size", f"size must be WIDTHxHEIGHT, e.g. 768x448, got {shown(fields['size'])}")
         sw, sh = int(match[1]), int(match[2])
-        if (width is not None and width != sw) or (height is not None and height != sh):
-            raise bad_request("size", f"size {sw}x{sh} disagrees with width/height {width}x{height}")
+        for name, given, value in (("width", width, sw), ("height", height, sh)):
+            if given is not None and given != value:
+                raise bad_request("size", f"size {sw}x{sh} disagrees with {name} {given}; give one or the other")
         width, height, size_param = sw, sh, "size"
     canvas = engine.rules.canvas
     aspect = fields.get("aspect_ratio")
-    if aspect is not None and (not isinstance(aspect, str) or aspect not in ASPECT_RATIOS):
-        raise bad_request("aspect_ratio", f"aspect_ratio must be one of {', '.join(ASPECT_RATIOS)}, got {aspect!r}")
+    if aspect is not None and aspect not in ASPECT_RATIOS:
+        allowed = ", ".join(ASPECT_RATIOS)
+        raise bad_request("aspect_ratio", f"aspect_ratio must be one of {allowed}, got {shown(aspect)}")
     if "short_edge" in fields and (edge := _int("short_edge", fields["short_edge"])) != canvas.default_short_edge:
-        raise bad_request("short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {edge}")
+        raise bad_request(
+            "short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {shown(edge)}"
+        )
     if width is None and height is None and "aspect_ratio" in fields:
         width, height = resolve_canvas(*ASPECT_RATIOS[fields["aspect_ratio"]], canvas)
         size_param = "aspect_ratio"
@@ -284,16 +295,16 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
             raise bad_request(param, f"{param} must be > 0 (the model takes {allowed}), got {seconds:g}")
         num_frames, frames_param = seconds_to_frames(seconds), param
     if "fps" in fields and _int("fps", fields["fps"]) != FPS:
-        raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {fields['fps']!r}")
+        raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {shown(fields['fps'])}")
 
     # Step caching for this request; the engine owns the rule (and refuses high without a step cache). Checked here
     # too so that a misspelt value is refused before any file is decoded.
     quality = fields.get("quality")
     if quality is not None and quality not in QUALITIES:
-        raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
+        raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {shown(quality)}")
     seed = _int("seed", fields["seed"]) if "seed" in fields else secrets.randbelow(2**31)
     if not 0 <= seed <= MAX_SEED:
-        raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {seed}")
+        raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {shown(seed)}")
     task, ordered = _task_and_order(extra.get("task"), extra.get("frame_indices"), uploads)
     mute = _mute_references(task, extra.get("mute_references"), uploads)
 

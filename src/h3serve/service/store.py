@@ -124,6 +124,7 @@ _CREATE = f"CREATE TABLE IF NOT EXISTS jobs ({', '.join(_definition(c, new_table
 _INSERT = f"INSERT INTO jobs ({_NAMES}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _SELECT = f"SELECT {_NAMES} FROM jobs"
 _NEWEST_FIRST = f"ORDER BY {_CREATED} DESC, rowid DESC"
+_OLDEST_FIRST = f"ORDER BY {_CREATED} ASC, rowid ASC"
 
 
 def _encode(field: str, value: Any) -> list[tuple[Column, Any]]:
@@ -259,14 +260,16 @@ class JobStore:
         rows = self._read(f"{_SELECT} WHERE {_ID}=?", (job_id,))
         return _decode(rows[0]) if rows else None
 
-    def list(self, limit: int, after: str | None = None) -> tuple[list[VideoJob], bool]:
-        """Newest first; `after` is the id of the last job of the previous page. Returns (jobs, has_more)."""
+    def list(self, limit: int, after: str | None = None, oldest_first: bool = False) -> tuple[list[VideoJob], bool]:
+        """Newest first (or oldest first); `after` is the id of the last job of the previous page. Returns (jobs,
+        has_more)."""
+        order, beyond = (_OLDEST_FIRST, ">") if oldest_first else (_NEWEST_FIRST, "<")
         if after is None:
-            rows = self._read(f"{_SELECT} {_NEWEST_FIRST} LIMIT ?", (limit + 1,))
+            rows = self._read(f"{_SELECT} {order} LIMIT ?", (limit + 1,))
         else:
             rows = self._read(
-                f"{_SELECT} WHERE ({_CREATED}, rowid) < (SELECT {_CREATED}, rowid FROM jobs WHERE {_ID}=?) "
-                f"{_NEWEST_FIRST} LIMIT ?",
+                f"{_SELECT} WHERE ({_CREATED}, rowid) {beyond} (SELECT {_CREATED}, rowid FROM jobs WHERE {_ID}=?) "
+                f"{order} LIMIT ?",
                 (after, limit + 1),
             )
         return [_decode(r) for r in rows[:limit]], len(rows) > limit

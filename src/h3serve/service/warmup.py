@@ -54,7 +54,8 @@ def warmup_request(engine: Engine) -> RenderRequest:
 
 
 def describe(request: RenderRequest) -> str:
-    return f"{request.task} {request.width}x{request.height} {request.num_frames} frames {request.forwards} step(s)"
+    shape = f"{request.task} {request.width}x{request.height} {request.num_frames} frames"
+    return f"{shape}, {request.steps} grid points ({request.forwards} DiT forward(s))"
 
 
 def run_warmup(engine: Engine, threads: int = DEFAULT_THREADS) -> WarmupResult:
