@@ -20,6 +20,7 @@ def check_model(settings):
             )
         return None
     from h3serve.model.folder import resolve_model_folder  # imports torch: only when there is a folder to read
+
     try:
         folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
     except (ValueError, OSError) as err:
