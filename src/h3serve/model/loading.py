@@ -412,7 +412,7 @@ _DIFFUSERS_SUFFIXES = (
 )
 
 
-def _diffusers_name(name: str) -> str:
+def diffusers_name(name: str) -> str:
     for ours, theirs in _DIFFUSERS_RENAMES:
         if name.startswith(ours):
             name = theirs + name[len(ours) :]
@@ -434,7 +434,7 @@ def dit_plan(model: H3DiT, layout: DiTLayout, ckpt_keys: frozenset[str]) -> dict
                 Source((name,)) if stored else Source((), lambda _: inv_freq(cfg.rope_inv_freq_len, cfg.rope_theta))
             )
         elif layout.naming == "diffusers":
-            theirs = _diffusers_name(name)
+            theirs = diffusers_name(name)
             if name.endswith("attn.qkv_proj.weight"):
                 stem = theirs[: -len("qkv_proj.weight")]
                 plan[name] = Source(tuple(f"{stem}to_{p}.weight" for p in "qkv"), _cat)
