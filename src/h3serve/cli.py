@@ -110,14 +110,14 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
     length.add_argument("--seconds", type=float, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
+    trained = "; with --lora, the adapter's trained value"
     p.add_argument(
         "--steps",
         type=int,
-        default=DEFAULT_STEPS,
-        help=f"schedule grid points; N points run N-1 forwards ({DEFAULT_STEPS})",
+        help=f"schedule grid points; N points run N-1 forwards ({DEFAULT_STEPS}{trained})",
     )
-    p.add_argument("--video-shift", type=float, default=VIDEO_SHIFT, help=f"video schedule shift ({VIDEO_SHIFT:g})")
-    p.add_argument("--audio-shift", type=float, default=AUDIO_SHIFT, help=f"audio schedule shift ({AUDIO_SHIFT:g})")
+    p.add_argument("--video-shift", type=float, help=f"video schedule shift ({VIDEO_SHIFT:g}{trained})")
+    p.add_argument("--audio-shift", type=float, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).
@@ -202,7 +202,7 @@ def _accept_parser(sub: argparse._SubParsersAction) -> None:
 BENCHES = (
     "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
     "humming-check", "adaln-tables", "stepcache", "ref2va-smoke", "fused-passes", "text-encoder-fp8",
-    "vae-decode-memory",
+    "vae-decode-memory", "lora",
 )  # fmt: skip
 
 
@@ -255,6 +255,22 @@ def _load_settings(args: argparse.Namespace, check_profile: bool = True, engine_
         raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
 
 
+def _read_adapters(settings, folder) -> tuple:
+    """The H3_LORA adapter files, each recognised and checked against the DiT's config (headers and factors only;
+    nothing merges yet); CliError naming the file, the key and the shapes otherwise."""
+    files = settings.adapter_files()
+    if not files:
+        return ()
+    from h3serve.model.adapters import AdapterError, read_adapter
+    from h3serve.model.tiny import TINY_DIT
+
+    config = folder.dit if folder is not None else TINY_DIT
+    try:
+        return tuple(read_adapter(path, scale, config=config) for path, scale in files)
+    except (AdapterError, OSError) as err:
+        raise CliError(f"H3_LORA (--lora): {err}") from err
+
+
 def _preflight(check, *args, **kwargs):
     """A `service.preflight` check, its refusal as one CLI error line."""
     from h3serve.service.preflight import PreflightError
@@ -274,6 +290,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     settings = _load_settings(args, check_profile=args.preflight)
     folder = _preflight(preflight.check_model, settings)
     print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
+    for adapter in _read_adapters(settings, folder):
+        print(f"adapter: {adapter.describe()}", file=sys.stderr)
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
@@ -325,12 +343,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _preflight(preflight.check_port, settings.bind_host, settings.api_port)
     if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
         log.info("memory budget before load:\n%s", _preflight(preflight.check_memory, settings, folder).table())
+    adapters = _read_adapters(settings, folder)
+    for adapter in adapters:
+        log.info("adapter: %s", adapter.describe())
     start = time.perf_counter()
     try:
-        engine = Engine.load(folder, settings.profile(), task_type=settings.task_type, step_cache=settings.step_cache())
+        engine = Engine.load(
+            folder,
+            settings.profile(),
+            task_type=settings.task_type,
+            step_cache=settings.step_cache(),
+            adapters=adapters,
+        )
     except (ValueError, OSError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
+    if adapters:
+        log.info(
+            "adapters merged in %.2f s; default sampler: %s", engine.merge_seconds, engine.admission.sampler.describe()
+        )
     log.info("memory held after load:\n%s", engine.memory_budget().table())
     app = create_app(settings, engine)
     uvicorn.run(app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30)
@@ -450,11 +481,15 @@ class _RenderPlan:
     profile: Profile
     folder: ModelFolder | None  # None: the built-in tiny model
     settings: EngineSettings
+    adapters: tuple = ()  # model.adapters.Adapter, read and checked
 
 
 def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     from h3serve.media.mp4 import DEFAULT_CRF, check_settings
+    from h3serve.model.adapters import check_adapter_kinds
     from h3serve.model.folder import resolve_model_folder
+    from h3serve.model.tiny import TINY_DIT
+    from h3serve.pipeline.admission import Admission, Sampler
     from h3serve.pipeline.request import validate_request
     from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
 
@@ -480,25 +515,39 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
             folder.check_task_type(dit_kind(task))
     except (ValueError, FileNotFoundError) as err:
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    adapters = _read_adapters(settings, folder)
     try:
+        check_adapter_kinds(adapters, dit_kind(task))
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    admission = Admission(
+        tasks=tuple(Task),
+        task_type=dit_kind(task),
+        rules=TINY_RULES if tiny else RELEASED_RULES,
+        dit_config=folder.dit if folder is not None else TINY_DIT,
+        step_cache=settings.cache_backend != "none",
+        sampler=Sampler.for_adapters(adapters),
+        trained_tasks=next((tuple(a.preset.tasks) for a in adapters if a.preset and a.preset.tasks), None),
+    )
+    try:
+        admission.check_trained_task(task)
+        fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
         request = validate_request(
             prompt,
             task=task,
             width=args.width,
             height=args.height,
             num_frames=_num_frames(args),
-            steps=args.steps,
             seed=args.seed,
-            video_shift=args.video_shift,
-            audio_shift=args.audio_shift,
             keyframes=keyframes,
             references=references,
             mute_references=args.mute_ref,
-            rules=TINY_RULES if tiny else RELEASED_RULES,
+            rules=admission.rules,
+            **admission.sampler.fill(fields),
         )
     except ValueError as err:
         raise CliError(_request_error(err, args)) from err
-    return _RenderPlan(request, settings.profile(), folder, settings)
+    return _RenderPlan(request, settings.profile(), folder, settings, adapters)
 
 
 def _request_error(err: ValueError, args: argparse.Namespace) -> str:
@@ -545,9 +594,13 @@ def _run_render(args: argparse.Namespace) -> int:
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
+    for adapter in plan.adapters:
+        print(f"adapter: {adapter.describe()}", file=sys.stderr)
+    shifts = f"shifts {request.video_shift:g}/{request.audio_shift:g}"
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
-        f"grid points ({request.forwards} DiT forwards), seed {request.seed} | {model_name} | {profile.describe()}",
+        f"grid points ({request.forwards} DiT forwards), {shifts}, seed {request.seed} | {model_name} | "
+        f"{profile.describe()}",
         file=sys.stderr,
     )
 
@@ -559,7 +612,9 @@ def _run_render(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     step_cache = settings.step_cache()
     try:
-        engine = Engine.load(plan.folder, profile, task_type=dit_kind(request.task), step_cache=step_cache)
+        engine = Engine.load(
+            plan.folder, profile, task_type=dit_kind(request.task), step_cache=step_cache, adapters=plan.adapters
+        )
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
     load_s = time.perf_counter() - start

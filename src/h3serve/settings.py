@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import math
 import os
 import re
 import stat
@@ -127,6 +128,12 @@ class EngineSettings(BaseModel):
     cache_dir: Path | None = Field(
         None, description="folder for persistent kernel caches (Inductor, Triton) reused across restarts"
     )
+    lora: str | None = Field(
+        None,
+        min_length=1,
+        description="few-step adapters merged into the DiT at load: PATH[:SCALE], comma-separated for several; the "
+        "first adapter's trained sampler (grid points, shifts) becomes the default of requests that do not set them",
+    )
     encoder_threads: int = Field(
         ENCODER_THREADS, ge=1, le=MAX_ENCODER_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
     )
@@ -155,6 +162,14 @@ class EngineSettings(BaseModel):
 
     def _profile_values(self) -> dict[str, Any]:
         return {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
+
+    def adapter_files(self) -> list[tuple[Path, float]]:
+        """The adapter files and their scales from `lora`, in order (valid once load_settings returned)."""
+        if self.lora is None:
+            return []
+        from h3serve.model.adapters import parse_lora_setting
+
+        return [parse_lora_setting(item.strip()) for item in self.lora.split(",")]
 
     def step_cache(self):
         """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
@@ -439,6 +454,20 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
                 out.append(refusal("cache_config", "given, but H3_CACHE_BACKEND is none; set cache_dit or remove it"))
         if s.cache_backend == "cache_dit" and s.cache_config is None:
             out.append(refusal("cache_backend", "cache_dit requires an explicit, tested H3_CACHE_CONFIG"))
+    # Adapters: each PATH[:SCALE] parses and names a readable file (what the file is, is read before weights load).
+    if ok("lora") and s.lora is not None:
+        for item in s.lora.split(","):
+            path, _, scale = item.strip().rpartition(":")
+            if not path or not _is_number(scale):
+                path, scale = item.strip(), "1"
+            if not path:
+                out.append(refusal("lora", f"an empty entry in {s.lora!r}; give PATH[:SCALE], comma-separated"))
+            elif not math.isfinite(float(scale)) or float(scale) == 0:
+                out.append(refusal("lora", f"{item.strip()}: the scale must be a finite, non-zero number"))
+            elif not Path(path).is_file():
+                out.append(refusal("lora", f"{path}: no such file"))
+            elif not os.access(path, os.R_OK):
+                out.append(refusal("lora", f"{path}: not readable"))
     # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
     if ok("cache_dir") and s.cache_dir is not None:
         try:
@@ -470,6 +499,14 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             message = first + "".join(f"; without CUDA: {o}" for o in others if o != first)
             out.append(refusal(SETTING_OF.get(errors[0].setting, "device"), message))
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _service_rules(s: Settings, failed: set[str]) -> list[str]:

@@ -1,6 +1,8 @@
-"""What a loaded engine accepts beyond the model's rules: the tasks whose DiT it loaded, a step-cache quality only
-with a step cache, and a Ref2VA request only as large as the memory plan covers. Every refusal is a RequestError
-naming its field, raised before anything is encoded."""
+"""What a loaded engine accepts beyond the model's rules: the tasks whose DiT it loaded (and its adapters were trained
+for), a step-cache quality only with a step cache, and a Ref2VA request only as large as the memory plan covers.
+Every refusal is a RequestError naming its field, raised before anything is encoded. What a request leaves out of
+its sampler (grid points, shifts) comes from the engine's `Sampler`: the released one, or the trained one of a loaded
+few-step adapter."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from h3serve.config import DiTConfig
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
@@ -17,6 +19,52 @@ from h3serve.pipeline.rules import RequestError, RequestRules
 from h3serve.vocab import TASK_ANCHORS, Task
 
 REF2VA = Task.REF2VA
+SAMPLER_FIELDS = ("steps", "video_shift", "audio_shift")
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """The sampler of a request that does not set it: the released one, or a few-step adapter's trained one
+    (`positions`: its own unshifted sigma grid, used when the request leaves the grid points out)."""
+
+    steps: int = DEFAULT_STEPS
+    video_shift: float = VIDEO_SHIFT
+    audio_shift: float = AUDIO_SHIFT
+    positions: tuple[float, ...] | None = None
+    source: str = "released"  # where it comes from: the released sampler or an adapter's file name
+
+    @classmethod
+    def for_adapters(cls, adapters) -> Sampler:
+        """The first adapter's preset (`model.adapters.Preset`) that says something, its unknown fields the released
+        values; the released sampler without one."""
+        for adapter in adapters:
+            preset = adapter.preset
+            if preset is None:
+                continue
+            steps = len(preset.sigmas) if preset.sigmas else preset.steps
+            return cls(
+                steps=steps if steps is not None else DEFAULT_STEPS,
+                video_shift=preset.video_shift if preset.video_shift is not None else VIDEO_SHIFT,
+                audio_shift=preset.audio_shift if preset.audio_shift is not None else AUDIO_SHIFT,
+                positions=tuple(preset.sigmas) if preset.sigmas else None,
+                source=adapter.path.name,
+            )
+        return cls()
+
+    def fill(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`fields` with what they leave out of the sampler taken from here (the positions only when the grid
+        points are left out too)."""
+        out = dict(fields)
+        if out.get("steps") is None and self.positions is not None:
+            out.setdefault("positions", self.positions)
+        for name in SAMPLER_FIELDS:
+            if out.get(name) is None:
+                out[name] = getattr(self, name)
+        return out
+
+    def describe(self) -> str:
+        grid = f"sigma positions {list(self.positions)}" if self.positions else f"{self.steps} grid points"
+        return f"{grid}, shifts {self.video_shift:g}/{self.audio_shift:g} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -26,6 +74,8 @@ class Admission:
     rules: RequestRules
     dit_config: DiTConfig
     step_cache: bool  # whether a step cache is attached (quality=high needs one)
+    sampler: Sampler = Sampler()
+    trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
 
     def check_task(self, task: str) -> None:
         """RequestError("task") for a task whose DiT this engine did not load, saying how to start one that does."""
@@ -39,6 +89,15 @@ class Admission:
             f"task {task} needs {needed}, but this server was started with task type {self.task_type} "
             f"and serves only {', '.join(self.tasks)}; restart it with H3_TASK_TYPE (--task-type) set to include it",
         )
+
+    def check_trained_task(self, task: str) -> None:
+        """RequestError("task") for a task the loaded adapters were not trained for (FastH3, FlashGen: T2VA only)."""
+        if self.trained_tasks is not None and task in tuple(Task) and task not in self.trained_tasks:
+            raise RequestError(
+                "task",
+                f"task {task}: this server's adapter was trained for {', '.join(self.trained_tasks)} only "
+                f"({self.sampler.source}); send one of those, or start the server without it",
+            )
 
     def check_quality(self, quality: str | None) -> None:
         """RequestError("quality") for quality=high on an engine without a step cache: the operator chose full
@@ -88,7 +147,8 @@ class Admission:
         quality). The engine's own checks come first, so a request for a task not served is told so before its
         files are decoded."""
         self.check_task(fields.get("task", Task.T2VA))
+        self.check_trained_task(fields.get("task", Task.T2VA))
         self.check_quality(fields.get("quality"))
-        request = validate_request(prompt, rules=self.rules, **fields)
+        request = validate_request(prompt, rules=self.rules, **self.sampler.fill(fields))
         self.check_rows(request)
         return request

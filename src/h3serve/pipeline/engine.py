@@ -18,7 +18,7 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +34,12 @@ from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
-from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
+from h3serve.config import FPS
+from h3serve.model.adapters import Adapter, AdapterMerge, check_adapter_kinds, merge_into
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
+from h3serve.model.loading import chain
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission
+from h3serve.pipeline.admission import Admission, Sampler
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
@@ -85,6 +87,8 @@ class Engine:
         video_processing: VideoProcessing = RELEASED_VIDEO_PROCESSING,
         step_cache: StepCacheConfig | None = None,
         compiler: Compiler | None = None,
+        adapters: Sequence[Adapter] = (),
+        merge_seconds: float = 0.0,
     ):
         _check(profile, step_cache)
         components.check()
@@ -101,12 +105,18 @@ class Engine:
         self.step_caches: dict[str, StepCache] = {}
         if step_cache is not None:
             self.step_caches = {kind: attach_step_cache(dit, step_cache) for kind, dit in components.dits.items()}
+        # Few-step adapters, already merged into the DiT's weights (`load`): their trained sampler is the default.
+        self.adapters = tuple(adapters)
+        self.merge_seconds = merge_seconds
+        trained = next((a.preset.tasks for a in self.adapters if a.preset is not None and a.preset.tasks), None)
         self.admission = Admission(
             tasks=tuple(t for t in Task if dit_kind(t) in components.dits),
             task_type=components.task_type,
             rules=rules,
             dit_config=components.dit_config,
             step_cache=bool(self.step_caches),
+            sampler=Sampler.for_adapters(self.adapters),
+            trained_tasks=tuple(trained) if trained else None,
         )
 
     @classmethod
@@ -116,27 +126,35 @@ class Engine:
         profile: Profile,
         task_type: str = TaskType.FL2VA,
         step_cache: StepCacheConfig | None = None,
+        adapters: Sequence[Adapter] = (),
     ) -> Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
-        every request runs with unless it asks otherwise (None: no caching). The profile is checked against the
+        every request runs with unless it asks otherwise (None: no caching). `adapters`: few-step adapters
+        (`model.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
+        they load, before FP8 quantization and before any AdaLN table is made. The profile is checked against the
         machine before any weight loads."""
         _check(profile, step_cache)
+        check_adapter_kinds(adapters, task_type)
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
-            return cls(components, profile, TINY_RULES, step_cache=step_cache)
+            start = time.perf_counter()
+            for dit in components.dits.values():
+                merge_into(dit, adapters)
+            merged = time.perf_counter() - start
+            return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
-        components = load_components(
-            folder,
-            device=profile.torch_device,
-            dtype=profile.torch_dtype,
-            task_type=task_type,
-            **load_plan(profile).hooks(),
-        )
+        hooks = load_plan(profile).hooks()
+        merge = AdapterMerge(adapters) if adapters else None
+        hooks["dit_hook"] = chain(merge, hooks["dit_hook"])  # merged in BF16, then quantized and placed
+        components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype,
+                                     task_type=task_type, **hooks)  # fmt: skip
         config = folder.processor / "video_preprocessor_config.json"
         video_processing = VideoProcessing.from_folder(folder.processor) if config.is_file() else None
-        return cls(components, profile, RELEASED_RULES, video_processing or RELEASED_VIDEO_PROCESSING, step_cache)
+        merged = merge.seconds if merge is not None else 0.0
+        processing = video_processing or RELEASED_VIDEO_PROCESSING
+        return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged)
 
     @property
     def name(self) -> str:
@@ -249,11 +267,13 @@ class Engine:
         )
 
     def prepare_tables(self) -> float:
-        """Make the AdaLN tables of the default schedule (`DEFAULT_STEPS` grid points, the default shifts) for every
-        task the loaded DiTs serve (`variants.clock_layouts`), so that requests with the defaults find them made (a
-        start-up step; other schedules are made on demand). Returns the seconds it took."""
+        """Make the AdaLN tables of the default schedule (the engine's `Sampler`: the released 50 points and shifts,
+        or a loaded adapter's trained ones) for every task the loaded DiTs serve (`variants.clock_layouts`), so that
+        requests with the defaults find them made (a start-up step; other schedules are made on demand). Returns the
+        seconds it took."""
         start = time.perf_counter()
-        schedule = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT)
+        sampler = self.admission.sampler
+        schedule = DualSchedule.build(sampler.steps, sampler.video_shift, sampler.audio_shift, sampler.positions)
         layouts = clock_layouts(self.rules, self.components.dit_config.patch_size)
         with self.lock:
             for kind, tables in self.tables.items():

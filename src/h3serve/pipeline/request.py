@@ -31,7 +31,7 @@ from h3serve.pipeline.rules import (
     decode_image,
     resolve_canvas,
 )
-from h3serve.pipeline.schedule import DualSchedule
+from h3serve.pipeline.schedule import DualSchedule, check_positions
 from h3serve.vocab import TASK_ANCHORS, Task
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class RenderRequest:
     references: tuple[DecodedReference, ...] = ()  # ref2va: decoded references, in request order
     quality: str | None = None  # step caching for this request: None (the server's), lossless or high
     notices: tuple[str, ...] = ()
+    # The unshifted sigma positions of the grid, when not evenly spaced (a distilled adapter's own: FastH3's).
+    positions: tuple[float, ...] | None = None
 
     @property
     def anchors(self) -> tuple[str, ...]:
@@ -62,7 +64,7 @@ class RenderRequest:
     @cached_property
     def schedule(self) -> DualSchedule:
         """The video and audio sigma grids the request denoises along: `steps` points, the request's shifts."""
-        return DualSchedule.build(self.steps, self.video_shift, self.audio_shift)
+        return DualSchedule.build(self.steps, self.video_shift, self.audio_shift, self.positions)
 
     @property
     def forwards(self) -> int:
@@ -99,6 +101,7 @@ def validate_request(
     references: Sequence[bytes | tuple[str | None, bytes]] = (),
     mute_references: Collection[int] = (),
     quality: str | None = None,
+    positions: Sequence[float] | None = None,
     rules: RequestRules = RELEASED_RULES,
 ) -> RenderRequest:
     """Check a request against the model's rules; return it normalised, with notices for any adjustment.
@@ -106,7 +109,8 @@ def validate_request(
     num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio (ref2va:
     16:9, as the reference pipeline does). references: ref2va's encoded files, each `bytes` or `(name, bytes)`,
     decoded here (`pipeline.references`); mute_references: positions of video references whose soundtrack is left
-    out. quality: step caching for this request (`QUALITIES`), None for the server's setting.
+    out. quality: step caching for this request (`QUALITIES`), None for the server's setting. positions: the grid's
+    unshifted sigma positions (`steps` of them, from near 1 down to 0) instead of an even spacing.
     """
     if task not in tuple(Task):
         raise RequestError("task", f"task must be one of {', '.join(Task)}, got {task!r}")
@@ -120,7 +124,15 @@ def validate_request(
     requested = rules.frames.default_frames if num_frames is None else _number("num_frames", num_frames, int)
     num_frames, frame_notices = rules.frames.check(requested)
     notices += frame_notices
-    steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules)
+    if positions is not None:
+        positions = tuple(float(p) for p in positions)
+        try:
+            check_positions(positions)
+        except ValueError as e:
+            raise RequestError("positions", str(e)) from e
+        if len(positions) != steps:
+            raise RequestError("steps", f"steps must be {len(positions)}, the grid's sigma positions, got {steps}")
+    steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules, positions)
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
     decoded = ()
@@ -145,6 +157,7 @@ def validate_request(
         references=decoded,
         quality=quality,
         notices=tuple(notices),
+        positions=positions,
     )
 
 
@@ -185,7 +198,12 @@ def _check_canvas(
 
 
 def _check_sampling(
-    steps: int, seed: int, video_shift: float, audio_shift: float, rules: RequestRules
+    steps: int,
+    seed: int,
+    video_shift: float,
+    audio_shift: float,
+    rules: RequestRules,
+    positions: tuple[float, ...] | None = None,
 ) -> tuple[int, int]:
     steps = _number("steps", steps, int)
     if not rules.min_steps <= steps <= rules.max_steps:
@@ -203,7 +221,7 @@ def _check_sampling(
     # Both schedules must keep one point per step, or video and audio would step out of sync: refuse it here,
     # before anything loads, rather than in the middle of a render.
     try:
-        DualSchedule.build(steps, float(video_shift), float(audio_shift))
+        DualSchedule.build(steps, float(video_shift), float(audio_shift), positions)
     except ValueError as e:
         raise RequestError("steps", str(e)) from e
     return steps, seed

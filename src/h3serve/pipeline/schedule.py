@@ -8,6 +8,7 @@ forward.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,20 @@ import torch
 from h3serve.config import AUDIO_SHIFT, VIDEO_SHIFT
 
 
-def shifted_sigmas(num_points: int, shift: float) -> torch.Tensor:
-    """`linspace(1, 0, num_points)` pushed through sigma' = s*b / (1 + (s-1)*b), float32 on the CPU.
+def check_positions(positions: tuple[float, ...]) -> None:
+    """ValueError unless `positions` is a grid of unshifted sigmas: at least 2, strictly decreasing, within (0, 1]
+    apart from the terminal 0."""
+    if len(positions) < 2:
+        raise ValueError(f"sigma positions need at least 2 points (the last the terminal 0), got {len(positions)}")
+    if positions[-1] != 0.0 or not 0.0 < positions[0] <= 1.0:
+        raise ValueError(f"sigma positions must start in (0, 1] and end at 0, got {list(positions)}")
+    if any(b >= a for a, b in itertools.pairwise(positions)):
+        raise ValueError(f"sigma positions must decrease strictly, got {list(positions)}")
+
+
+def shifted_sigmas(num_points: int, shift: float, positions: tuple[float, ...] | None = None) -> torch.Tensor:
+    """`linspace(1, 0, num_points)` (or the given unshifted `positions`, as a distilled adapter's own grid) pushed
+    through sigma' = s*b / (1 + (s-1)*b), float32 on the CPU.
 
     Consecutive float32 collisions the shift creates near sigma = 1 are collapsed (only at absurd step counts).
     """
@@ -24,7 +37,13 @@ def shifted_sigmas(num_points: int, shift: float) -> torch.Tensor:
         raise ValueError(f"num_points must be >= 2 (grid points including the terminal 0), got {num_points}")
     if not shift > 0:
         raise ValueError(f"shift must be > 0, got {shift}")
-    base = torch.linspace(1.0, 0.0, int(num_points), dtype=torch.float32)
+    if positions is None:
+        base = torch.linspace(1.0, 0.0, int(num_points), dtype=torch.float32)
+    else:
+        check_positions(positions)
+        if len(positions) != num_points:
+            raise ValueError(f"{len(positions)} sigma positions for {num_points} grid points")
+        base = torch.tensor(positions, dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
 
 
@@ -36,8 +55,8 @@ class Schedule:
     timesteps: torch.Tensor
 
     @classmethod
-    def shifted(cls, num_points: int, shift: float) -> Schedule:
-        sigmas = shifted_sigmas(num_points, shift)
+    def shifted(cls, num_points: int, shift: float, positions: tuple[float, ...] | None = None) -> Schedule:
+        sigmas = shifted_sigmas(num_points, shift, positions)
         return cls(sigmas=sigmas, timesteps=1.0 - sigmas[:-1])
 
     def __len__(self) -> int:
@@ -50,8 +69,17 @@ class DualSchedule:
     audio: Schedule
 
     @classmethod
-    def build(cls, num_points: int, video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT) -> DualSchedule:
-        video, audio = Schedule.shifted(num_points, video_shift), Schedule.shifted(num_points, audio_shift)
+    def build(
+        cls,
+        num_points: int,
+        video_shift: float = VIDEO_SHIFT,
+        audio_shift: float = AUDIO_SHIFT,
+        positions: tuple[float, ...] | None = None,
+    ) -> DualSchedule:
+        """Both grids: `num_points` evenly spaced unshifted sigmas, or the given `positions` (a distilled adapter's
+        own grid, e.g. FastH3's 0.999, 0.749, 0.5, 0.25, 0), each modality with its shift."""
+        video = Schedule.shifted(num_points, video_shift, positions)
+        audio = Schedule.shifted(num_points, audio_shift, positions)
         if len(video) != len(audio):
             # Both modalities step by the same index; a collapsed grid point in one of them would desynchronise them.
             raise ValueError(

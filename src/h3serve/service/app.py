@@ -223,6 +223,8 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "model": settings.model_id,
         "profile": engine.profile.__dict__,
         "tasks": list(engine.tasks),
+        "adapters": adapter_entries(engine),
+        "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "version": __version__,
     }
@@ -253,7 +255,13 @@ def metrics_text(metrics: MetricsDep) -> Response:
 
 @routes.get("/v1/models")
 def models(settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
-    entry = {"id": settings.model_id, "object": "model", "owned_by": "h3serve", "tasks": list(engine.tasks)}
+    entry = {
+        "id": settings.model_id,
+        "object": "model",
+        "owned_by": "h3serve",
+        "tasks": list(engine.tasks),
+        "adapters": adapter_entries(engine),
+    }
     return {"object": "list", "data": [entry]}
 
 
@@ -346,6 +354,9 @@ async def create_sync(
         "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
         "x-seed": str(mapped.request.seed),
         "x-num-frames": str(mapped.request.num_frames),
+        "x-num-inference-steps": str(mapped.request.steps),
+        "x-flow-shift": f"{mapped.request.video_shift:g}",
+        "x-audio-flow-shift": f"{mapped.request.audio_shift:g}",
         **step_cache_headers(result.step_cache, mapped.request.quality),
     }
     return Response(mp4, media_type="video/mp4", headers=headers)
@@ -414,6 +425,25 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str,
             return job.model_dump()
     store.delete(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+def adapter_entries(engine: Engine) -> list[dict[str, Any]]:
+    """The merged adapters as /health and /v1/models list them: file, format, scale, and the sampler it was trained
+    for where known."""
+    out = []
+    for adapter in engine.adapters:
+        preset = adapter.preset
+        trained = None
+        if preset is not None:
+            trained = {
+                "num_inference_steps": len(preset.sigmas) if preset.sigmas else preset.steps,
+                "flow_shift": preset.video_shift,
+                "audio_flow_shift": preset.audio_shift,
+                "sigma_positions": list(preset.sigmas) if preset.sigmas else None,
+                "tasks": list(preset.tasks) if preset.tasks else None,
+            }
+        out.append({"file": adapter.path.name, "format": adapter.format, "scale": adapter.scale, "trained": trained})
+    return out
 
 
 def step_cache_headers(report, quality: str | None) -> dict[str, str]:

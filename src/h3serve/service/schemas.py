@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from h3serve.config import DEFAULT_STEPS, FPS
+from h3serve.config import FPS
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import MAX_REFERENCES, MAX_SEED, QUALITIES, RequestError, resolve_canvas
 from h3serve.service.bodies import LongInt, Upload, load_json
@@ -327,8 +327,9 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     kwargs: dict[str, Any] = {
         "task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed, "quality": quality,
     }  # fmt: skip
+    # Left out, the sampler is the server's: the released one, or its adapter's trained one (`Admission.sampler`).
     kwargs["steps"] = (
-        _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else DEFAULT_STEPS
+        _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else None
     )
     if "flow_shift" in fields:
         kwargs["video_shift"] = _float("flow_shift", fields["flow_shift"])
@@ -389,6 +390,9 @@ class VideoJob(BaseModel):
     num_frames: int
     num_inference_steps: int
     seed: int
+    # The sampler that ran (the request's, or the server's default for what it left out: an adapter's trained one).
+    flow_shift: float | None = None
+    audio_flow_shift: float | None = None
     # Step caching, set when the render completes: the mode it ran with (`step_cache_mode`) and the DiT forwards
     # (0-based, in denoise order) that reused cached blocks instead of running them; [] when none were.
     step_cache: str | None = None

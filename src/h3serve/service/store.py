@@ -181,6 +181,8 @@ def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
         num_frames=request.num_frames,
         num_inference_steps=request.steps,
         seed=request.seed,
+        flow_shift=request.video_shift,
+        audio_flow_shift=request.audio_shift,
     )
 
 
