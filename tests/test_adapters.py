@@ -19,7 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from adapter_fixtures import FASTH3_IDENTITY, FLASHGEN_SCHEDULE, FORMATS, write_adapter
-from dit_fixtures import export_state_dict, is_ref_fp32, packed_inputs, reference_state_dict, rel_err
+from dit_fixtures import (
+    TINY_DIFFUSERS_CONFIG,
+    export_state_dict,
+    is_ref_fp32,
+    packed_inputs,
+    reference_state_dict,
+    rel_err,
+)
 from h3serve.config import DiTConfig
 from h3serve.model import adapters
 from h3serve.model.adapters import (
@@ -36,22 +43,7 @@ from oracle import oracle
 
 # diffusers config names. 128-wide heads because diffusers' DiffSynth de-interleave assumes the released head width;
 # two heads, so that the per-head interleave is not its own inverse; widths all differ.
-ORACLE_CONFIG = dict(
-    num_attention_heads=2,
-    attention_head_dim=128,
-    hidden_size=40,
-    num_layers=2,
-    num_refiner_layers=2,
-    ffn_dim=56,
-    in_channels=4,
-    audio_in_channels=6,
-    patch_size=(1, 2, 2),
-    text_dim=12,
-    freq_dim=10,
-    time_embed_hidden_dim=28,
-    time_embed_dim=20,
-    rope_freq_dim=2,
-)
+ORACLE_CONFIG = {**TINY_DIFFUSERS_CONFIG, "attention_head_dim": 128, "hidden_size": 40, "ffn_dim": 56, "text_dim": 12}
 DIFFUSERS_READS = ("lightx2v-diffusers", "comfyui-fused", "native", "ai-toolkit", "musubi", "diffsynth")
 SCALE = 0.7
 
