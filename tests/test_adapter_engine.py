@@ -113,6 +113,11 @@ def test_check_and_render_read_the_adapter(turbo, tmp_path):
     assert json.loads(check.stdout)["lora"] == f"{turbo.path}:0.5"
     missing = _cli("check", "--lora", str(tmp_path / "nope.safetensors"))
     assert missing.returncode == 1 and "H3_LORA (--lora)" in missing.stderr and "no such file" in missing.stderr
+    # The setting is parsed as the engine parses it (settings.parse_lora_setting), so a value the engine could not
+    # read is refused here, before anything loads.
+    for value, why in ((f"{turbo.path}:strong", "not a number"), (f"{turbo.path}:0", "merges nothing")):
+        refused = _cli("check", "--lora", value)
+        assert refused.returncode == 1 and why in refused.stderr, refused.stderr
     out = tmp_path / "turbo.mp4"
     render = _cli("render", PROMPT, "-o", str(out), "--lora", str(turbo.path), "--no-progress")
     assert render.returncode == 0, render.stderr

@@ -34,11 +34,11 @@ from h3serve.model.adapters import (
     AdapterMerge,
     Preset,
     merge_into,
-    parse_lora_setting,
     read_adapter,
 )
 from h3serve.model.loading import load_dit
 from h3serve.model.tiny import TINY_DIT, tiny_dit
+from h3serve.settings import parse_lora_setting
 from oracle import oracle
 
 # diffusers config names. 128-wide heads because diffusers' DiffSynth de-interleave assumes the released head width;

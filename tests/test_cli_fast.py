@@ -201,16 +201,21 @@ def assert_stopped(proc: subprocess.Popen, err: str, code: int, line: str, folde
     assert list(folder.iterdir()) == [], "the partial output (or its temporary file) was left behind"
 
 
-@pytest.mark.parametrize(("sig", "code", "line"), STOPPED, ids=STOPPED_IDS)
-def test_a_signal_during_the_encode_removes_the_temporary_file(tmp_path, sig, code, line):
-    out = tmp_path / "fox.mp4"
-    proc = subprocess.Popen(
+def start_render(out) -> subprocess.Popen:
+    """`h3serve render` of a long tiny clip into `out`, its stderr piped, with default signal handling."""
+    return subprocess.Popen(
         [console_script(), "render", "a fox", "-o", str(out), *ENCODE_LONG],
         stderr=subprocess.PIPE,
         text=True,
         env=clean_env(),
         preexec_fn=default_signals,
     )
+
+
+@pytest.mark.parametrize(("sig", "code", "line"), STOPPED, ids=STOPPED_IDS)
+def test_a_signal_during_the_encode_removes_the_temporary_file(tmp_path, sig, code, line):
+    out = tmp_path / "fox.mp4"
+    proc = start_render(out)
     try:
         deadline = time.monotonic() + 300
         while not list(tmp_path.glob(".fox.mp4.*.tmp")):
@@ -228,13 +233,7 @@ def test_a_signal_during_the_encode_removes_the_temporary_file(tmp_path, sig, co
 def test_a_signal_during_the_render_leaves_nothing(tmp_path, sig, code, line):
     """Signalled once the header is out: in the load or the denoise, through the engine's code."""
     out = tmp_path / "fox.mp4"
-    proc = subprocess.Popen(
-        [console_script(), "render", "a fox", "-o", str(out), *ENCODE_LONG],
-        stderr=subprocess.PIPE,
-        text=True,
-        env=clean_env(),
-        preexec_fn=default_signals,
-    )
+    proc = start_render(out)
     try:
         header = ""
         while not header.startswith("h3serve: "):

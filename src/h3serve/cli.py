@@ -489,7 +489,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
     from h3serve.model.adapters import check_adapter_kinds
     from h3serve.model.folder import resolve_model_folder
     from h3serve.model.tiny import TINY_DIT
-    from h3serve.pipeline.admission import Admission, Sampler
+    from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
     from h3serve.pipeline.request import validate_request
     from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
 
@@ -527,7 +527,7 @@ def _plan_render(args: argparse.Namespace) -> _RenderPlan:
         dit_config=folder.dit if folder is not None else TINY_DIT,
         step_cache=settings.cache_backend != "none",
         sampler=Sampler.for_adapters(adapters),
-        trained_tasks=next((tuple(a.preset.tasks) for a in adapters if a.preset and a.preset.tasks), None),
+        trained_tasks=trained_tasks(adapters),
     )
     try:
         admission.check_trained_task(task)

@@ -167,8 +167,6 @@ class EngineSettings(BaseModel):
         """The adapter files and their scales from `lora`, in order (valid once load_settings returned)."""
         if self.lora is None:
             return []
-        from h3serve.model.adapters import parse_lora_setting
-
         return [parse_lora_setting(item.strip()) for item in self.lora.split(",")]
 
     def step_cache(self):
@@ -457,14 +455,14 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
     # Adapters: each PATH[:SCALE] parses and names a readable file (what the file is, is read before weights load).
     if ok("lora") and s.lora is not None:
         for item in s.lora.split(","):
-            path, _, scale = item.strip().rpartition(":")
-            if not path or not _is_number(scale):
-                path, scale = item.strip(), "1"
-            if not path:
-                out.append(refusal("lora", f"an empty entry in {s.lora!r}; give PATH[:SCALE], comma-separated"))
-            elif not math.isfinite(float(scale)) or float(scale) == 0:
-                out.append(refusal("lora", f"{item.strip()}: the scale must be a finite, non-zero number"))
-            elif not Path(path).is_file():
+            try:
+                path, scale = parse_lora_setting(item.strip())
+            except ValueError as err:
+                out.append(refusal("lora", f"{err} (in {s.lora!r}; entries are comma-separated)"))
+                continue
+            if scale == 0:
+                out.append(refusal("lora", f"{item.strip()}: a scale of 0 merges nothing; leave the adapter out"))
+            elif not path.is_file():
                 out.append(refusal("lora", f"{path}: no such file"))
             elif not os.access(path, os.R_OK):
                 out.append(refusal("lora", f"{path}: not readable"))
@@ -501,12 +499,28 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
     return out
 
 
-def _is_number(text: str) -> bool:
+def parse_lora_setting(value: str) -> tuple[Path, float]:
+    """`PATH[:SCALE]` -> (path, scale). The text after the last ':' is the scale unless it holds a '/' (then the
+    whole value is a path); a path holding ':' itself takes an explicit scale (`a:b.safetensors:1`)."""
+    if not value or not value.strip():
+        raise ValueError("an adapter setting is PATH[:SCALE]; got an empty value")
+    head, colon, tail = value.rpartition(":")
+    if not colon or "/" in tail:
+        return Path(value), 1.0
+    if not tail:
+        raise ValueError(f"adapter setting {value!r}: nothing after ':' (write PATH:SCALE, e.g. {head}:0.8)")
     try:
-        float(text)
+        scale = float(tail)
     except ValueError:
-        return False
-    return True
+        raise ValueError(
+            f"adapter setting {value!r}: scale {tail!r} is not a number (write PATH:SCALE; a path that holds ':' "
+            "needs an explicit :SCALE)"
+        ) from None
+    if not math.isfinite(scale):
+        raise ValueError(f"adapter setting {value!r}: scale must be finite, got {tail!r}")
+    if not head:
+        raise ValueError(f"adapter setting {value!r}: no path before ':{tail}'")
+    return Path(head), scale
 
 
 def _service_rules(s: Settings, failed: set[str]) -> list[str]:

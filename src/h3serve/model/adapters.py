@@ -104,6 +104,11 @@ class Preset:
     tasks: tuple[str, ...] | None = None  # the tasks it was distilled for, when restricted
     dit_kind: str | None = None  # vocab.DiTKind value of the DiT it was trained on
 
+    @property
+    def points(self) -> int | None:
+        """The grid points it runs: its own sigma positions' count, else `steps`."""
+        return len(self.sigmas) if self.sigmas else self.steps
+
     def describe(self) -> str:
         parts = []
         if self.steps is not None:
@@ -674,30 +679,6 @@ def _is_larryvrh(deltas: Sequence[Delta], names: _Names, config: DiTConfig) -> b
 
 
 # ---------------------------------------------------------------------------------------------------- PATH:SCALE
-
-
-def parse_lora_setting(value: str) -> tuple[Path, float]:
-    """`PATH[:SCALE]` -> (path, scale). The text after the last ':' is the scale unless it holds a '/' (then the
-    whole value is a path); a path holding ':' itself takes an explicit scale (`a:b.safetensors:1`)."""
-    if not value or not value.strip():
-        raise ValueError("an adapter setting is PATH[:SCALE]; got an empty value")
-    head, colon, tail = value.rpartition(":")
-    if not colon or "/" in tail:
-        return Path(value), 1.0
-    if not tail:
-        raise ValueError(f"adapter setting {value!r}: nothing after ':' (write PATH:SCALE, e.g. {head}:0.8)")
-    try:
-        scale = float(tail)
-    except ValueError:
-        raise ValueError(
-            f"adapter setting {value!r}: scale {tail!r} is not a number (write PATH:SCALE; a path that holds ':' "
-            "needs an explicit :SCALE)"
-        ) from None
-    if not math.isfinite(scale):
-        raise ValueError(f"adapter setting {value!r}: scale must be finite, got {tail!r}")
-    if not head:
-        raise ValueError(f"adapter setting {value!r}: no path before ':{tail}'")
-    return Path(head), scale
 
 
 # -------------------------------------------------------------------------------------------------------- merging

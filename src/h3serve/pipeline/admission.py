@@ -41,9 +41,8 @@ class Sampler:
             preset = adapter.preset
             if preset is None:
                 continue
-            steps = len(preset.sigmas) if preset.sigmas else preset.steps
             return cls(
-                steps=steps if steps is not None else DEFAULT_STEPS,
+                steps=preset.points if preset.points is not None else DEFAULT_STEPS,
                 video_shift=preset.video_shift if preset.video_shift is not None else VIDEO_SHIFT,
                 audio_shift=preset.audio_shift if preset.audio_shift is not None else AUDIO_SHIFT,
                 positions=tuple(preset.sigmas) if preset.sigmas else None,
@@ -65,6 +64,11 @@ class Sampler:
     def describe(self) -> str:
         grid = f"sigma positions {list(self.positions)}" if self.positions else f"{self.steps} grid points"
         return f"{grid}, shifts {self.video_shift:g}/{self.audio_shift:g} ({self.source})"
+
+
+def trained_tasks(adapters) -> tuple[str, ...] | None:
+    """The only tasks the adapters were distilled for (the first preset that restricts them), or None: any."""
+    return next((tuple(a.preset.tasks) for a in adapters if a.preset is not None and a.preset.tasks), None)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from h3serve.model.adapters import Adapter, AdapterMerge, check_adapter_kinds, m
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.loading import chain
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission, Sampler
+from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
@@ -108,7 +108,6 @@ class Engine:
         # Few-step adapters, already merged into the DiT's weights (`load`): their trained sampler is the default.
         self.adapters = tuple(adapters)
         self.merge_seconds = merge_seconds
-        trained = next((a.preset.tasks for a in self.adapters if a.preset is not None and a.preset.tasks), None)
         self.admission = Admission(
             tasks=tuple(t for t in Task if dit_kind(t) in components.dits),
             task_type=components.task_type,
@@ -116,7 +115,7 @@ class Engine:
             dit_config=components.dit_config,
             step_cache=bool(self.step_caches),
             sampler=Sampler.for_adapters(self.adapters),
-            trained_tasks=tuple(trained) if trained else None,
+            trained_tasks=trained_tasks(self.adapters),
         )
 
     @classmethod

@@ -436,7 +436,7 @@ def adapter_entries(engine: Engine) -> list[dict[str, Any]]:
         trained = None
         if preset is not None:
             trained = {
-                "num_inference_steps": len(preset.sigmas) if preset.sigmas else preset.steps,
+                "num_inference_steps": preset.points,
                 "flow_shift": preset.video_shift,
                 "audio_flow_shift": preset.audio_shift,
                 "sigma_positions": list(preset.sigmas) if preset.sigmas else None,
