@@ -100,6 +100,7 @@ LAYERS = (
     ("h3serve.model", "h3serve.media"),
     ("h3serve.accel",),
     ("h3serve.pipeline",),
+    ("h3serve.parallel",),
     ("h3serve.settings",),
     ("h3serve.service", "h3serve.accept"),
     ("h3serve.cli",),

@@ -292,6 +292,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
     for adapter in _read_adapters(settings, folder):
         print(f"adapter: {adapter.describe()}", file=sys.stderr)
+    if folder is not None:  # the heads from the folder's config (the tiny model's: at render and serve)
+        from h3serve.parallel.plan import check_heads
+
+        try:
+            check_heads(folder.dit, settings.num_gpus)
+        except ValueError as err:
+            raise CliError(str(err)) from err
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
@@ -325,7 +332,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from h3serve.pipeline.engine import Engine
     from h3serve.service import preflight
     from h3serve.service.app import create_app
 
@@ -347,24 +353,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for adapter in adapters:
         log.info("adapter: %s", adapter.describe())
     start = time.perf_counter()
-    try:
-        engine = Engine.load(
-            folder,
-            settings.profile(),
-            task_type=settings.task_type,
-            step_cache=settings.step_cache(),
-            adapters=adapters,
-        )
-    except (ValueError, OSError) as err:
-        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
-    log.info("model %s loaded in %.1f s", settings.model_id, time.perf_counter() - start)
+    engine = _load_engine(settings, folder, settings.profile(), settings.task_type, adapters)
+    gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
+    log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)
     if adapters:
         log.info(
             "adapters merged in %.2f s; default sampler: %s", engine.merge_seconds, engine.admission.sampler.describe()
         )
     log.info("memory held after load:\n%s", engine.memory_budget().table())
     app = create_app(settings, engine)
-    uvicorn.run(app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30)
+    try:
+        uvicorn.run(
+            app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30
+        )
+    finally:
+        if engine.num_gpus > 1:
+            engine.close()
     return 0
 
 
@@ -560,6 +564,27 @@ def _request_error(err: ValueError, args: argparse.Namespace) -> str:
     return str(err)
 
 
+def _load_engine(settings, folder, profile, task_type: str, adapters):
+    """The engine of these settings: one process, or H3_NUM_GPUS workers (`parallel.workers.load_engine`); what the
+    split needs is checked before any weight loads."""
+    from h3serve.model.tiny import TINY_DIT
+    from h3serve.parallel.plan import check_split
+    from h3serve.parallel.workers import WorkerError, check_visible, load_engine
+
+    try:
+        check_split(folder.dit if folder is not None else TINY_DIT, profile, settings.num_gpus)
+        check_visible(profile, settings.num_gpus)
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    try:
+        return load_engine(folder, profile, task_type=task_type, step_cache=settings.step_cache(), adapters=adapters,
+                           num_gpus=settings.num_gpus)  # fmt: skip
+    except WorkerError as err:
+        raise CliError(f"H3_NUM_GPUS (--num-gpus) {settings.num_gpus}: {err}") from err
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
+        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+
+
 def _render(engine, request, progress: bool):
     bar = None
     if progress:
@@ -586,7 +611,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def _run_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
-    from h3serve.pipeline.engine import STAGES, Engine
+    from h3serve.pipeline.engine import STAGES
 
     # 1. Everything the user gave, checked before any weight loads.
     plan = _plan_render(args)
@@ -600,7 +625,7 @@ def _run_render(args: argparse.Namespace) -> int:
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
         f"grid points ({request.forwards} DiT forwards), {shifts}, seed {request.seed} | {model_name} | "
-        f"{profile.describe()}",
+        f"{profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
         file=sys.stderr,
     )
 
@@ -610,15 +635,13 @@ def _run_render(args: argparse.Namespace) -> int:
 
         use_cache_dir(settings.cache_dir)  # checked by the settings' rules
     start = time.perf_counter()
-    step_cache = settings.step_cache()
-    try:
-        engine = Engine.load(
-            plan.folder, profile, task_type=dit_kind(request.task), step_cache=step_cache, adapters=plan.adapters
-        )
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
-        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
+    engine = _load_engine(settings, plan.folder, profile, dit_kind(request.task), plan.adapters)
     load_s = time.perf_counter() - start
-    result = _render(engine, request, progress=not args.no_progress)
+    try:
+        result = _render(engine, request, progress=not args.no_progress)
+    finally:
+        if engine.num_gpus > 1:
+            engine.close()
 
     # 3. Encode (atomically: a temporary name renamed when complete).
     encode_start = time.perf_counter()

@@ -137,6 +137,13 @@ class EngineSettings(BaseModel):
     encoder_threads: int = Field(
         ENCODER_THREADS, ge=1, le=MAX_ENCODER_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
     )
+    num_gpus: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="GPUs one render is split over (sequence parallel, one worker process per GPU; gloo processes on "
+        "cpu); the DiT's attention heads must divide by it",
+    )
 
     def profile(self) -> Profile:
         """The engine profile these settings select (ProfileError naming what cannot be combined). The hardware is
@@ -485,6 +492,19 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             check_step_cache(s.linear_backend)
         except ProfileError as err:
             out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
+    if ok("num_gpus", "linear_backend", "device") and s.num_gpus > 1:
+        if s.linear_backend == Linear.HUMMING:
+            out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: linear HUMMING runs on one GPU only; use BF16 or "
+                                           "CUTLASS, or H3_NUM_GPUS=1"))  # fmt: skip
+        if s.device is not None and s.device.startswith("cuda:"):
+            out.append(refusal("num_gpus", f"{s.num_gpus} GPUs with device {s.device}: set device cuda (rank r runs "
+                                           "on cuda:r)"))  # fmt: skip
+        elif check_profile and s.device != "cpu":  # on the cpu, N gloo processes
+            import torch
+
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (s.device is not None or visible) and s.num_gpus > visible:  # unset without CUDA: the cpu
+                out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible"))
     if check_profile and ok(*PROFILE_FIELDS):
         try:
             check(s.profile())

@@ -257,6 +257,8 @@ class StepCache:
         self._in_request = False
         self._enabled = False
         self._num_forwards = 0
+        # Split over several GPUs: the sum of a tensor over the ranks (`parallel.ranks.Ranks.install`), else None.
+        self.sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     # -- attaching ------------------------------------------------------------------------------------------------
 
@@ -413,10 +415,20 @@ class StepCache:
         if prev.shape != fn_residual.shape:
             self._record(step, -2.0)
             return False
-        # Relative L1 change of the Fn residual against the last computed step's, at the activations' dtype.
-        diff = ((prev - fn_residual).abs().mean() / prev.abs().mean()).item()
+        diff = self._relative_change(prev, fn_residual)
         self._record(step, diff)
         return diff < threshold
+
+    def _relative_change(self, prev: torch.Tensor, now: torch.Tensor) -> float:
+        """Relative L1 change of the Fn residual against the last computed step's, at the activations' dtype. Split
+        over ranks (`sum_over_ranks` set), each holds its own rows: the two means come from sums over every rank,
+        so that every rank takes the same decision."""
+        if self.sum_over_ranks is None:
+            return ((prev - now).abs().mean() / prev.abs().mean()).item()
+        wide = torch.float64
+        count = torch.tensor(float(prev.numel()), dtype=wide, device=prev.device)
+        sums = self.sum_over_ranks(torch.stack([(prev - now).abs().sum(dtype=wide), prev.abs().sum(dtype=wide), count]))
+        return ((sums[0] / sums[2]).to(prev.dtype) / (sums[1] / sums[2]).to(prev.dtype)).item()
 
     def _record(self, step: int, diff: float) -> None:
         seg = self._segment

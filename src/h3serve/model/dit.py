@@ -217,10 +217,14 @@ class FinalLayer(nn.Module):
         video_indices: torch.Tensor,
         audio_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.hidden(x, temb, timestep_indices)
+        return self.video_out(h.index_select(0, video_indices)), self.audio_out(h.index_select(0, audio_indices))
+
+    def hidden(self, x: torch.Tensor, temb: torch.Tensor, timestep_indices: torch.Tensor) -> torch.Tensor:
+        """Every row's modulated norm, at the heads' precision: what the two heads read."""
         shift, scale = self.adaln_proj(temb, x.dtype).index_select(0, timestep_indices).chunk(2, dim=-1)
         # Modulate at the block stack's precision, then cast to the heads' (fp32) precision.
-        h = modulate(self.norm(x), shift, scale).to(self.video_out.weight.dtype)
-        return self.video_out(h.index_select(0, video_indices)), self.audio_out(h.index_select(0, audio_indices))
+        return modulate(self.norm(x), shift, scale).to(self.video_out.weight.dtype)
 
 
 class H3DiT(nn.Module):
@@ -270,18 +274,30 @@ class H3DiT(nn.Module):
         timestep_indices / token_tags (S,), rope from `self.rope(position_ids)`, index tensors into the S rows.
         `tables`: each block's modulation table for these timesteps, made ahead of time (else each block makes
         its own from `timesteps`). Returns velocities (Nv, C*pt*ph*pw) and (Na, C_a) at the heads' dtype."""
+        v, a = self.embed(video, audio)
+        x = self.pack(timestep_indices.shape[0], v, a, text, video_indices, audio_indices, text_indices)
+        temb = self.time_embedder(timesteps)  # (M, time_embed_dim), fp32
+        x = self.run_blocks(x, temb, timestep_indices * NUM_MODALITIES + token_tags, rope, tables)
+        return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)
+
+    def embed(self, video: torch.Tensor, audio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video and audio rows' fp32 input projections."""
         v = self.video_patch_proj(video.to(self.video_patch_proj.weight.dtype))
-        a = self.audio_patch_proj(audio.to(self.audio_patch_proj.weight.dtype))
-        x = text.new_zeros(timestep_indices.shape[0], text.shape[-1])  # (S, hidden) at the stack's dtype
+        return v, self.audio_patch_proj(audio.to(self.audio_patch_proj.weight.dtype))
+
+    def pack(self, num_rows: int, v, a, text, video_indices, audio_indices, text_indices) -> torch.Tensor:
+        """The packed sequence (num_rows, hidden) at the stack's dtype: each kind's rows scattered to its indices."""
+        x = text.new_zeros(num_rows, text.shape[-1])
         x = x.index_copy(0, text_indices, text)
         x = x.index_copy(0, video_indices, v.to(x.dtype))
-        x = x.index_copy(0, audio_indices, a.to(x.dtype))
-        temb = self.time_embedder(timesteps)  # (M, time_embed_dim), fp32
-        adaln_indices = timestep_indices * NUM_MODALITIES + token_tags
+        return x.index_copy(0, audio_indices, a.to(x.dtype))
+
+    def run_blocks(self, x, temb, adaln_indices, rope: Rope, tables: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """The main blocks over the packed rows; adaln_indices (S,) = t_index * 3 + tag."""
         for i, block in enumerate(self.blocks):
             table = block.modulation(temb, x.dtype) if tables is None else tables[i]
             x = block(x, table, adaln_indices, rope)
-        return self.final_layer(x, temb, timestep_indices, video_indices, audio_indices)
+        return x
 
 
 # What outside layers may act on. Regional compile and block caches wrap these classes; the listed submodules

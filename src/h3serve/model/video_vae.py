@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,8 @@ from h3serve.model.latents import HasLatentStats
 from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_table, sdpa
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
+# How `VideoVAE.decode` computes its temporal windows: given `clip(i)` and the count, each window's frames in order.
+WindowRunner = Callable[[Callable[[int], torch.Tensor], int], Iterable[torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -699,6 +701,7 @@ class VideoVAE(nn.Module):
         tiled: bool | None = None,
         autocast_dtype: torch.dtype | None = None,
         on_window: Callable[[int, int], None] | None = None,
+        run_windows: WindowRunner | None = None,
     ) -> torch.Tensor:
         """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
 
@@ -706,19 +709,12 @@ class VideoVAE(nn.Module):
         the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
         `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
         frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
-        may raise from it to stop the decode).
+        may raise from it to stop the decode). `run_windows(clip, n)`: how the windows are computed, yielding each
+        window's `clip(i)` in order (the default calls `clip` for each in turn; several GPUs deal them out).
         """
         cfg = self.cfg
-        if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
-            raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
-        weights = self.decoder.proj_out.weight.dtype
-        if weights != torch.float32 and autocast_dtype != weights:
-            raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
-        tiled = cfg.decoder_tiling if tiled is None else tiled
-        z = z.float()
-        pad, windows, num_frames = cfg.decode_plan(z.shape[2])
-        if pad:
-            z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
+        windows, clip = self.decode_windows(z, tiled=tiled, autocast_dtype=autocast_dtype)
+        num_frames = cfg.decode_plan(z.shape[2])[2]
         chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
         span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
         r = cfg.spatial_ratio
@@ -732,22 +728,44 @@ class VideoVAE(nn.Module):
             pos += n
 
         carry: torch.Tensor | None = None  # the previous window's frames that overlap this window's first frames
-        for i in range(windows):
-            start = i * chunk
-            clip = self._decode_clip(z[:, :, start : start + chunk + cfg.token_overlap], tiled, autocast_dtype)
-            head = clip[:, :, :span][:, :, cfg.frame_pre_padding :]
+        clips = map(clip, range(windows)) if run_windows is None else run_windows(clip, windows)
+        for i, part in enumerate(clips):
+            head = part[:, :, :span][:, :, cfg.frame_pre_padding :]
             if carry is not None:
                 head = _blend(carry, head, cfg.frame_overlap, dim=2)
             emit(head)
             if cfg.token_drop > 0:
-                carry = clip[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone()
-            del clip, head
+                carry = part[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone()
+            del part, head
             if on_window is not None:
                 on_window(i + 1, windows)
         if carry is not None:
             emit(carry)
         assert pos == num_frames, (pos, num_frames)
         return out
+
+    def decode_windows(
+        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
+    ) -> tuple[int, Callable[[int], torch.Tensor]]:
+        """The temporal windows `decode` cross-fades: their count and `clip(i)`, window i's decoded frames (each
+        window reads `chunk + token_overlap` latents and is computed alone)."""
+        cfg = self.cfg
+        if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
+            raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
+        weights = self.decoder.proj_out.weight.dtype
+        if weights != torch.float32 and autocast_dtype != weights:
+            raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
+        tiled = cfg.decoder_tiling if tiled is None else tiled
+        z = z.float()
+        pad, windows, _ = cfg.decode_plan(z.shape[2])
+        if pad:
+            z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
+        chunk = cfg.tokens_chunk_size
+
+        def clip(i: int) -> torch.Tensor:
+            return self._decode_clip(z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap], tiled, autocast_dtype)
+
+        return windows, clip
 
 
 def posterior_sample(

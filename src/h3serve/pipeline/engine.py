@@ -43,18 +43,12 @@ from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
-from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
+from h3serve.pipeline.decode import check_finite
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES, RequestRules
-from h3serve.pipeline.sampling import (
-    bind_model,
-    denoise,
-    draw_layout_noise,
-    initial_rows,
-    request_generator,
-    step_timesteps,
-)
+from h3serve.pipeline.sampling import denoise, draw_layout_noise, initial_rows, request_generator, step_timesteps
 from h3serve.pipeline.schedule import DualSchedule
+from h3serve.pipeline.spread import ONE_DEVICE, Spread
 from h3serve.pipeline.variants import clock_layouts, encode_conditions, encode_prompt
 from h3serve.vocab import Task, TaskType, dit_kind
 
@@ -73,6 +67,7 @@ class RenderResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage, and "total"
     peak_memory_mb: float = 0.0  # CUDA: peak allocated during this render; CPU: the process's peak RSS so far
     step_cache: StepCacheReport | None = None  # which forwards reused cached blocks (None: no step cache attached)
+    split: tuple[int, ...] = ()  # packed rows per GPU, when several shared the render (`h3serve.parallel`)
 
 
 class Engine:
@@ -89,6 +84,7 @@ class Engine:
         compiler: Compiler | None = None,
         adapters: Sequence[Adapter] = (),
         merge_seconds: float = 0.0,
+        spread: Spread = ONE_DEVICE,
     ):
         _check(profile, step_cache)
         components.check()
@@ -97,6 +93,7 @@ class Engine:
         self.rules = rules
         self.video_processing = video_processing  # how Qwen reads a reference video (the processor's config)
         self.lock = threading.Lock()
+        self.spread = spread  # one process, or this rank's part of a render over several GPUs (`h3serve.parallel`)
         # The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled.
         self.compiled: GraphCounter | None = apply(components, profile, compiler)
         # One AdaLN table cache per loaded DiT (FL2VA, Ref2VA): same architecture, different weights.
@@ -154,6 +151,9 @@ class Engine:
         merged = merge.seconds if merge is not None else 0.0
         processing = video_processing or RELEASED_VIDEO_PROCESSING
         return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged)
+
+    num_gpus = 1  # GPUs one render runs on (`h3serve.parallel.ParallelEngine` splits it over several)
+    problem: str | None = None  # why renders cannot run now (a GPU worker lost); never set for one process
 
     @property
     def name(self) -> str:
@@ -221,10 +221,11 @@ class Engine:
                 on_step(done, total)
             ctx.report("denoise", done, total)
 
+        spread = self.spread
         with self._stage(timings, "text", ctx):
-            text, keyframes = encode_prompt(components, request, self.video_processing)
+            text, keyframes = spread.share(lambda: encode_prompt(components, request, self.video_processing))
         with self._stage(timings, "keyframes", ctx):
-            conditions = encode_conditions(components, request, text, keyframes)
+            conditions = spread.share(lambda: encode_conditions(components, request, text, keyframes))
         with self._stage(timings, "layout", ctx):
             layout = conditions.layout(request, cfg.patch_size)
             noise = draw_layout_noise(request_generator(request.seed), layout, cfg.latents_dim, cfg.audio_latents_dim)
@@ -233,7 +234,7 @@ class Engine:
         with self._stage(timings, "tables", ctx):
             tables = self.tables[kind].for_steps(step_timesteps(layout, schedule))
         with self._stage(timings, "denoise", ctx):
-            model = bind_model(dit, layout, text.states, tables)
+            model = spread.bind(dit, layout, text.states, tables)
             cache = self.step_caches.get(kind)
             if cache is not None:
                 high = request.quality == "high"
@@ -250,9 +251,9 @@ class Engine:
         with self._stage(timings, "video", ctx):
             autocast = self.profile.vae_autocast_dtype
             report = lambda i, n: ctx.report("video", i, n)  # noqa: E731
-            frames = decode_video(components.video_vae, video_rows, layout, autocast, report)
+            frames = spread.decode_video(components.video_vae, video_rows, layout, autocast, report)
         with self._stage(timings, "audio", ctx):
-            audio = decode_audio(components.audio_vae, audio_rows, layout)
+            audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
         ctx.check()
         timings["total"] = time.perf_counter() - start
         return RenderResult(

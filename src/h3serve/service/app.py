@@ -226,6 +226,8 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "adapters": adapter_entries(engine),
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
+        "num_gpus": engine.num_gpus,
+        "problem": engine.problem,
         "version": __version__,
     }
 
@@ -243,8 +245,8 @@ def openapi(request: Request, settings: SettingsDep) -> dict[str, Any]:
 
 @routes.get("/ready")
 @routes.head("/ready", include_in_schema=False)
-def ready(scheduler: SchedulerDep) -> JSONResponse:
-    body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value}
+def ready(scheduler: SchedulerDep, engine: EngineDep) -> JSONResponse:
+    body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value, "problem": engine.problem}
     return JSONResponse(body, status_code=200 if scheduler.ready else 503)
 
 
@@ -351,6 +353,7 @@ async def create_sync(
         "x-request-id": work.id,
         "x-inference-time-s": f"{result.timings['total']:.4f}",
         "x-peak-memory-mb": f"{result.peak_memory_mb:.1f}",
+        "x-num-gpus": str(max(1, len(result.split))),
         "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
         "x-seed": str(mapped.request.seed),
         "x-num-frames": str(mapped.request.num_frames),

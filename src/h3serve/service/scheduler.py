@@ -137,7 +137,8 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        return self.readiness is Readiness.READY
+        """Warmed up, and the engine can render (its GPU workers are all up: `Engine.problem`)."""
+        return self.readiness is Readiness.READY and self.engine.problem is None
 
     @property
     def depth(self) -> int:
@@ -317,6 +318,7 @@ class Scheduler:
                 inference_time_s=round(result.timings["total"], 4),
                 stage_durations={k: round(v, 4) for k, v in result.timings.items() if k != "total"},
                 peak_memory_mb=round(result.peak_memory_mb, 1),
+                num_gpus=max(1, len(result.split)),
                 step_cache=step_cache_mode(result.step_cache, work.request.quality),
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )

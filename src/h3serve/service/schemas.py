@@ -386,6 +386,7 @@ class VideoJob(BaseModel):
     inference_time_s: float | None = None
     stage_durations: dict[str, float] | None = None
     peak_memory_mb: float | None = None
+    num_gpus: int | None = None  # GPUs the render was split over, set when it completes
     task: str
     num_frames: int
     num_inference_steps: int

@@ -1,0 +1,190 @@
+"""One rank's part of a render split over the GPUs (Ulysses sequence parallelism), as the engine's `Spread`.
+
+- Text and keyframe encoding run on rank 0; their results are broadcast (`share`).
+- The packed sequence is cut in contiguous row ranges, every row kind alike (`group.row_ranges`). A rank runs the
+  DiT's blocks on its own rows only, given its slice of the RoPE table, tags and timestep indices and the local
+  positions of its video, audio and text rows. The AdaLN tables and the timestep embedding are made on every rank;
+  the text refiner runs on every rank (its input is the broadcast text states). The two input projections run over
+  every row, the video head over all of a rank's rows and the audio head over every audio row (gathered): a rank
+  may hold only a few rows of a kind, and a GEMM of a few rows can round differently from the same rows inside a
+  larger one (on the CPU below 12 rows), so each GEMM whose row count could be small is the one-GPU call.
+- Around each main block's attention one all-to-all turns "my rows, all heads" into "all rows, my heads" for Q, K
+  and V together, the profile's kernel runs unchanged on the local heads, and a second all-to-all brings the output
+  back (`UlyssesAttention`). The row-local GEMMs give the same bits for a row block as inside the whole product
+  (measured on the H200, shared/h3/PARALLEL.md), and attention per head is the same computation: eager renders
+  are bit for bit the one-GPU render.
+- After each forward only the compact outputs are gathered (video patch channels per video row, and the audio rows'
+  head inputs), so every rank steps the same full latents.
+- The video decode's temporal windows are dealt out round-robin, sent to rank 0 and cross-faded there exactly as
+  one GPU does; the audio decode runs on rank 0.
+- The step cache's measured change is summed over the ranks before it decides, so every rank skips the same
+  forwards. A cancel is agreed at every check point (`AgreedContext`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from h3serve.config import NUM_MODALITIES
+from h3serve.model.ops import AttentionKernel
+from h3serve.parallel.group import Group, row_ranges
+from h3serve.pipeline.context import ProgressCallback, RenderCancelled, RenderContext
+from h3serve.pipeline.decode import decode_audio, decode_video, video_latents
+from h3serve.pipeline.sampling import ModelFn
+
+Picks = list[tuple[torch.Tensor, torch.Tensor]]  # per rank: (which rows of a kind it holds, their local positions)
+
+
+@dataclass(eq=False)
+class Ranks:
+    """This rank's side of every split stage. `sizes`: the current request's packed rows per rank (set by `bind`,
+    read by each block's `UlyssesAttention`)."""
+
+    group: Group
+    sizes: list[int] = field(default_factory=list)
+
+    @property
+    def lead(self) -> bool:
+        return self.group.lead
+
+    def install(self, engine: Any) -> None:
+        """Split `engine`'s DiTs: every main block's attention all-to-all around its kernel, and every step cache's
+        measured change summed over the ranks. Run once, after the profile was applied."""
+        for dit in engine.components.dits.values():
+            for block in dit.blocks:
+                block.attn.kernel = UlyssesAttention(block.attn.kernel, self.group, self.sizes)
+        for cache in engine.step_caches.values():
+            cache.sum_over_ranks = self.group.all_sum
+
+    # ---- Spread -------------------------------------------------------------------------------------------------
+    def share(self, compute: Callable[[], Any]) -> Any:
+        return self.group.broadcast_object(compute() if self.lead else None)
+
+    def bind(self, dit, layout, text_states, tables) -> ModelFn:
+        g = self.group
+        ranges = row_ranges(layout.token_tags.shape[0], g.size)
+        self.sizes[:] = [end - start for start, end in ranges]
+        start, end = ranges[g.rank]
+        device = next(dit.parameters()).device
+        with torch.no_grad():
+            text = dit.refine_text(text_states.to(device))  # every rank: the same input, the same rows
+            cos, sin = dit.rope(layout.rope_positions().to(device))
+        rope = (cos[start:end], sin[start:end])
+        tags = layout.token_tags[start:end].to(device)
+        video, audio, texts = (_picks(i, ranges, device) for i in (layout.video_indices, layout.audio_indices,
+                                                                  layout.text_indices))  # fmt: skip
+        (v_rows, v_at), (a_rows, a_at), (t_rows, t_at) = video[g.rank], audio[g.rank], texts[g.rank]
+        text = text.index_select(0, t_rows)
+
+        def model(video_in, audio_in, timesteps, timestep_indices, step):
+            # The input projections over every row (the one-GPU call, a few small GEMMs), this rank's rows kept: a
+            # GEMM of a handful of rows can round differently from the same rows inside a larger one.
+            v, a = dit.embed(video_in, audio_in)
+            x = dit.pack(end - start, v.index_select(0, v_rows), a.index_select(0, a_rows), text, v_at, a_at, t_at)
+            temb = dit.time_embedder(timesteps)
+            t_index = timestep_indices[start:end]
+            x = dit.run_blocks(x, temb, t_index * NUM_MODALITIES + tags, rope, None if tables is None else tables[step])
+            # The video head over all of this rank's rows, its video rows picked (the same reason as above); the
+            # audio head over every audio row, gathered first (a few hundred rows: the one-GPU call).
+            h = dit.final_layer.hidden(x, temb, t_index)
+            v = self._gather(dit.final_layer.video_out(h).index_select(0, v_at), video, video_in.shape[0])
+            return v, dit.final_layer.audio_out(self._gather(h.index_select(0, a_at), audio, audio_in.shape[0]))
+
+        return model
+
+    def decode_video(self, vae, video_rows, layout, autocast, on_window) -> np.ndarray | None:
+        if self.lead:
+            return decode_video(vae, video_rows, layout, autocast, on_window, run_windows=self._lead_windows)
+        windows, clip = vae.decode_windows(video_latents(vae, video_rows, layout), autocast_dtype=autocast)
+        g = self.group
+        for first in range(0, windows, g.size):
+            if first + g.rank < windows:
+                part = clip(first + g.rank)
+                g.send(torch.tensor(part.shape, dtype=torch.int64, device=part.device), 0)
+                g.send(part, 0)
+            for i in range(first, min(first + g.size, windows)):
+                on_window(i + 1, windows)  # the same check points as rank 0's decode
+        return None
+
+    def decode_audio(self, vae, audio_rows, layout) -> np.ndarray | None:
+        return decode_audio(vae, audio_rows, layout) if self.lead else None
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+    def _gather(self, local: torch.Tensor, picks: Picks, total: int) -> torch.Tensor:
+        """Every rank's rows of one kind (`local`: this rank's, in its `picks` order), in the order of all of them."""
+        width = local.shape[1]
+        parts = self.group.all_gather(local.flatten(), [rows.numel() * width for rows, _ in picks])
+        out = local.new_empty(total, width)
+        for part, (rows, _) in zip(parts, picks, strict=True):
+            out.index_copy_(0, rows, part.view(-1, width))
+        return out
+
+    def _lead_windows(self, clip: Callable[[int], torch.Tensor], windows: int) -> Iterator[torch.Tensor]:
+        """Rank 0's decode windows: its own computed, the others' received, in window order (round-robin)."""
+        g = self.group
+        for first in range(0, windows, g.size):
+            own = clip(first)
+            parts = [own]
+            for r in range(1, min(g.size, windows - first)):
+                shape = g.recv(torch.empty(own.ndim, dtype=torch.int64, device=own.device), r)
+                parts.append(g.recv(own.new_empty(tuple(shape.tolist())), r))
+            yield from parts
+
+
+def _picks(indices: torch.Tensor, ranges: list[tuple[int, int]], device: torch.device) -> Picks:
+    """For each rank: the positions (among this kind's rows) of the rows it holds, and their local packed index."""
+    out = []
+    for start, end in ranges:
+        rows = ((indices >= start) & (indices < end)).nonzero().flatten()
+        out.append((rows.to(device), (indices[rows] - start).to(device)))
+    return out
+
+
+@dataclass(eq=False)
+class UlyssesAttention:
+    """An attention kernel over this rank's rows and every head: the rows of every rank for this rank's heads go
+    through `inner` (the profile's kernel), and the result comes back to its rows. `sizes`: rows per rank."""
+
+    inner: AttentionKernel
+    group: Group
+    sizes: list[int]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        return _ulysses(q, k, v, causal, self.inner, self.group, self.sizes)
+
+
+@torch.compiler.disable  # the collectives stay outside the compiled block (a graph of its own on either side)
+def _ulysses(q, k, v, causal: bool, inner: AttentionKernel, group: Group, sizes: list[int]) -> torch.Tensor:
+    # q, k, v: (1, H, s, D), this rank's s rows. One all-to-all carries all three.
+    n = group.size
+    _, heads, s, d = q.shape
+    hn = heads // n
+    send = torch.stack((q[0], k[0], v[0])).unflatten(1, (n, hn)).transpose(0, 1).contiguous()  # (n, 3, hn, s, D)
+    counts = [3 * hn * m * d for m in sizes]
+    recv = send.new_empty(sum(counts))
+    group.all_to_all(recv, send.flatten(), counts, [3 * hn * s * d] * n)
+    qkv = torch.cat([p.view(3, hn, m, d) for p, m in zip(recv.split(counts), sizes, strict=True)], dim=2)
+    out = inner(qkv[0:1], qkv[1:2], qkv[2:3], causal)[0]  # (hn, S, D): every row, this rank's heads
+    back = torch.cat([p.flatten() for p in out.split(sizes, dim=1)])  # rank r's rows first... in rank order
+    mine = out.new_empty(n * hn * s * d)
+    group.all_to_all(mine, back, [hn * s * d] * n, [hn * m * d for m in sizes])
+    return mine.view(heads, s, d)[None]  # (1, H, s, D): rank j's part holds heads j*hn..(j+1)*hn
+
+
+class AgreedContext(RenderContext):
+    """A rank's render context: the cancel flag is the parent's `event`, read at each check point by every rank and
+    agreed (one rank seeing it set stops them all at the same point). Progress goes to `on_progress` (rank 0's)."""
+
+    def __init__(self, group: Group, event: Any, on_progress: ProgressCallback | None = None):
+        super().__init__(on_progress)
+        self.group = group
+        self.event = event
+
+    def check(self) -> None:
+        if self.group.agree(self.event.is_set()):
+            raise RenderCancelled("cancelled")

@@ -1,0 +1,408 @@
+"""The processes of a render split over N GPUs: N spawned workers (rank r on cuda:r, or N gloo processes on the
+CPU), and `ParallelEngine`, which the CLI and the service use in the parent exactly as they use `Engine`.
+
+The parent owns the request: it validates it (with rank 0's admission), sends it to every rank, forwards rank 0's
+progress, sets the shared cancel flag the ranks agree on, and gets the result from rank 0 (frames and audio through
+shared memory). Every rank reports how its part of each render ended. A render that failed on every rank alike (a
+refusal, non-finite latents) fails with that message and the workers stay. A rank that fails alone may leave the
+others waiting in a collective: the parent does not wait for the group's timeout, it ends the render with that
+rank's message, stops every worker and starts them again (`problem` says so meanwhile, and the service is not
+ready). A worker that dies, in a render or idle, does the same; a restart that fails leaves `problem` set.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import multiprocessing.connection
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from h3serve.accel.profile import Profile
+from h3serve.accel.stepcache import StepCacheConfig
+from h3serve.model.adapters import Adapter
+from h3serve.model.folder import ModelFolder
+from h3serve.parallel.group import Group, free_port
+from h3serve.parallel.plan import check_split
+from h3serve.parallel.ranks import AgreedContext, Ranks
+from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
+from h3serve.pipeline.engine import Engine, RenderResult
+from h3serve.pipeline.request import RenderRequest
+from h3serve.vocab import TaskType
+
+log = logging.getLogger(__name__)
+
+ERROR_GRACE_S = 5.0  # after one rank's error, how long the others may take to report theirs before a restart
+POLL_S = 0.05
+
+
+class WorkerError(RuntimeError):
+    """A GPU worker failed (its rank and message); the render it was in did not finish."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"GPU worker rank {rank}: {message}")
+        self.rank = rank
+
+
+def check_visible(profile: Profile, num_gpus: int) -> None:
+    """Enough CUDA devices for `num_gpus` workers (ValueError naming H3_NUM_GPUS); the CPU runs any count."""
+    if profile.cuda and num_gpus > 1:
+        visible = torch.cuda.device_count()
+        if num_gpus > visible:
+            raise ValueError(f"H3_NUM_GPUS (--num-gpus) {num_gpus}: only {visible} CUDA device(s) are visible")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker builds its engine from (picklable: it travels to the spawned processes)."""
+
+    model: ModelFolder | None
+    profile: Profile
+    num_gpus: int
+    task_type: str = TaskType.FL2VA
+    step_cache: StepCacheConfig | None = None
+    adapters: tuple[Adapter, ...] = ()
+    timeout_s: float = 600.0  # a collective waiting longer than this fails (a rank that never comes)
+    # CPU threads per gloo worker (None: the cores shared out). A CPU GEMM split over threads can round a row
+    # differently with the row count, so the CPU renders are the one-process render's bits at one thread each.
+    cpu_threads: int | None = None
+    setup: Callable[[Engine, int], None] | None = None  # run in each worker after its load (tests inject faults)
+    # Builds the engine instead of a load from `model` (benchmarks: full-size random weights drawn on each GPU).
+    build: Callable[[Profile], Engine] | None = None
+
+
+def load_engine(
+    model: str | Path | ModelFolder | None,
+    profile: Profile,
+    *,
+    task_type: str = TaskType.FL2VA,
+    step_cache: StepCacheConfig | None = None,
+    adapters: Sequence[Adapter] = (),
+    num_gpus: int = 1,
+    timeout_s: float = 600.0,
+) -> Engine | ParallelEngine:
+    """`Engine.load` for one GPU (or the CPU), else a `ParallelEngine` of `num_gpus` workers."""
+    if num_gpus == 1:
+        return Engine.load(model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters)
+    from h3serve.model.folder import resolve_model_folder
+
+    folder = model if model is None or isinstance(model, ModelFolder) else resolve_model_folder(model)
+    spec = WorkerSpec(folder, profile, num_gpus, task_type, step_cache, tuple(adapters), timeout_s)
+    return ParallelEngine(spec)
+
+
+class ParallelEngine:
+    """An engine whose renders run split over `spec.num_gpus` worker processes. One render at a time (a lock)."""
+
+    def __init__(self, spec: WorkerSpec):
+        from h3serve.model.tiny import TINY_DIT
+
+        check_split(spec.model.dit if spec.model is not None else TINY_DIT, spec.profile, spec.num_gpus)
+        check_visible(spec.profile, spec.num_gpus)
+        self.spec = spec
+        self.num_gpus = spec.num_gpus
+        self.profile = spec.profile
+        self.lock = threading.Lock()
+        self.problem: str | None = None
+        self._seq = 0
+        self._closed = False
+        self._procs: list[Any] = []
+        self._start()
+        self._monitor = threading.Thread(target=self._watch, name="h3serve-gpu-workers", daemon=True)
+        self._monitor.start()
+        atexit.register(self.close)
+
+    # ---- what the CLI and the service read (rank 0's engine, as described at start) ------------------------------
+    @property
+    def name(self) -> str:
+        return self._info["name"]
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return self.admission.tasks
+
+    def validate(self, prompt: str, **fields: Any) -> RenderRequest:
+        return self.admission.validate(prompt, **fields)
+
+    def memory_budget(self):
+        """Rank 0's memory as the plan counts it: what each GPU holds."""
+        return self._info["budget"]
+
+    # ---- work ---------------------------------------------------------------------------------------------------
+    def render(
+        self,
+        request: RenderRequest,
+        ctx: RenderContext | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> RenderResult:
+        """`Engine.render` over the workers: progress and `on_step` from rank 0, a cancel reaches every rank at its
+        next check point; a failed rank's message is raised as WorkerError."""
+        ctx = ctx or RenderContext()
+        with self.lock:
+            self._usable()
+            results = self._run("render", request, ctx, on_step)
+        payload = results[0]
+        return RenderResult(
+            frames=payload["frames"].numpy(),
+            audio=payload["audio"].numpy(),
+            sample_rate=payload["sample_rate"],
+            fps=payload["fps"],
+            request=request,
+            timings=payload["timings"],
+            peak_memory_mb=payload["peak_memory_mb"],
+            step_cache=payload["step_cache"],
+            split=tuple(payload["split"]),
+        )
+
+    def prepare_tables(self) -> float:
+        with self.lock:
+            self._usable()
+            return self._run("tables", None, RenderContext(), None)[0]
+
+    def close(self) -> None:
+        """Stop every worker (they finish the command they are in, then are killed after a few seconds)."""
+        if self._closed:
+            return
+        self._closed = True
+        for commands in self._commands:
+            commands.put(("stop", 0, None))
+        self._stop_workers(wait=10.0)
+
+    # ---- the processes ------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        spawn = mp.get_context("spawn")
+        port = free_port()
+        self._events = spawn.Queue()
+        self._cancel = spawn.Event()
+        self._commands = [spawn.Queue() for _ in range(self.num_gpus)]
+        procs = [
+            spawn.Process(target=_worker, name=f"h3serve-rank{rank}",
+                          args=(rank, self.spec, port, self._commands[rank], self._events, self._cancel))
+            for rank in range(self.num_gpus)
+        ]  # fmt: skip
+        for proc in procs:
+            proc.start()
+        self._procs = procs  # all started: the watcher and `_next_event` may look at them
+        ready: set[int] = set()
+        while len(ready) < self.num_gpus:
+            event = self._next_event(None)
+            if event is None:
+                continue
+            kind, rank, payload = event[0], event[1], event[2]
+            if kind == "failed":
+                self._stop_workers(wait=2.0)
+                raise WorkerError(rank, f"failed to start: {payload}")
+            if kind == "ready":
+                ready.add(rank)
+                if rank == 0:
+                    self._info = payload
+        self.admission = self._info["admission"]
+        self.rules = self._info["rules"]
+        self.adapters = self._info["adapters"]
+        self.merge_seconds = self._info["merge_seconds"]
+        log.info("%d GPU workers ready (pids %s)", self.num_gpus, ", ".join(str(p.pid) for p in self._procs))
+
+    def _next_event(self, deadline: float | None) -> tuple | None:
+        """The next event from the workers; None after POLL_S without one. A dead worker raises WorkerError."""
+        try:
+            return self._events.get(timeout=POLL_S)
+        except queue.Empty:
+            pass
+        for rank, proc in enumerate(self._procs):
+            if proc.exitcode is not None:
+                raise WorkerError(rank, f"the process (pid {proc.pid}) exited with {_exit_text(proc.exitcode)}")
+        return None
+
+    def _run(self, kind: str, payload: Any, ctx: RenderContext, on_step) -> dict[int, Any]:
+        """Send a command to every rank and wait for every rank's outcome; the lead's result by rank."""
+        self._seq += 1
+        seq = self._seq
+        self._cancel.clear()
+        for commands in self._commands:
+            commands.put((kind, seq, payload))
+        outcomes: dict[int, tuple[str, Any]] = {}
+        first_error: tuple[int, str] | None = None
+        grace_end = None
+        while len(outcomes) < self.num_gpus:
+            if ctx.cancelled:
+                self._cancel.set()
+            try:
+                event = self._next_event(None)
+            except WorkerError as err:
+                self._restart(str(err))
+                raise
+            if event is None:
+                if grace_end is not None and time.monotonic() > grace_end:
+                    rank, message = first_error
+                    self._restart(f"rank {rank} failed alone: {message}")
+                    raise WorkerError(rank, message)
+                continue
+            if event[0] == "progress" and event[1] == seq:
+                progress = Progress(*event[2:])
+                if ctx.on_progress is not None:
+                    ctx.on_progress(progress)
+                if on_step is not None and progress.stage == "denoise" and progress.done:
+                    on_step(progress.done, progress.total)
+            elif event[0] == "outcome" and event[1] == seq:
+                _, _, rank, what, result = event
+                outcomes[rank] = (what, result)
+                if what == "error" and first_error is None:
+                    first_error, grace_end = (rank, result), time.monotonic() + ERROR_GRACE_S
+        if first_error is not None:  # every rank ended the render (all failed alike): the group is whole
+            raise WorkerError(*first_error)
+        if any(what == "cancelled" for what, _ in outcomes.values()):
+            raise RenderCancelled(ctx.reason or "cancelled")
+        return {rank: result for rank, (_, result) in outcomes.items()}
+
+    def _usable(self) -> None:
+        if self.problem is not None:
+            raise RuntimeError(self.problem)
+
+    def _restart(self, reason: str) -> None:
+        """Stop every worker now and start them again in the background; `problem` says why until they are up."""
+        log.error("GPU workers: %s; restarting them", reason)
+        self.problem = f"restarting the GPU workers: {reason}"
+        self._stop_workers(wait=1.0)
+        threading.Thread(target=self._restart_workers, args=(reason,), name="h3serve-gpu-restart", daemon=True).start()
+
+    def _restart_workers(self, reason: str) -> None:
+        with self.lock:
+            if self._closed:
+                return
+            try:
+                self._start()
+                self._run("tables", None, RenderContext(), None)
+            except Exception as err:
+                self.problem = f"the GPU workers did not restart after {reason}: {err}"
+                log.error("%s", self.problem)
+                return
+            self.problem = None
+            log.info("GPU workers restarted")
+
+    def _watch(self) -> None:
+        """Notice a worker that dies while no render runs (a render notices it itself)."""
+        while not self._closed:
+            sentinels = [p.sentinel for p in self._procs]
+            multiprocessing.connection.wait(sentinels, timeout=1.0)
+            if self._closed or self.problem is not None or not self.lock.acquire(blocking=False):
+                time.sleep(POLL_S)
+                continue
+            try:
+                for rank, proc in enumerate(self._procs):
+                    if proc.exitcode is not None and self.problem is None:
+                        self._restart(f"rank {rank} (pid {proc.pid}) exited with {_exit_text(proc.exitcode)}")
+            finally:
+                self.lock.release()
+
+    def _stop_workers(self, wait: float) -> None:
+        deadline = time.monotonic() + wait
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5.0)
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"code {code}"
+
+
+def _message(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) -> None:
+    """One rank: join the group, load, then run commands until told to stop (or the parent is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
+    parent = mp.parent_process()
+    try:
+        profile = spec.profile
+        device = torch.device("cpu")
+        if not profile.cuda:
+            torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) // spec.num_gpus))
+        else:
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            profile = dataclasses.replace(profile, device=f"cuda:{rank}")
+        group = Group.join(rank, spec.num_gpus, port, device, spec.timeout_s)
+        if spec.build is not None:
+            engine = spec.build(profile)
+        else:
+            engine = Engine.load(
+                spec.model, profile, task_type=spec.task_type, step_cache=spec.step_cache, adapters=spec.adapters
+            )
+        ranks = Ranks(group)
+        ranks.install(engine)
+        engine.spread = ranks
+        if spec.setup is not None:
+            spec.setup(engine, rank)
+        info = None
+        if rank == 0:
+            info = {
+                "name": engine.name,
+                "admission": engine.admission,
+                "rules": engine.rules,
+                "adapters": engine.adapters,
+                "merge_seconds": engine.merge_seconds,
+                "budget": engine.memory_budget(),
+            }
+        events.put(("ready", rank, info))
+    except BaseException as err:  # every failure is the parent's to report
+        events.put(("failed", rank, _message(err)))
+        log.debug("rank %d failed to start:\n%s", rank, traceback.format_exc())
+        return
+    while True:
+        try:
+            kind, seq, payload = commands.get(timeout=1.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                os._exit(0)
+            continue
+        if kind == "stop":
+            break
+        try:
+            if kind == "render":
+
+                def progress(p: Progress, seq: int = seq) -> None:
+                    events.put(("progress", seq, p.stage, p.done, p.total))
+
+                ctx = AgreedContext(group, cancel, progress if rank == 0 else None)
+                result = engine.render(payload, ctx)
+                out = _result_payload(result, ranks.sizes) if rank == 0 else None
+            else:  # tables
+                out = engine.prepare_tables()
+        except RenderCancelled:
+            events.put(("outcome", seq, rank, "cancelled", None))
+        except Exception as err:  # reported; the parent decides whether the group is whole
+            log.debug("rank %d:\n%s", rank, traceback.format_exc())
+            events.put(("outcome", seq, rank, "error", _message(err)))
+        else:
+            events.put(("outcome", seq, rank, "done", out))
+    group.leave()
+
+
+def _result_payload(result: RenderResult, sizes: list[int]) -> dict[str, Any]:
+    """Rank 0's result for the parent: frames and audio as tensors (shared memory, not pickled bytes)."""
+    return {
+        "frames": torch.from_numpy(result.frames),
+        "audio": torch.from_numpy(result.audio),
+        "sample_rate": result.sample_rate,
+        "fps": result.fps,
+        "timings": result.timings,
+        "peak_memory_mb": result.peak_memory_mb,
+        "step_cache": result.step_cache,
+        "split": list(sizes),
+    }

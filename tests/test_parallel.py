@@ -1,0 +1,186 @@
+"""One render split over several processes (Ulysses sequence parallelism, gloo on the CPU) on the tiny model, whose
+4 attention heads divide by 2 and 4: the same frames, audio and MP4 bytes as one process for every task, the step
+cache on; a rank that fails, a worker that dies, a cancel; the settings' refusals. The workers are real spawned
+processes running the real engine; `parallel_fixtures.inject_faults` only arms a fault for a named prompt."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from h3serve.accel.profile import Profile
+from h3serve.media.mp4 import encode_mp4
+from h3serve.model.tiny import TINY_DIT
+from h3serve.parallel.group import row_ranges
+from h3serve.parallel.plan import check_split
+from h3serve.parallel.workers import ParallelEngine, WorkerError, WorkerSpec, check_visible
+from h3serve.pipeline.context import RenderCancelled, RenderContext
+from h3serve.pipeline.engine import Engine
+from h3serve.settings import SettingsError, load_settings
+from h3serve.vocab import TaskType
+from parallel_fixtures import FAULT_ALL, FAULT_ONE, inject_faults
+from service_fixtures import png_bytes
+from test_ref2va_render import wav
+from test_stepcache_engine import CACHING
+
+CPU = Profile.for_device("cpu")
+PROMPT = "A red fox trots through fresh snow at dawn."
+
+
+def spec(num_gpus: int, **kwargs) -> WorkerSpec:
+    return WorkerSpec(None, CPU, num_gpus, task_type=TaskType.BOTH, step_cache=CACHING, cpu_threads=1, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def one():
+    """The one-process render, at one thread as each worker: a CPU GEMM split over threads can round a row
+    differently with the row count (seen at 2 threads: one value of 914 audio samples in a Ref2VA render)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Engine.load(None, CPU, task_type=TaskType.BOTH, step_cache=CACHING)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def two():
+    engine = ParallelEngine(spec(2, setup=inject_faults))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def four():
+    engine = ParallelEngine(spec(4))
+    yield engine
+    engine.close()
+
+
+# Each request's packed rows do not divide by 2 or 4, so the ranks hold uneven row counts.
+REQUESTS = {
+    "t2va": dict(task="t2va", steps=10, seed=1, num_frames=22),
+    "fl2va": dict(task="fl2va", steps=8, seed=2, keyframes=[png_bytes(96, 64, 1), png_bytes(96, 64, 2)]),
+    "ref2va": dict(task="ref2va", steps=8, seed=3, references=[png_bytes(80, 48, 3), wav()]),
+}
+
+
+def mp4_bytes(result) -> bytes:
+    buffer = io.BytesIO()
+    encode_mp4(buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("task", REQUESTS)
+def test_a_split_render_is_bit_for_bit_the_one_process_render(one, two, four, task):
+    reference = one.render(one.validate(PROMPT, **REQUESTS[task]))
+    assert reference.step_cache.cached, "the step cache must skip forwards for this test to cover it"
+    for engine in (two, four):
+        result = engine.render(engine.validate(PROMPT, **REQUESTS[task]))
+        rows = result.split
+        assert len(rows) == engine.num_gpus and len(set(rows)) > 1, rows  # uneven: no padding anywhere
+        assert rows == tuple(b - a for a, b in row_ranges(sum(rows), engine.num_gpus))
+        np.testing.assert_array_equal(result.frames, reference.frames)
+        np.testing.assert_array_equal(result.audio, reference.audio)
+        assert result.step_cache.cached == reference.step_cache.cached
+        assert mp4_bytes(result) == mp4_bytes(reference)
+
+
+def test_rows_are_split_in_contiguous_near_even_ranges():
+    assert row_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert row_ranges(8, 2) == [(0, 4), (4, 8)]
+    with pytest.raises(ValueError, match="at least one row"):
+        row_ranges(3, 4)
+
+
+def test_a_cancel_reaches_every_rank_and_the_next_render_works(one, two):
+    started = threading.Event()
+
+    def on_progress(p):
+        if p.stage == "denoise" and p.done >= 2:
+            started.set()
+            ctx.cancel("client went away")
+
+    ctx = RenderContext(on_progress)
+    request = two.validate(PROMPT, steps=40, seed=5, num_frames=22)
+    start = time.monotonic()
+    with pytest.raises(RenderCancelled, match="client went away"):
+        two.render(request, ctx)
+    assert started.is_set() and time.monotonic() - start < 30
+    assert two.problem is None  # a cancel is agreed: no worker is lost
+    again = two.render(two.validate(PROMPT, **REQUESTS["t2va"]))
+    np.testing.assert_array_equal(again.frames, one.render(one.validate(PROMPT, **REQUESTS["t2va"])).frames)
+
+
+def test_a_render_failing_on_every_rank_alike_fails_and_the_workers_stay(two):
+    pids = [p.pid for p in two._procs]
+    with pytest.raises(WorkerError, match="injected fault on rank"):
+        two.render(two.validate(FAULT_ALL, steps=4, seed=1))
+    assert two.problem is None and [p.pid for p in two._procs] == pids
+    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+
+
+def test_a_rank_failing_alone_fails_the_render_with_its_message_and_the_workers_restart(two):
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1: RuntimeError: injected fault on rank 1"):
+        two.render(two.validate(FAULT_ONE.format(rank=1), steps=4, seed=1))
+    assert time.monotonic() - start < 20  # the others waited in a collective: not for its 600 s timeout
+    assert two.problem is not None and "rank 1" in two.problem
+    with pytest.raises(RuntimeError, match="restarting the GPU workers"):
+        two.render(two.validate(PROMPT, steps=3, seed=1))
+    wait_usable(two)
+    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+
+
+def test_a_killed_worker_makes_the_engine_unusable_with_the_reason_then_it_restarts(two):
+    victim = two._procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while two.problem is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert two.problem is not None and "rank 1" in two.problem and "SIGKILL" in two.problem, two.problem
+    wait_usable(two)
+    assert two._procs[1].pid != victim.pid
+    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+
+
+def wait_usable(engine: ParallelEngine, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.problem is not None:
+        assert "did not restart" not in engine.problem, engine.problem
+        assert time.monotonic() < deadline, engine.problem
+        time.sleep(0.1)
+
+
+# ---- refusals ------------------------------------------------------------------------------------------------------
+def test_a_gpu_count_the_heads_do_not_divide_by_is_refused_with_the_allowed_counts():
+    with pytest.raises(
+        ValueError, match=r"H3_NUM_GPUS \(--num-gpus\) 3: the DiT's 4 attention heads .*allowed: 1, 2, 4"
+    ):
+        check_split(TINY_DIT, CPU, 3)
+
+
+def test_more_gpus_than_visible_is_refused():
+    with pytest.raises(ValueError, match=r"only \d+ CUDA device\(s\) are visible"):
+        check_visible(Profile.for_device("cuda"), max(2, torch.cuda.device_count() + 1))
+    with pytest.raises(ValueError, match="set device cuda"):
+        check_split(TINY_DIT, Profile.for_device("cuda:1"), 2)
+
+
+def test_the_settings_refuse_humming_and_one_named_gpu_with_several():
+    with pytest.raises(SettingsError) as err:
+        load_settings(env={"H3_NUM_GPUS": "2", "H3_DEVICE": "cuda:0"}, check_profile=False)
+    assert "H3_NUM_GPUS (--num-gpus)" in str(err.value) and "set device cuda" in str(err.value)
+    with pytest.raises(SettingsError) as err:
+        load_settings(
+            env={"H3_NUM_GPUS": "2", "H3_LINEAR_BACKEND": "HUMMING", "H3_DEVICE": "cuda"}, check_profile=False
+        )
+    assert "linear HUMMING runs on one GPU only" in str(err.value)
+    with pytest.raises(SettingsError, match="H3_NUM_GPUS"):
+        load_settings(env={"H3_NUM_GPUS": "0"}, check_profile=False)
+    assert load_settings(env={"H3_NUM_GPUS": "4", "H3_DEVICE": "cpu"}).num_gpus == 4  # gloo processes on the cpu
