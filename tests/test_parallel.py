@@ -184,3 +184,32 @@ def test_the_settings_refuse_humming_and_one_named_gpu_with_several():
     with pytest.raises(SettingsError, match="H3_NUM_GPUS"):
         load_settings(env={"H3_NUM_GPUS": "0"}, check_profile=False)
     assert load_settings(env={"H3_NUM_GPUS": "4", "H3_DEVICE": "cpu"}).num_gpus == 4  # gloo processes on the cpu
+
+
+def test_the_split_attention_is_one_opaque_call_in_a_compiled_graph():
+    """In a process group of one (gloo, this process): a fullgraph compile traces the all-to-all attention as one
+    custom op (its fake gives the shape), with no graph break and no recompile as the row count changes."""
+    import torch._dynamo.testing
+
+    from h3serve.model import ops
+    from h3serve.parallel.group import Group, free_port
+    from h3serve.parallel.ranks import UlyssesAttention
+
+    group = Group.join(0, 1, free_port(), torch.device("cpu"), 30)
+    try:
+        sizes = [0]
+        split = UlyssesAttention(ops.sdpa, group, sizes)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+        @torch.compile(fullgraph=True, backend=counter, dynamic=True)
+        def block(x):
+            q = x * 2
+            return split(q, q + 1, q - 1, False) + 1
+
+        for rows in (10, 17, 33):
+            sizes[0] = rows
+            x = torch.randn(1, 4, rows, 16)
+            assert torch.equal(block(x), ops.sdpa(x * 2, x * 2 + 1, x * 2 - 1, False) + 1)
+        assert counter.frame_count == 1
+    finally:
+        group.leave()

@@ -4,10 +4,10 @@
 - The packed sequence is cut in contiguous row ranges, every row kind alike (`group.row_ranges`). A rank runs the
   DiT's blocks on its own rows only, given its slice of the RoPE table, tags and timestep indices and the local
   positions of its video, audio and text rows. The AdaLN tables and the timestep embedding are made on every rank;
-  the text refiner runs on every rank (its input is the broadcast text states). The two input projections run over
-  every row, the video head over all of a rank's rows and the audio head over every audio row (gathered): a rank
-  may hold only a few rows of a kind, and a GEMM of a few rows can round differently from the same rows inside a
-  larger one (on the CPU below 12 rows), so each GEMM whose row count could be small is the one-GPU call.
+  the text refiner runs on every rank (its input is the broadcast text states). The fp32 GEMMs outside the blocks
+  keep the one-GPU call's shape: the input projections run over every row, the audio head over every audio row
+  (gathered), the video head over an input shaped as all the video rows (the rank's in place): a GEMM's kernel is
+  chosen by its shape, and a call on a rank's rows alone rounds differently.
 - Around each main block's attention one all-to-all turns "my rows, all heads" into "all rows, my heads" for Q, K
   and V together, the profile's kernel runs unchanged on the local heads, and a second all-to-all brings the output
   back (`UlyssesAttention`). The row-local GEMMs give the same bits for a row block as inside the whole product
@@ -56,8 +56,12 @@ class Ranks:
         """Split `engine`'s DiTs: every main block's attention all-to-all around its kernel, and every step cache's
         measured change summed over the ranks. Run once, after the profile was applied."""
         for dit in engine.components.dits.values():
+            kernels = {block.attn.kernel for block in dit.blocks}
+            if len(kernels) != 1:
+                raise ValueError(f"the DiT's blocks run {len(kernels)} attention kernels; a split needs one")
+            split = UlyssesAttention(kernels.pop(), self.group, self.sizes)  # one op, shared by the blocks
             for block in dit.blocks:
-                block.attn.kernel = UlyssesAttention(block.attn.kernel, self.group, self.sizes)
+                block.attn.kernel = split
         for cache in engine.step_caches.values():
             cache.sum_over_ranks = self.group.all_sum
 
@@ -89,10 +93,13 @@ class Ranks:
             temb = dit.time_embedder(timesteps)
             t_index = timestep_indices[start:end]
             x = dit.run_blocks(x, temb, t_index * NUM_MODALITIES + tags, rope, None if tables is None else tables[step])
-            # The video head over all of this rank's rows, its video rows picked (the same reason as above); the
-            # audio head over every audio row, gathered first (a few hundred rows: the one-GPU call).
+            # The video head over a tensor shaped as the one-GPU call's input (every video row: this rank's in their
+            # place, the others zero), so that cuBLAS picks the same kernel and each row gets the same bits (a call
+            # on the rank's rows alone differed by 1.7e-5 at 4 ranks on the H200); the audio head over every audio
+            # row, gathered first (a few hundred rows: the one-GPU call).
             h = dit.final_layer.hidden(x, temb, t_index)
-            v = self._gather(dit.final_layer.video_out(h).index_select(0, v_at), video, video_in.shape[0])
+            rows = h.new_zeros(video_in.shape[0], h.shape[1]).index_copy_(0, v_rows, h.index_select(0, v_at))
+            v = self._gather(dit.final_layer.video_out(rows).index_select(0, v_rows), video, video_in.shape[0])
             return v, dit.final_layer.audio_out(self._gather(h.index_select(0, a_at), audio, audio_in.shape[0]))
 
         return model
@@ -145,20 +152,28 @@ def _picks(indices: torch.Tensor, ranges: list[tuple[int, int]], device: torch.d
     return out
 
 
-@dataclass(eq=False)
 class UlyssesAttention:
     """An attention kernel over this rank's rows and every head: the rows of every rank for this rank's heads go
-    through `inner` (the profile's kernel), and the result comes back to its rows. `sizes`: rows per rank."""
+    through `inner` (the profile's kernel), and the result comes back to its rows. `sizes`: rows per rank (read at
+    each call). It is a custom op of its own, so that a compiled block traces it as one opaque call: the
+    collectives stay outside the compiled code, with no graph break and no guard on the sizes."""
 
-    inner: AttentionKernel
-    group: Group
-    sizes: list[int]
+    def __init__(self, inner: AttentionKernel, group: Group, sizes: list[int]):
+        self.inner, self.group, self.sizes = inner, group, sizes
+        name = f"h3serve_parallel::ulysses_attention_{id(self):x}"  # one op per instance (per DiT, per process)
+        self.op = torch.library.custom_op(name, self._run, mutates_args=(), schema=SCHEMA)
+        self.op.register_fake(lambda q, k, v, causal: q.new_empty(q.shape))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         return _ulysses(q, k, v, causal, self.inner, self.group, self.sizes)
 
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        return self.op(q, k, v, causal)
 
-@torch.compiler.disable  # the collectives stay outside the compiled block (a graph of its own on either side)
+
+SCHEMA = "(Tensor q, Tensor k, Tensor v, bool causal) -> Tensor"
+
+
 def _ulysses(q, k, v, causal: bool, inner: AttentionKernel, group: Group, sizes: list[int]) -> torch.Tensor:
     # q, k, v: (1, H, s, D), this rank's s rows. One all-to-all carries all three.
     n = group.size
