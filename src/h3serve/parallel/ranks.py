@@ -10,9 +10,9 @@
   chosen by its shape, and a call on a rank's rows alone rounds differently.
 - Around each main block's attention one all-to-all turns "my rows, all heads" into "all rows, my heads" for Q, K
   and V together, the profile's kernel runs unchanged on the local heads, and a second all-to-all brings the output
-  back (`UlyssesAttention`). The row-local GEMMs give the same bits for a row block as inside the whole product
-  (measured on the H200, shared/h3/PARALLEL.md), and attention per head is the same computation: eager renders
-  are bit for bit the one-GPU render.
+  back (`UlyssesAttention`). The block GEMMs give the same bits for a row block as inside the whole product
+  (measured on the H200), and attention per head is the same computation (bench/split.py): eager renders are bit
+  for bit the one-GPU render (docs/parallel.md).
 - After each forward only the compact outputs are gathered (video patch channels per video row, and the audio rows'
   head inputs), so every rank steps the same full latents.
 - The video decode's temporal windows are dealt out round-robin, sent to rank 0 and cross-faded there exactly as
