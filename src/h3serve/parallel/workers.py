@@ -347,6 +347,8 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
         ranks = Ranks(group)
         ranks.install(engine)
         engine.spread = ranks
+        if rank != 0:  # only rank 0 encodes the prompt (its states are broadcast): the others free the text encoder
+            engine.components.text_encoder.to("meta")
         if spec.setup is not None:
             spec.setup(engine, rank)
         info = None
@@ -388,6 +390,8 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
             events.put(("outcome", seq, rank, "cancelled", None))
         except Exception as err:  # reported; the parent decides whether the group is whole
             log.debug("rank %d:\n%s", rank, traceback.format_exc())
+            if profile.cuda:
+                torch.cuda.empty_cache()  # what the failed render held goes back (a cancel does this in the engine)
             events.put(("outcome", seq, rank, "error", _message(err)))
         else:
             events.put(("outcome", seq, rank, "done", out))
