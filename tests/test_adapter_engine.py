@@ -100,6 +100,33 @@ def test_the_service_names_the_adapter_and_echoes_the_sampler_that_ran(engine, t
         assert (done["num_inference_steps"], done["flow_shift"], done["audio_flow_shift"]) == (3, 9.0, 3.0)
 
 
+def test_a_request_may_name_the_merged_adapter_but_not_switch_to_another(engine, tmp_path):
+    """vLLM-Omni's per-request `lora` object: the merged adapter (by file name or path, at its scale) is a no-op;
+    any other adapter or scale is a 400 saying how to start a server with it, as is any adapter on a server without."""
+    with live_server(settings(tmp_path / "turbo"), engine) as server, server.client() as c:
+        same = c.post("/v1/videos", json={"prompt": PROMPT, "lora": {"name": FOUR_STEP, "scale": 1.0}})
+        assert same.status_code == 200, same.text
+        assert wait_status(c, same.json()["id"], {"completed", "failed"})["status"] == "completed"
+        form = c.post("/v1/videos", data={"prompt": PROMPT, "lora": json.dumps({"path": FOUR_STEP})})
+        assert form.status_code == 200, form.text
+        cases = [  # (lora, param, words in the message)
+            ({"path": "/loras/other_8step.safetensors"}, "lora", "cannot switch adapters; adapters are merged into "
+             "the weights at load: start a server with H3_LORA=/loras/other_8step.safetensors[:SCALE]"),
+            ({"name": FOUR_STEP, "scale": 0.5}, "lora.scale", f"merged {FOUR_STEP} at 1; adapters are merged"),
+            ({"name": FOUR_STEP, "rank": 4}, "lora.rank", "allowed: name, lora_name, path, local_path, scale"),
+            ({"scale": 1.0}, "lora", "by path or name"),
+            ("strong", "lora", "JSON"),
+        ]  # fmt: skip
+        for value, param, words in cases:
+            r = c.post("/v1/videos", json={"prompt": PROMPT, "lora": value})
+            error = r.json()["error"]
+            assert (r.status_code, error["param"]) == (400, param), r.text
+            assert words in error["message"], error
+    with live_server(settings(tmp_path / "plain"), Engine.load(None, Profile())) as server, server.client() as c:
+        r = c.post("/v1/videos", json={"prompt": PROMPT, "lora": {"name": FOUR_STEP}})
+        assert r.status_code == 400 and "runs no adapter" in r.json()["error"]["message"], r.text
+
+
 def _cli(*args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "h3serve.cli", *args], capture_output=True, text=True, timeout=300, env=env

@@ -45,8 +45,10 @@ from h3serve.vocab import ANCHORS, TASK_ANCHORS, Task, seconds_to_frames
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
     "num_frames", "fps", "num_inference_steps", "flow_shift", "seed", "extra_params", "aspect_ratio", "short_edge",
-    "quality",
+    "quality", "lora",
 )  # fmt: skip
+# vLLM-Omni's per-request adapter object: its name, its path on the server, its scale.
+LORA_KEYS = ("name", "lora_name", "path", "local_path", "scale")
 EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices", "mute_references")
 TEXT_FIELDS = ("prompt", "model", "size", "user", "aspect_ratio", "quality")  # strings, whatever the body's form
 MAX_USER_CHARS = 256
@@ -217,6 +219,39 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
     return value
 
 
+def _check_lora(value: Any, adapters) -> None:
+    """vLLM-Omni's per-request `lora` ({name, path, scale}; a JSON string in a form). The adapters are merged into
+    the weights at load, so a request may name only what the server merged (by its path, or its file name as `name`
+    or `path`, at its scale): that is a no-op; anything else is refused, saying how to serve it."""
+    if isinstance(value, str):
+        value = load_json(value, "lora")
+    if not isinstance(value, dict):
+        raise bad_request("lora", f"lora must be a JSON object with name, path and scale, got {shown(value)}")
+    for key in value:
+        if key not in LORA_KEYS:
+            raise bad_request(
+                f"lora.{escaped(key)}", f"lora.{escaped(key)} is not accepted; allowed: {', '.join(LORA_KEYS)}"
+            )
+    named = [value[k] for k in ("path", "local_path", "name", "lora_name") if value.get(k) is not None]
+    if not named or not all(isinstance(n, str) and n for n in named):
+        raise bad_request(
+            "lora", f"lora must name the adapter by path or name (a non-empty string), got {shown(value)}"
+        )
+    scale = _float("lora.scale", value["scale"]) if "scale" in value else None
+    serve = f"adapters are merged into the weights at load: start a server with H3_LORA={escaped(named[0])}"
+    if not adapters:
+        raise bad_request("lora", f"this server runs no adapter; {serve} (--lora)")
+    loaded = ", ".join(f"{a.path.name}:{a.scale:g}" for a in adapters)
+    for adapter in adapters:
+        if all(n in (str(adapter.path), adapter.path.name, adapter.path.stem) for n in named):
+            if scale is not None and scale != adapter.scale:
+                raise bad_request("lora.scale", f"lora.scale {scale:g}: the server merged {adapter.path.name} at "
+                                                f"{adapter.scale:g}; {serve}:{scale:g}")  # fmt: skip
+            return
+    raise bad_request("lora", f"lora names {shown(named[0])}, but this server merged {loaded} and a request cannot "
+                              f"switch adapters; {serve}[:SCALE]")  # fmt: skip
+
+
 def _refusal(err: RequestError, names: dict[str, str], hint: str = "") -> ApiError:
     """The engine's refusal under the API's names (`names`: engine field -> API param, from the request as sent).
 
@@ -250,6 +285,8 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
             "model",
         )
     extra = _extra_params(fields["extra_params"]) if "extra_params" in fields else {}
+    if "lora" in fields:
+        _check_lora(fields["lora"], engine.adapters)
 
     # Canvas: size or width+height, else aspect_ratio (+ short_edge), else the model's default.
     width = _int("width", fields["width"]) if "width" in fields else None
