@@ -8,6 +8,7 @@ from __future__ import annotations
 
 FAULT_ONE = "fault on rank {rank}"  # a render with this prompt fails on that rank alone
 FAULT_ALL = "fault on every rank"  # and with this one on every rank, at the same point
+FAULT_TEXT = "fault in the text stage"  # in rank 0's text encoder, a stage only rank 0 runs
 
 
 def inject_faults(engine, rank: int) -> None:
@@ -16,8 +17,13 @@ def inject_faults(engine, rank: int) -> None:
 
     def faulty_render(request, ctx=None, on_step=None):
         state["armed"] = request.prompt in (FAULT_ONE.format(rank=rank), FAULT_ALL)
+        state["text"] = request.prompt == FAULT_TEXT
         state["calls"] = 0
         return render(request, ctx, on_step)
+
+    def text_hook(module, args, kwargs):
+        if state["text"]:
+            raise RuntimeError(f"injected text-encoder fault on rank {rank}")
 
     def hook(module, args):
         if state["armed"]:
@@ -26,5 +32,7 @@ def inject_faults(engine, rank: int) -> None:
                 raise RuntimeError(f"injected fault on rank {rank}")
 
     engine.render = faulty_render
+    if rank == 0:
+        engine.components.text_encoder.model.register_forward_pre_hook(text_hook, with_kwargs=True)
     for dit in engine.components.dits.values():
         dit.blocks[0].register_forward_pre_hook(hook)

@@ -149,3 +149,4 @@ def test_check_and_render_read_the_adapter(turbo, tmp_path):
     render = _cli("render", PROMPT, "-o", str(out), "--lora", str(turbo.path), "--no-progress")
     assert render.returncode == 0, render.stderr
     assert "5 grid points (4 DiT forwards), shifts 6/3" in render.stderr and out.is_file()
+    assert "adapters merged in " in render.stderr

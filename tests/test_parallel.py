@@ -25,7 +25,7 @@ from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
 from h3serve.settings import SettingsError, load_settings
 from h3serve.vocab import TaskType
-from parallel_fixtures import FAULT_ALL, FAULT_ONE, inject_faults
+from parallel_fixtures import FAULT_ALL, FAULT_ONE, FAULT_TEXT, inject_faults
 from service_fixtures import png_bytes
 from test_ref2va_render import wav
 from test_stepcache_engine import CACHING
@@ -121,6 +121,16 @@ def test_a_render_failing_on_every_rank_alike_fails_and_the_workers_stay(two):
     pids = [p.pid for p in two._procs]
     with pytest.raises(WorkerError, match="injected fault on rank"):
         two.render(two.validate(FAULT_ALL, steps=4, seed=1))
+    assert two.problem is None and [p.pid for p in two._procs] == pids
+    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+
+
+def test_a_failure_in_a_stage_only_rank_0_runs_ends_it_on_every_rank_and_the_workers_stay(two):
+    pids = [p.pid for p in two._procs]
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 0: RuntimeError: injected text-encoder fault on rank 0"):
+        two.render(two.validate(FAULT_TEXT, steps=4, seed=1))
+    assert time.monotonic() - start < 5  # no grace period waited out: the other rank was told
     assert two.problem is None and [p.pid for p in two._procs] == pids
     assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
 

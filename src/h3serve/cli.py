@@ -579,8 +579,13 @@ def _load_engine(settings, folder, profile, task_type: str, adapters):
     try:
         return load_engine(folder, profile, task_type=task_type, step_cache=settings.step_cache(), adapters=adapters,
                            num_gpus=settings.num_gpus)  # fmt: skip
-    except WorkerError as err:
-        raise CliError(f"H3_NUM_GPUS (--num-gpus) {settings.num_gpus}: {err}") from err
+    except WorkerError as err:  # what a worker could not load is the model's; the rest is the GPUs'
+        setting = (
+            f"H3_MODEL (--model) {settings.model}"
+            if err.input_error
+            else f"H3_NUM_GPUS (--num-gpus) {settings.num_gpus}"
+        )
+        raise CliError(f"{setting}: {err}") from err
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
 
@@ -637,6 +642,8 @@ def _run_render(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     engine = _load_engine(settings, plan.folder, profile, dit_kind(request.task), plan.adapters)
     load_s = time.perf_counter() - start
+    if plan.adapters:
+        print(f"adapters merged in {engine.merge_seconds:.2f}s (part of the load)", file=sys.stderr)
     try:
         result = _render(engine, request, progress=not args.no_progress)
     finally:

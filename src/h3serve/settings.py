@@ -504,7 +504,8 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if (s.device is not None or visible) and s.num_gpus > visible:  # unset without CUDA: the cpu
-                out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible"))
+                out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible (gloo "
+                                               "processes on the CPU: H3_DEVICE=cpu)"))  # fmt: skip
     if check_profile and ok(*PROFILE_FIELDS):
         try:
             check(s.profile())

@@ -45,6 +45,9 @@ class Group:
     rank: int
     size: int
     device: torch.device
+    # Collectives this rank has entered (point-to-point sends and receives not counted): two ranks that failed at
+    # different counts left the group out of step.
+    calls: int = 0
 
     @classmethod
     def join(cls, rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> Group:
@@ -74,6 +77,7 @@ class Group:
     def broadcast_object(self, obj: Any) -> Any:
         """The lead's `obj` on every rank (`torch.save` bytes, its tensors placed on each rank's device); the lead
         keeps its own object."""
+        self.calls += 1
         if self.lead:
             buffer = io.BytesIO()
             torch.save(obj, buffer)
@@ -91,23 +95,27 @@ class Group:
 
     def agree(self, flag: bool) -> bool:
         """Whether any rank's `flag` is set (every rank gets the same answer at the same point)."""
+        self.calls += 1
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def all_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of `t` over the ranks (a new tensor)."""
+        self.calls += 1
         out = t.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> None:
         """1-D `inp` cut into `in_sizes` parts, part r to rank r; `out` receives rank r's part at its `out_sizes[r]`."""
+        self.calls += 1
         dist.all_to_all_single(out, inp, output_split_sizes=out_sizes, input_split_sizes=in_sizes)
 
     def all_gather(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         """Every rank's 1-D `flat` (rank r's has `sizes[r]` elements), in rank order; the message is padded to the
         largest."""
+        self.calls += 1
         width = max(sizes)
         padded = flat.new_zeros(width)
         padded[: flat.numel()] = flat

@@ -67,13 +67,27 @@ class Ranks:
 
     # ---- Spread -------------------------------------------------------------------------------------------------
     def share(self, compute: Callable[[], Any]) -> Any:
-        return self.group.broadcast_object(compute() if self.lead else None)
+        """Rank 0 computes, every rank gets the result; a failure on rank 0 is raised on every rank (the others
+        would otherwise wait in the broadcast)."""
+        if not self.lead:
+            failed, value = self.group.broadcast_object(None)
+            if failed:
+                raise LeadFailed(value)
+            return value
+        try:
+            value = compute()
+        except Exception as err:
+            self.group.broadcast_object((True, f"{type(err).__name__}: {err}"))
+            raise
+        return self.group.broadcast_object((False, value))[1]
 
     def bind(self, dit, layout, text_states, tables) -> ModelFn:
         g = self.group
         ranges = row_ranges(layout.token_tags.shape[0], g.size)
         self.sizes[:] = [end - start for start, end in ranges]
         start, end = ranges[g.rank]
+        if text_states.shape[0] != layout.num_text:
+            raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
         device = next(dit.parameters()).device
         with torch.no_grad():
             text = dit.refine_text(text_states.to(device))  # every rank: the same input, the same rows
@@ -106,7 +120,7 @@ class Ranks:
 
     def decode_video(self, vae, video_rows, layout, autocast, on_window) -> np.ndarray | None:
         if self.lead:
-            return decode_video(vae, video_rows, layout, autocast, on_window, run_windows=self._lead_windows)
+            return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_windows))
         windows, clip = vae.decode_windows(video_latents(vae, video_rows, layout), autocast_dtype=autocast)
         g = self.group
         for first in range(0, windows, g.size):
@@ -116,10 +130,22 @@ class Ranks:
                 g.send(part, 0)
             for i in range(first, min(first + g.size, windows)):
                 on_window(i + 1, windows)  # the same check points as rank 0's decode
-        return None
+        return self._agreed(None)
 
     def decode_audio(self, vae, audio_rows, layout) -> np.ndarray | None:
-        return decode_audio(vae, audio_rows, layout) if self.lead else None
+        return self._agreed(lambda: decode_audio(vae, audio_rows, layout) if self.lead else None)
+
+    def _agreed(self, compute: Callable[[], Any] | None) -> Any:
+        """Run rank 0's part of a stage (`compute`; None elsewhere) and agree on whether it failed, so that a
+        failure there (non-finite pixels) ends the stage on every rank instead of leaving the others waiting."""
+        try:
+            value = compute() if compute is not None else None
+        except Exception:
+            self.group.agree(True)
+            raise
+        if self.group.agree(False):
+            raise LeadFailed("rank 0 failed in this stage")
+        return value
 
     # ---- helpers ------------------------------------------------------------------------------------------------
     def _gather(self, local: torch.Tensor, picks: Picks, total: int) -> torch.Tensor:
@@ -189,6 +215,10 @@ def _ulysses(q, k, v, causal: bool, inner: AttentionKernel, group: Group, sizes:
     mine = out.new_empty(n * hn * s * d)
     group.all_to_all(mine, back, [hn * s * d] * n, [hn * m * d for m in sizes])
     return mine.view(heads, s, d)[None]  # (1, H, s, D): rank j's part holds heads j*hn..(j+1)*hn
+
+
+class LeadFailed(RuntimeError):
+    """Raised on the other ranks where rank 0 failed in a stage only it runs (its own error is the render's)."""
 
 
 class AgreedContext(RenderContext):

@@ -49,11 +49,13 @@ POLL_S = 0.05
 
 
 class WorkerError(RuntimeError):
-    """A GPU worker failed (its rank and message); the render it was in did not finish."""
+    """A GPU worker failed (its rank and message); the render it was in did not finish. `input_error`: it failed on
+    what it was given to load (a ValueError or OSError: the checkpoint, an adapter), not on the GPUs."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, input_error: bool = False):
         super().__init__(f"GPU worker rank {rank}: {message}")
         self.rank = rank
+        self.input_error = input_error
 
 
 def check_visible(profile: Profile, num_gpus: int) -> None:
@@ -150,6 +152,7 @@ class ParallelEngine:
         """`Engine.render` over the workers: progress and `on_step` from rank 0, a cancel reaches every rank at its
         next check point; a failed rank's message is raised as WorkerError."""
         ctx = ctx or RenderContext()
+        self._usable()  # at once while the workers restart (the restart holds the lock)
         with self.lock:
             self._usable()
             results = self._run("render", request, ctx, on_step)
@@ -167,15 +170,18 @@ class ParallelEngine:
         )
 
     def prepare_tables(self) -> float:
+        self._usable()
         with self.lock:
             self._usable()
             return self._run("tables", None, RenderContext(), None)[0]
 
     def close(self) -> None:
-        """Stop every worker (they finish the command they are in, then are killed after a few seconds)."""
+        """Stop every worker: a render in progress is cancelled at its next check point; they are killed after a
+        few seconds."""
         if self._closed:
             return
         self._closed = True
+        self._cancel.set()
         for commands in self._commands:
             commands.put(("stop", 0, None))
         self._stop_workers(wait=10.0)
@@ -196,18 +202,22 @@ class ParallelEngine:
             proc.start()
         self._procs = procs  # all started: the watcher and `_next_event` may look at them
         ready: set[int] = set()
-        while len(ready) < self.num_gpus:
-            event = self._next_event(None)
-            if event is None:
-                continue
-            kind, rank, payload = event[0], event[1], event[2]
-            if kind == "failed":
-                self._stop_workers(wait=2.0)
-                raise WorkerError(rank, f"failed to start: {payload}")
-            if kind == "ready":
-                ready.add(rank)
-                if rank == 0:
-                    self._info = payload
+        try:
+            while len(ready) < self.num_gpus:
+                event = self._next_event(None)
+                if event is None:
+                    continue
+                kind, rank, payload = event[0], event[1], event[2]
+                if kind == "failed":
+                    message, input_error = payload
+                    raise WorkerError(rank, f"failed to start: {message}", input_error)
+                if kind == "ready":
+                    ready.add(rank)
+                    if rank == 0:
+                        self._info = payload
+        except BaseException:  # one failed or died (or Ctrl-C): none may be left running
+            self._stop_workers(wait=2.0)
+            raise
         self.admission = self._info["admission"]
         self.rules = self._info["rules"]
         self.adapters = self._info["adapters"]
@@ -234,6 +244,7 @@ class ParallelEngine:
             commands.put((kind, seq, payload))
         outcomes: dict[int, tuple[str, Any]] = {}
         first_error: tuple[int, str] | None = None
+        calls: set[int] = set()  # the collective count of each failed rank
         grace_end = None
         while len(outcomes) < self.num_gpus:
             if ctx.cancelled:
@@ -257,11 +268,20 @@ class ParallelEngine:
                     on_step(progress.done, progress.total)
             elif event[0] == "outcome" and event[1] == seq:
                 _, _, rank, what, result = event
+                if what == "error":
+                    result, count = result
+                    calls.add(count)
+                    if first_error is None:
+                        first_error, grace_end = (rank, result), time.monotonic() + ERROR_GRACE_S
                 outcomes[rank] = (what, result)
-                if what == "error" and first_error is None:
-                    first_error, grace_end = (rank, result), time.monotonic() + ERROR_GRACE_S
-        if first_error is not None:  # every rank ended the render (all failed alike): the group is whole
-            raise WorkerError(*first_error)
+        if first_error is not None:
+            # Every rank ended the render. Failed at one collective count, they are in step (a refusal, non-finite
+            # latents, rank 0's stage failing: the others raise after agreeing on it); else some rank has a
+            # collective in flight that the next command would meet, so the workers start afresh.
+            rank, message = (0, outcomes[0][1]) if outcomes[0][0] == "error" else first_error
+            if len(calls) > 1 or any(what != "error" for what, _ in outcomes.values()):
+                self._restart(f"rank {rank} failed out of step with the others: {message}")
+            raise WorkerError(rank, message)
         if any(what == "cancelled" for what, _ in outcomes.values()):
             raise RenderCancelled(ctx.reason or "cancelled")
         return {rank: result for rank, (_, result) in outcomes.items()}
@@ -283,6 +303,9 @@ class ParallelEngine:
                 return
             try:
                 self._start()
+                if self._closed:  # closed while they started
+                    self._stop_workers(wait=2.0)
+                    return
                 self._run("tables", None, RenderContext(), None)
             except Exception as err:
                 self.problem = f"the GPU workers did not restart after {reason}: {err}"
@@ -307,6 +330,8 @@ class ParallelEngine:
                 self.lock.release()
 
     def _stop_workers(self, wait: float) -> None:
+        for q in (self._events, *self._commands):  # unread messages must not hold up this process's exit
+            q.cancel_join_thread()
         deadline = time.monotonic() + wait
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -363,7 +388,7 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
             }
         events.put(("ready", rank, info))
     except BaseException as err:  # every failure is the parent's to report
-        events.put(("failed", rank, _message(err)))
+        events.put(("failed", rank, (_message(err), isinstance(err, ValueError | OSError))))
         log.debug("rank %d failed to start:\n%s", rank, traceback.format_exc())
         return
     while True:
@@ -392,7 +417,7 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
             log.debug("rank %d:\n%s", rank, traceback.format_exc())
             if profile.cuda:
                 torch.cuda.empty_cache()  # what the failed render held goes back (a cancel does this in the engine)
-            events.put(("outcome", seq, rank, "error", _message(err)))
+            events.put(("outcome", seq, rank, "error", (_message(err), group.calls)))
         else:
             events.put(("outcome", seq, rank, "done", out))
     group.leave()
