@@ -60,3 +60,28 @@ def call_peer(peer, x: dict):
         text_indices=x["text_indices"],
         return_dict=False,
     )
+
+
+def timed_render(engine, request) -> dict:
+    """A warmup render (compile, tables), then a timed one: its stage times, per forward, peak, whether it is
+    byte-identical to the warmup, the compile's graphs and recompiles; an error instead, as text."""
+    entry: dict = {"steps": request.steps, "forwards": request.forwards}
+    try:
+        start = time.perf_counter()
+        first = engine.render(request)
+        entry["first_render_s"] = round(time.perf_counter() - start, 2)
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        second = engine.render(request)
+        entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
+        entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
+        entry["per_forward_s"] = round(second.timings["denoise"] / request.forwards, 4)
+        entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        entry["identical_to_first"] = bool(
+            (first.frames == second.frames).all() and (first.audio == second.audio).all()
+        )
+        if engine.compiled is not None:
+            entry["graphs"], entry["recompiles"] = engine.compiled.graphs, engine.compiled.recompiles
+    except Exception as err:  # recorded, so that the other runs of the script still run
+        entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+    return entry

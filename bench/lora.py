@@ -1,14 +1,15 @@
-"""Few-step adapter on the full-size DiT (random weights): the merge's time, then few-forward renders, compiled CUTLASS.
+"""Few-step adapter on the full-size DiT (random weights): the merge's time, then few-forward renders per profile.
 
 A synthetic adapter of LightX2V's published shape (diffusers names, rank 128 on every block and refiner linear,
 metadata alpha 128: the 4-step 768p variant, whose trained sampler is 5 points at shifts 6/3) is written to disk,
-read and checked (`read_adapter`), and merged into the BF16 DiT on the GPU (`merge_into`); then the engine quantizes
-the merged weights to FP8 (CUTLASS) and compiles the block. Renders: the reference request (T2VA 768x448, 56 frames)
-with 9 points (8 forwards) and 5 points (4 forwards, the adapter's default), and the default request (1344x768, 124
-frames) with 9 points. Each render runs twice: the first warms up (compiles), the second is timed; the two must be
+read and checked (`read_adapter`), and merged into the BF16 DiT on the GPU (`merge_into`); then each profile runs
+(eager BF16, compiled BF16, compiled CUTLASS, which quantizes the merged weights to FP8). Renders: the reference
+request (T2VA 768x448, 56 frames) and the default request (1344x768, 124 frames), each with 9 points (8 forwards)
+and 5 points (4 forwards, the adapter's default); `--profiles` and `--runs` pick some.
+Each render runs twice: the first warms up (compiles), the second is timed; the two must be
 byte-identical, and the graph counter must show 0 recompiles.
 
-    PYTHONPATH=src:tests python bench/lora.py --out bench/results/lora.json
+    PYTHONPATH=src:tests python bench/lora.py --out bench/results/lora.json [--profiles "eager BF16"] [--runs NAME]
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
+from benchlib import run_header, timed_render
 from full_size_smoke import build, t2va_prompt
 
 from adapter_fixtures import write_adapter
+from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
 from h3serve.model.adapters import merge_into, read_adapter
 from h3serve.pipeline.engine import Engine
@@ -35,6 +37,13 @@ RUNS = (
     ("reference 768x448x56, 9 points", 768, 448, 56, 9),
     ("reference 768x448x56, adapter default (5 points)", 768, 448, 56, None),
     ("default 1344x768x124, 9 points", 1344, 768, 124, 9),
+    ("default 1344x768x124, adapter default (5 points)", 1344, 768, 124, None),
+)
+# In this order: the BF16 profiles first, then CUTLASS, which quantizes the merged BF16 block weights in place.
+PROFILES = (
+    ("eager BF16", "eager", "BF16"),
+    ("compile BF16", "compile", "BF16"),
+    ("compile CUTLASS", "compile", "CUTLASS"),
 )
 
 
@@ -42,6 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument("--profiles", nargs="*", help="profile labels to run (default: all of PROFILES)")
+    parser.add_argument("--runs", nargs="*", help="run names to run (default: all of RUNS)")
     args = parser.parse_args()
     components = build(torch.device("cuda"))
     config = components.dit_config
@@ -64,34 +75,24 @@ def main() -> None:
     record["merge_s"] = round(time.perf_counter() - start, 2)
     print("merge", {k: record[k] for k in ("write_s", "file_gib", "read_s", "merge_s", "targets")}, flush=True)
 
-    profile = Profile(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN",
-                      execution="compile", linear="CUTLASS")  # fmt: skip
-    engine = Engine(components, profile, adapters=[adapter])
-    record["sampler"] = engine.admission.sampler.describe()
-    for name, width, height, frames, steps in RUNS:
-        request = engine.validate(t2va_prompt(), width=width, height=height, num_frames=frames, steps=steps, seed=42)
-        entry: dict = {"steps": request.steps, "forwards": request.forwards, "shifts": [request.video_shift,
-                       request.audio_shift]}  # fmt: skip
-        try:
-            start = time.perf_counter()
-            first = engine.render(request)
-            entry["first_render_s"] = round(time.perf_counter() - start, 2)
-            torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-            second = engine.render(request)
-            entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
-            entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
-            entry["per_forward_s"] = round(second.timings["denoise"] / request.forwards, 4)
-            entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            entry["identical_to_first"] = bool(
-                (first.frames == second.frames).all() and (first.audio == second.audio).all()
-            )
-            entry["graphs"], entry["recompiles"] = engine.compiled.graphs, engine.compiled.recompiles
-        except Exception as err:
-            entry["error"] = f"{type(err).__name__}: {err}"[:2000]
-        record["runs"][name] = entry
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
-        print(name, entry, flush=True)
+    base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN")
+    for label, execution, linear in PROFILES:
+        if args.profiles and label not in args.profiles:
+            continue
+        uncompile_repeated_blocks(components.dit)
+        torch._dynamo.reset()
+        engine = Engine(components, Profile(**base | {"execution": execution, "linear": linear}), adapters=[adapter])
+        torch.cuda.empty_cache()
+        record["sampler"] = engine.admission.sampler.describe()
+        for name, width, height, frames, steps in RUNS:
+            if args.runs and name not in args.runs:
+                continue
+            request = engine.validate(t2va_prompt(), width=width, height=height, num_frames=frames, steps=steps,
+                                      seed=42)  # fmt: skip
+            entry = {"shifts": [request.video_shift, request.audio_shift]} | timed_render(engine, request)
+            record["runs"][f"{label}: {name}"] = entry
+            args.out.write_text(json.dumps(record, indent=2) + "\n")
+            print(label, name, entry, flush=True)
 
 
 if __name__ == "__main__":

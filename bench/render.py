@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
+from benchlib import run_header, timed_render
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.compile import uncompile_repeated_blocks
@@ -56,22 +55,7 @@ def main() -> None:
         request = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
         entry: dict = {"resident_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
         entry["budget_gib"] = engine.memory_budget()
-        try:
-            start = time.perf_counter()
-            first = engine.render(request)
-            entry["first_render_s"] = round(time.perf_counter() - start, 2)
-            torch.cuda.reset_peak_memory_stats()
-            second = engine.render(request)
-            entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
-            entry["per_forward_s"] = round(second.timings["denoise"] / (request.steps - 1), 4)
-            entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            entry["identical_to_first"] = bool(
-                (first.frames == second.frames).all() and (first.audio == second.audio).all()
-            )
-            if engine.compiled is not None:
-                entry["graphs"], entry["recompiles"] = engine.compiled.graphs, engine.compiled.recompiles
-        except Exception as err:
-            entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+        entry |= timed_render(engine, request)
         record["runs"][name] = entry
         args.out.write_text(json.dumps(record, indent=2) + "\n")
         print(name, entry, flush=True)
