@@ -304,6 +304,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
         if folder is not None:
             print(_preflight(preflight.check_memory, settings, folder).table())
+            if settings.num_gpus > 1:
+                print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
+                      f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
         checked = "settings, profile on this machine, model folder, output folder, port, memory"
         print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
         return 0

@@ -225,19 +225,22 @@ def _mem_available_gib() -> float:
     return math.inf  # unknown here: not a reason to refuse
 
 
-def check_fits(budget: Budget, device_free: float, host_free: float, shared: bool) -> list[str]:
-    """Why the budget does not fit the free memory (empty when it does)."""
+def check_fits(budget: Budget, device_free: float, host_free: float, shared: bool, ranks: int = 1) -> list[str]:
+    """Why the budget does not fit the free memory (empty when it does). `ranks`: processes that each hold it (a
+    render split over GPUs: one device each, all their host parts in one host)."""
     problems = []
+    host_need = budget.host_need * ranks
+    copies = f" ({ranks} ranks x {budget.host_need:.1f})" if ranks > 1 else ""
     if shared:
-        need = budget.device_need + budget.host_need
+        need = budget.device_need * ranks + host_need
         if need > min(device_free, host_free):
             problems.append(
-                f"needs {need:.1f} GiB of the shared memory (device {budget.device_need:.1f} + host "
-                f"{budget.host_need:.1f}), {min(device_free, host_free):.1f} GiB free"
+                f"needs {need:.1f} GiB of the shared memory (device {budget.device_need * ranks:.1f} + host "
+                f"{host_need:.1f}{copies}), {min(device_free, host_free):.1f} GiB free"
             )
         return problems
     if budget.device_need > device_free:
         problems.append(f"needs {budget.device_need:.1f} GiB on the device, {device_free:.1f} GiB free")
-    if budget.host_need > host_free:
-        problems.append(f"needs {budget.host_need:.1f} GiB of host memory, {host_free:.1f} GiB available")
+    if host_need > host_free:
+        problems.append(f"needs {host_need:.1f} GiB of host memory{copies}, {host_free:.1f} GiB available")
     return problems

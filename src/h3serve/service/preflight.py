@@ -57,16 +57,29 @@ def check_port(host: str, port: int) -> None:
             ) from err
 
 
-def check_memory(settings, folder, free: tuple[float, float, bool] | None = None):
-    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared; read
-    from the machine when None). Returns the budget; raises PreflightError naming what does not fit."""
+def check_memory(settings, folder, free: tuple[float, float, bool] | list | None = None):
+    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared, or one
+    such tuple per GPU; read from the machine when None). With H3_NUM_GPUS > 1 on CUDA every GPU must hold the whole
+    budget (each rank loads the whole model; the activations are counted whole, an upper bound) and the host every
+    rank's host part. Returns the budget; raises PreflightError naming what does not fit, and where."""
+    import torch
+
     from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
     from h3serve.pipeline.rules import RELEASED_RULES
 
     profile = settings.profile()
     budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)
-    device_free, host_free, shared = free if free is not None else free_memory(profile.torch_device)
-    problems = check_fits(budget, device_free, host_free, shared)
+    gpus = settings.num_gpus if profile.cuda else 1
+    frees = free if isinstance(free, list) else [free] * gpus
+    problems = []
+    for rank, given in enumerate(frees[:gpus]):
+        device = torch.device("cuda", rank) if gpus > 1 else profile.torch_device
+        device_free, host_free, shared = given if given is not None else free_memory(device)
+        where = f"cuda:{rank}: " if gpus > 1 else ""
+        for problem in check_fits(budget, device_free, host_free, shared, ranks=gpus):
+            problem = problem if "host memory" in problem else where + problem  # one host for every rank
+            if problem not in problems:
+                problems.append(problem)
     if problems:
         raise PreflightError(
             f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
