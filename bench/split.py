@@ -1,12 +1,13 @@
 """A render split over GPUs (Ulysses sequence parallelism, `h3serve.parallel`) against the same render on one GPU,
 in one run, with full-size random weights: bit-for-bit equality and the per-forward scaling.
 
-    PYTHONPATH=src python bench/split.py --out bench/results/split.json [--num-gpus N] [--steps 6]
+    PYTHONPATH=src python bench/split.py --out bench/results/split.json [--num-gpus N] [--steps 6] [--shape default]
 
 First the kernel-level facts the split rests on, at the default shape (S = 38,247 rows, 56 heads): attention on a
 contiguous group of heads alone against the same heads inside the whole call (cuDNN and flash), for 2, 4, 7 and 8
 groups; the video head's fp32 GEMM on a rank's contiguous rows against the one-GPU call on the video rows. Then, per
-profile (eager BF16, compile + CUTLASS), the reference request (T2VA 768x448, 56 frames) rendered by
+profile (eager BF16, compile + CUTLASS), the reference request (T2VA 768x448, 56 frames; `--shape default`: the
+released default request, 1344x768, 124 frames) rendered by
 `ParallelEngine` over --num-gpus workers (default: every visible GPU; 1 runs the split path on a group of one:
 every all-to-all, gather and agreement, on one GPU) and by one in-process `Engine`, one after the other (a
 full-size model each): a warmup render, then a timed one; frames and audio compared byte for byte. The weights are
@@ -98,8 +99,11 @@ def video_head_check() -> dict:
     return out
 
 
-def timed(engine, steps: int, tiny: bool) -> tuple[dict, object]:
-    shape = {} if tiny else {"width": 768, "height": 448, "num_frames": 56}
+SHAPES = {"reference": {"width": 768, "height": 448, "num_frames": 56}, "default": {}}  # default: the released one
+
+
+def timed(engine, steps: int, tiny: bool, shape_name: str = "reference") -> tuple[dict, object]:
+    shape = {} if tiny else SHAPES[shape_name]
     request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
     engine.render(request)  # warmup: compile, tables, the decoder's first call
     result = engine.render(request)
@@ -123,10 +127,13 @@ def main() -> None:
     parser.add_argument("--num-gpus", type=int, default=torch.cuda.device_count())
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument(
+        "--shape", choices=SHAPES, default="reference", help="reference (768x448x56) or default (1344x768x124)"
+    )
     parser.add_argument("--tiny", action="store_true", help="a dry run of the plumbing on the CPU (tiny model)")
     args = parser.parse_args()
     record: dict = {**run_header(None if not args.tiny else "cpu"), "num_gpus": args.num_gpus, "steps": args.steps,
-                    "renders": {}}  # fmt: skip
+                    "shape": args.shape, "renders": {}}  # fmt: skip
     if not (args.skip_checks or args.tiny):
         record["head_groups"] = head_groups_check()
         record["video_head"] = video_head_check()
@@ -141,14 +148,14 @@ def main() -> None:
     for name, profile in profiles:
         split = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=make, cpu_threads=1))
         try:
-            split_entry, split_result = timed(split, args.steps, args.tiny)
+            split_entry, split_result = timed(split, args.steps, args.tiny, args.shape)
         finally:
             split.close()
         torch._dynamo.reset()
         if args.tiny:
             torch.set_num_threads(1)
         one = make(profile)
-        one_entry, one_result = timed(one, args.steps, args.tiny)
+        one_entry, one_result = timed(one, args.steps, args.tiny, args.shape)
         del one
         gc.collect()
         torch.cuda.empty_cache()
