@@ -493,13 +493,11 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
         except ProfileError as err:
             out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
     if ok("num_gpus", "linear_backend", "device") and s.num_gpus > 1:
-        if s.linear_backend == Linear.HUMMING:
-            out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: linear HUMMING runs on one GPU only; use BF16 or "
-                                           "CUTLASS, or H3_NUM_GPUS=1"))  # fmt: skip
-        if s.device is not None and s.device.startswith("cuda:"):
-            out.append(refusal("num_gpus", f"{s.num_gpus} GPUs with device {s.device}: set device cuda (rank r runs "
-                                           "on cuda:r)"))  # fmt: skip
-        elif check_profile and s.device != "cpu":  # on the cpu, N gloo processes
+        from h3serve.parallel.plan import split_refusals
+
+        refused = split_refusals(s.linear_backend, s.device, s.num_gpus)
+        out += [refusal("num_gpus", f"{s.num_gpus} GPUs: {message}") for message in refused]
+        if not (s.device or "").startswith("cuda:") and check_profile and s.device != "cpu":  # cpu: gloo processes
             import torch
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -12,14 +12,19 @@ SETTING = "H3_NUM_GPUS (--num-gpus)"
 def check_split(config: DiTConfig, profile: Profile, num_gpus: int) -> None:
     """ValueError naming H3_NUM_GPUS and what is allowed: heads that do not divide, HUMMING, one named GPU."""
     check_heads(config, num_gpus)
-    if num_gpus > 1 and profile.linear == Linear.HUMMING:
-        raise ValueError(
-            f"{SETTING} {num_gpus}: linear HUMMING runs on one GPU only (its kernels are not shown to give a row "
-            "block's bits alone); use BF16 or CUTLASS, or one GPU"
-        )
-    if num_gpus > 1 and profile.cuda and profile.device != "cuda":
-        raise ValueError(f"{SETTING} {num_gpus}: device {profile.device} names one GPU; set device cuda (rank r "
-                         "runs on cuda:r)")  # fmt: skip
+    for message in split_refusals(profile.linear, profile.device, num_gpus):
+        raise ValueError(f"{SETTING} {num_gpus}: {message}")
+
+
+def split_refusals(linear: str | None, device: str | None, num_gpus: int) -> list[str]:
+    """Why these linears and this device cannot be split over `num_gpus` (the settings' rule and `check_split`)."""
+    out = []
+    if num_gpus > 1 and linear == Linear.HUMMING:
+        out.append("linear HUMMING runs on one GPU only (its kernels are not shown to give a row block's bits alone); "
+                   "use BF16 or CUTLASS, or one GPU")  # fmt: skip
+    if num_gpus > 1 and device is not None and device.startswith("cuda:"):
+        out.append(f"device {device} names one GPU; set device cuda (rank r runs on cuda:r)")
+    return out
 
 
 def check_heads(config: DiTConfig, num_gpus: int) -> None:

@@ -35,7 +35,7 @@ from h3serve.model.ops import AttentionKernel
 from h3serve.parallel.group import Group, row_ranges
 from h3serve.pipeline.context import ProgressCallback, RenderCancelled, RenderContext
 from h3serve.pipeline.decode import decode_audio, decode_video, video_latents
-from h3serve.pipeline.sampling import ModelFn
+from h3serve.pipeline.sampling import ModelFn, request_rows
 
 Picks = list[tuple[torch.Tensor, torch.Tensor]]  # per rank: (which rows of a kind it holds, their local positions)
 
@@ -86,12 +86,7 @@ class Ranks:
         ranges = row_ranges(layout.token_tags.shape[0], g.size)
         self.sizes[:] = [end - start for start, end in ranges]
         start, end = ranges[g.rank]
-        if text_states.shape[0] != layout.num_text:
-            raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
-        device = next(dit.parameters()).device
-        with torch.no_grad():
-            text = dit.refine_text(text_states.to(device))  # every rank: the same input, the same rows
-            cos, sin = dit.rope(layout.rope_positions().to(device))
+        text, (cos, sin), device = request_rows(dit, layout, text_states)  # every rank: the same input, the same rows
         rope = (cos[start:end], sin[start:end])
         tags = layout.token_tags[start:end].to(device)
         video, audio, texts = (_picks(i, ranges, device) for i in (layout.video_indices, layout.audio_indices,
@@ -211,7 +206,7 @@ def _ulysses(q, k, v, causal: bool, inner: AttentionKernel, group: Group, sizes:
     group.all_to_all(recv, send.flatten(), counts, [3 * hn * s * d] * n)
     qkv = torch.cat([p.view(3, hn, m, d) for p, m in zip(recv.split(counts), sizes, strict=True)], dim=2)
     out = inner(qkv[0:1], qkv[1:2], qkv[2:3], causal)[0]  # (hn, S, D): every row, this rank's heads
-    back = torch.cat([p.flatten() for p in out.split(sizes, dim=1)])  # rank r's rows first... in rank order
+    back = torch.cat([p.flatten() for p in out.split(sizes, dim=1)])  # each rank's rows, in rank order
     mine = out.new_empty(n * hn * s * d)
     group.all_to_all(mine, back, [hn * s * d] * n, [hn * m * d for m in sizes])
     return mine.view(heads, s, d)[None]  # (1, H, s, D): rank j's part holds heads j*hn..(j+1)*hn

@@ -204,7 +204,7 @@ class ParallelEngine:
         ready: set[int] = set()
         try:
             while len(ready) < self.num_gpus:
-                event = self._next_event(None)
+                event = self._next_event()
                 if event is None:
                     continue
                 kind, rank, payload = event[0], event[1], event[2]
@@ -224,7 +224,7 @@ class ParallelEngine:
         self.merge_seconds = self._info["merge_seconds"]
         log.info("%d GPU workers ready (pids %s)", self.num_gpus, ", ".join(str(p.pid) for p in self._procs))
 
-    def _next_event(self, deadline: float | None) -> tuple | None:
+    def _next_event(self) -> tuple | None:
         """The next event from the workers; None after POLL_S without one. A dead worker raises WorkerError."""
         try:
             return self._events.get(timeout=POLL_S)
@@ -250,7 +250,7 @@ class ParallelEngine:
             if ctx.cancelled:
                 self._cancel.set()
             try:
-                event = self._next_event(None)
+                event = self._next_event()
             except WorkerError as err:
                 self._restart(str(err))
                 raise

@@ -125,6 +125,18 @@ def step_timesteps(layout: PackedLayout, schedule: DualSchedule) -> list[torch.T
     return [layout.timestep_plan(sv.timesteps[i], sa.timesteps[i])[0] for i in range(schedule.num_steps)]
 
 
+def request_rows(dit: torch.nn.Module, layout: PackedLayout, text_states: torch.Tensor):
+    """A request's refined text rows (L, hidden) and whole RoPE table on the DiT's device, and that device: what
+    every forward of the request shares (the token refiner runs here, once per request)."""
+    if text_states.shape[0] != layout.num_text:
+        raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
+    device = next(dit.parameters()).device
+    with torch.no_grad():
+        text = dit.refine_text(text_states.to(device))
+        rope = dit.rope(layout.rope_positions().to(device))
+    return text, rope, device
+
+
 def bind_model(
     dit: torch.nn.Module,
     layout: PackedLayout,
@@ -136,12 +148,7 @@ def bind_model(
     text_states: (L, text_dim) text-encoder output. The token refiner runs here, once per request.
     tables: every block's modulation table per step, made ahead of time (`h3serve.accel.adaln`), or None.
     """
-    if text_states.shape[0] != layout.num_text:
-        raise ValueError(f"{text_states.shape[0]} text rows do not match the layout's {layout.num_text}")
-    device = next(dit.parameters()).device
-    with torch.no_grad():
-        text = dit.refine_text(text_states.to(device))  # (L, hidden)
-        rope = dit.rope(layout.rope_positions().to(device))
+    text, rope, device = request_rows(dit, layout, text_states)
     tags = layout.token_tags.to(device)
     video_indices = layout.video_indices.to(device)
     audio_indices = layout.audio_indices.to(device)

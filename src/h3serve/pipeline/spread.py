@@ -5,8 +5,7 @@ parallelism).
     share         a stage computed once (text encoding, keyframe encoding) and handed to every process
     bind          the per-step DiT callable of a request (`sampling.bind_model`, or one rank's rows of it)
     decode_video  the video decode (or this rank's share of its windows)
-    decode_audio  the audio decode (where the result is returned)
-    lead          whether this process returns the result (a rank other than 0 returns None frames and audio)
+    decode_audio  the audio decode (where the result is returned; a rank other than 0 returns None)
 
 `ONE_DEVICE` is the plain render: everything here, in this process.
 """
@@ -31,8 +30,6 @@ WindowCallback = Callable[[int, int], None]
 
 
 class Spread(Protocol):
-    lead: bool
-
     def share(self, compute: Callable[[], T]) -> T:
         """`compute()` run once (on the lead) and its result on every process."""
         ...
@@ -60,8 +57,6 @@ class Spread(Protocol):
 @dataclass(frozen=True)
 class OneDevice:
     """Every stage in this process, on the profile's one device."""
-
-    lead: bool = True
 
     def share(self, compute: Callable[[], T]) -> T:
         return compute()
