@@ -5,14 +5,20 @@ shape of docs/model.md §6 (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712
 `--shape default` the released default request (T2VA 1344x768, 124 frames: 537 text + 414 audio + 37296 video rows =
 38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
-1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN) x (linear BF16 | CUTLASS) x (execution eager |
-   compile), HUMMING eager, and with cuDNN attention the compile variants `EXECUTIONS` lists (the fused passes in
+1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN | CUDNN_FP8 | CUDNN_FP8_NAIVE) x (linear BF16 |
+   CUTLASS) x (execution eager | compile), HUMMING eager, and with cuDNN attention the compile variants `EXECUTIONS`
+   lists (the fused passes in
    part or not at all, a CUDA-graph replay, static shapes): median of `--iters` forwards after warm-up (CUDA
    events), the first compiled call's time, peak memory, two further forwards compared bit for bit, and for
    compile the graphs compiled and recompiles after a second input of another length (300 text rows);
 2. our weights exported in diffusers' layout (by diffusers' own converter) into diffusers' MiniMaxH3Transformer3DModel
    (the peer; ours is freed first: the peer alone peaks at 134 GB), eager and with `compile_repeated_blocks`;
 3. each profile's output against the peer's eager output (relative error, video and audio rows).
+
+With an FP8 attention profile in the run, `attention_op` times one attention call at the run's row count alone
+(cuDNN bfloat16, the FP8 backend with its quantization, naive, and cuDNN's FP8 kernel alone). With
+`--block-errors`, every profile's hidden state after each block is compared with the exact profile's
+(CUDNN_ATTN+eager+BF16, which must be in the run) on `--block-rows` rows: where a lossy profile's error grows.
 
 Ours runs as the engine does, with the blocks' AdaLN tables made once before the forwards (bitwise the same
 modulation); the peer computes its AdaLN projection inside every forward, as it always does.
@@ -196,14 +202,29 @@ EXECUTIONS = (
 AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
 
 
+# Our attention backends measured; CUDNN_FP8_NAIVE is CUDNN_FP8 with per-tensor scales and no key smoothing
+# (`accel.fp8_attention.naive_sdpa`: what the design's scales buy, never served).
+ATTENTIONS = ("TORCH_SDPA", "CUDNN_ATTN", "CUDNN_FP8", "CUDNN_FP8_NAIVE")
+FP8_ATTENTIONS = ("CUDNN_FP8", "CUDNN_FP8_NAIVE")
+# The exact profile (bit for bit the reference ops, and the peer's eager output at the reference shape): what
+# `--block-errors` compares every profile's hidden state after each block with.
+EXACT = "CUDNN_ATTN+eager+BF16"
+
+
 def configure(dit, attn: str, execution: str, linear: str, dev: str):
     """Set `dit` up as the engine would for this profile (`accel.apply`'s pieces, on this one model), or as the
     variant `execution` names; returns the compile's graph counter (None when eager)."""
     # A CUDA profile value whatever `dev` (the --tiny dry run compiles on the CPU): `block_passes` reads its execution
     # and linear only.
-    profile = Profile.for_device("cuda", attention=attn, linear=linear,
+    backend = "CUDNN_FP8" if attn == "CUDNN_FP8_NAIVE" else attn
+    profile = Profile.for_device("cuda", attention=backend, linear=linear,
                                  execution="eager" if execution.startswith("eager") else "compile")  # fmt: skip
-    attention.set_kernel(dit, attn)
+    attention.set_kernel(dit, backend)
+    if attn == "CUDNN_FP8_NAIVE":
+        from h3serve.accel.fp8_attention import naive_sdpa
+
+        for block in dit.blocks:
+            block.attn.kernel = naive_sdpa
     triton = dev == "cuda" and fused.available()
     qk, body = block_passes(profile, triton and execution not in ("eager-unfused", "compile-unfused", "compile-static"))
     if execution == "compile-qk":
@@ -237,6 +258,8 @@ def wanted(linear: str, attn: str, execution: str) -> bool:
         return linear == "CUTLASS"
     if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
         return execution in ("eager", "eager-unfused")
+    if attn in FP8_ATTENTIONS:
+        return execution in ("eager", "compile")
     return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
 
 
@@ -342,6 +365,65 @@ def breakdown(events: list[tuple[str, int, float]], source: str) -> dict:
     return {"source": source, "forwards": 1, "total_ms": round(total, 3), "categories": cats, "triton": triton}
 
 
+class BlockStates:
+    """The hidden state after every main block of one forward, on a fixed subset of its rows (float32, on the
+    device): where a lossy profile's error against the exact one grows (`--block-errors`)."""
+
+    def __init__(self, states: list[torch.Tensor]):
+        self.states = states
+
+    @classmethod
+    def capture(cls, dit, run: Callable[[], object], rows: int) -> BlockStates:
+        states: list[torch.Tensor] = []
+
+        def keep(module, args, output):
+            step = max(1, output.shape[0] // rows)
+            states.append(output[::step][:rows].float().clone())
+
+        hooks = [block.register_forward_hook(keep) for block in dit.blocks]
+        try:
+            run()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return cls(states)
+
+    def rel_errors(self, exact: BlockStates) -> list[float]:
+        return [round(rel(a, b), 5) for a, b in zip(self.states, exact.states, strict=True)]
+
+
+def attention_op(rows: int, cfg, iters: int = 10) -> dict:
+    """One attention call at this row count and the DiT's heads, alone (ms, CUDA events): cuDNN bfloat16, the FP8
+    backend whole (its scales and quantization included) and naive, and cuDNN's FP8 SDPA alone on quantized inputs;
+    each FP8 output's relative error against bfloat16's."""
+    from h3serve.accel.attention import cudnn_sdpa
+    from h3serve.accel.fp8_attention import fp8_sdpa, naive_sdpa, quantize
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, d = cfg.num_attention_heads, cfg.attention_head_dim
+    q, k, v = (torch.randn(1, rows, h, d, generator=gen, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for _ in range(3))  # fmt: skip
+    k = k + 2.0 * torch.randn(1, h, 1, d, generator=gen, device="cuda", dtype=torch.bfloat16)  # a shared key offset
+    q8, k8, v8, scales = quantize(q, k, v)
+    kernels = {
+        "cudnn_bf16": lambda: cudnn_sdpa(q, k, v, False),
+        "cudnn_fp8": lambda: fp8_sdpa(q, k, v, False),
+        "cudnn_fp8_naive": lambda: naive_sdpa(q, k, v, False),
+        "cudnn_fp8_op_alone": lambda: torch.ops.h3serve.cudnn_fp8_sdpa(q8, k8, v8, scales.descale),
+    }
+    out: dict = {"rows": rows, "heads": h, "head_dim": d, "inputs": "randn, keys with a shared per-head offset of 2"}
+    exact = kernels["cudnn_bf16"]()
+    for name, fn in kernels.items():
+        try:
+            ms = time_ms(fn, 3, iters)
+            out[name] = {"ms_median": round(statistics.median(ms), 3)}
+            if name in ("cudnn_fp8", "cudnn_fp8_naive"):
+                out[name]["rel_err_vs_bf16"] = round(rel(fn(), exact), 5)
+        except Exception as err:
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:1000]}
+    return out
+
+
 @torch.no_grad()
 def run_ours(rec: Record, args) -> tuple[dict, dict]:
     torch.manual_seed(0)
@@ -363,11 +445,18 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     x["tables"] = other["tables"] = AdalnTables(dit, resident=True).for_steps([x["timesteps"]])[0]
     rec.data["sequence_length"] = int(x["token_tags"].shape[0])
     outputs = {}
+    block_states: dict[str, BlockStates] = {}
+    if any(a in FP8_ATTENTIONS for n in args.only or ATTENTIONS for a in n.split("+")[:1]) and not args.tiny:
+        rec.data["attention_op"] = attention_op(x["token_tags"].shape[0], dit.config)
+        rec.save()
+        print("attention_op", rec.data["attention_op"], flush=True)
     for linear in LINEARS:
         if linear == "HUMMING" and args.tiny:
             continue  # a CUDA-only kernel library
+        if args.only and not any(n.endswith(f"+{linear}") for n in args.only):
+            continue  # none of this linear's profiles asked for: no swap (HUMMING's needs its package)
         replaced = swap_linears(dit, linear)
-        for attn in ("TORCH_SDPA", "CUDNN_ATTN"):
+        for attn in ATTENTIONS:
             for execution in EXECUTIONS:
                 name = f"{attn}+{execution}+{linear}"
                 named = bool(args.only) and name in args.only
@@ -401,6 +490,13 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                         )
                     if args.kernels and kernel_tabled(name):
                         entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
+                    if args.block_errors:
+                        states = BlockStates.capture(dit, run, rows=args.block_rows)
+                        if name == EXACT:
+                            block_states[name] = states  # only the exact profile's are kept
+                        elif EXACT in block_states:
+                            entry["block_rel_err_vs_exact"] = states.rel_errors(block_states[EXACT])
+                        del states
                     if counter is not None:
                         forward(dit, other)  # another sequence length: must not recompile
                         entry["graphs"] = counter.graphs
@@ -413,6 +509,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
         uncompile(dit, x, other)
         if replaced is not None:
             restore(dit, replaced)
+    block_states.clear()
     attention.set_kernel(dit, "TORCH_SDPA")
     # Keep the weights for the peer on the host, in diffusers' layout, and free the GPU.
     from dit_fixtures import export_state_dict
@@ -536,6 +633,12 @@ def main() -> None:
         type=lambda v: v.split(","),
         help="comma-separated profile names (the peer: both unless a diffusers+ profile is named)",
     )
+    parser.add_argument(
+        "--block-errors",
+        action="store_true",
+        help=f"every profile's hidden state after each block against {EXACT}'s (run it first), on a row subset",
+    )
+    parser.add_argument("--block-rows", type=int, default=2048, help="rows kept per block for --block-errors")
     args = parser.parse_args()
     warmup, iters = TIMING[args.shape]
     args.warmup = warmup if args.warmup is None else args.warmup
@@ -550,6 +653,9 @@ def main() -> None:
         if reference is not None:
             entry["rel_err_video_vs_peer_eager"] = rel(video, reference[0])
             entry["rel_err_audio_vs_peer_eager"] = rel(audio, reference[1])
+        if EXACT in outputs and name != EXACT:  # the whole forward against the exact profile (lossy profiles' error)
+            entry["rel_err_video_vs_exact"] = rel(video, outputs[EXACT][0])
+            entry["rel_err_audio_vs_exact"] = rel(audio, outputs[EXACT][1])
         for peer, ms in peer_ms.items():
             if ms and entry.get("ms_median"):
                 entry[f"speedup_vs_{peer}"] = round(ms / entry["ms_median"], 3)

@@ -327,3 +327,42 @@ def test_the_block_over_the_kernels(dtype, composition):
     relative = ((got.double() - want.double()).norm() / want.double().norm()).item()
     print(f"block over the kernels, {composition.__name__} {dtype}: relative {relative:.2e}")
     assert relative <= (1e-6 if dtype == torch.float32 else 1e-3)  # here at most 3.5e-8 and 0
+
+
+# ---- FP8 attention's passes (accel/triton_fp8_attention.py) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [5, 64, 150])  # within one block, one block exactly, three blocks the last ragged
+@pytest.mark.parametrize("dtype", EXACT, ids=str)
+def test_fp8_attention_passes_against_torchs_ops(dtype, rows):
+    """The statistics pass and the quantizing pass over (B, H, S, D) views as a block hands them (q, k contiguous
+    rows, v a slice of the fused projection), against `fp8_attention.quantize_ops`: the amax, maxima and minima
+    exact, the sums within float32's reordering, the e4m3 bytes as the interpreter's cast of the same products."""
+    from h3serve.accel import fp8_attention, triton_fp8_attention
+
+    g = torch.Generator().manual_seed(9)
+    heads, d = 3, 16
+    fused_rows = (torch.randn(rows, 3 * heads * d, generator=g) * 2).to(dtype)
+    fused_rows[:, heads * d :] += (torch.randn(2 * heads * d, generator=g) * 4).to(dtype)  # k and v offsets
+    q, k, v = (t.unflatten(-1, (heads, d))[None].transpose(1, 2) for t in fused_rows.chunk(3, dim=-1))
+    q, k = q.contiguous(), k.contiguous()
+    qa, k_stats, v_stats = triton_fp8_attention.stats(q, k, v)
+    assert torch.equal(qa.amax(dim=(0, 2)), q.float().abs().amax(dim=(0, 2, 3)))
+    for x, st in ((k, k_stats), (v, v_stats)):
+        assert torch.equal(st[1].amax(dim=2), x.float().amax(dim=2))
+        assert torch.equal(st[2].amin(dim=2), x.float().amin(dim=2))
+        torch.testing.assert_close(st[0].sum(dim=2) / rows, x.float().mean(dim=2), rtol=1e-6, atol=1e-6)
+    # the scales from the partials are the ops' scales (the shifted amax a rounding of the subtraction apart)
+    got = fp8_attention._quantize_fused(q, k, v)
+    want = fp8_attention.quantize_ops(q, k, v)
+    for name in ("q", "k", "v", "descale", "v_mean"):
+        torch.testing.assert_close(getattr(got[3], name), getattr(want[3], name), rtol=1e-6, atol=1e-6)
+    # the bytes: each operand less its mean, times its head's scale (the kernel's own), saturated, then the cast
+    s = got[3]
+    k_mean = k_stats[0].sum(dim=2)[:, :, None, :] / rows
+    head = lambda t: t[None, :, None, None]  # noqa: E731
+    products = [q.float() * head(s.q), (k.float() - k_mean) * head(s.k), (v.float() - s.v_mean) * head(s.v)]
+    for a, product in zip(got[:3], products, strict=True):
+        assert a.dtype == FP8 and a.shape == q.shape and a.transpose(1, 2).is_contiguous()
+        expected = interpreted_e4m3(product.clamp(-FP8_MAX, FP8_MAX).transpose(1, 2)).transpose(1, 2)
+        assert torch.equal(a.view(torch.uint8), expected.view(torch.uint8)), f"{dtype} {rows}"

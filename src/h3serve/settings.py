@@ -47,7 +47,7 @@ from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 ENV_PREFIX = "H3_"
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
-NOT_SETTINGS = frozenset({"H3_REQUIRE_ORACLE"})
+NOT_SETTINGS = frozenset({"H3_REQUIRE_ORACLE", "H3_REQUIRE_BROWSER", "H3_TEST_ARTIFACTS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
@@ -492,10 +492,10 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             check_step_cache(s.linear_backend)
         except ProfileError as err:
             out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
-    if ok("num_gpus", "linear_backend", "device") and s.num_gpus > 1:
+    if ok("num_gpus", "linear_backend", "device", "diffusion_attention_backend") and s.num_gpus > 1:
         from h3serve.parallel.plan import split_refusals
 
-        refused = split_refusals(s.linear_backend, s.device, s.num_gpus)
+        refused = split_refusals(s.linear_backend, s.device, s.num_gpus, s.diffusion_attention_backend)
         out += [refusal("num_gpus", f"{s.num_gpus} GPUs: {message}") for message in refused]
         if not (s.device or "").startswith("cuda:") and check_profile and s.device != "cpu":  # cpu: gloo processes
             import torch

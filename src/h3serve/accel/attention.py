@@ -4,6 +4,8 @@ attention modules hold (`kernel`), set per model by `set_kernel`.
 TORCH_SDPA  torch's scaled_dot_product_attention with its own backend choice (flash on Hopper): the reference
 CUDNN_ATTN  the same call held to cuDNN's fused attention (faster than flash on Hopper at H3's shapes, and bitwise
             repeatable: bench/results/README.md)
+CUDNN_FP8   the DiT's attention in FP8 through cuDNN's FP8 SDPA (`accel.fp8_attention`; opt-in, lossy). The DiT's
+            alone: under it the decoders' attention runs CUDNN_ATTN (`DIT_ONLY`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from h3serve.accel import fp8_attention
 from h3serve.accel.profile import Attention
 from h3serve.model import audio_vae, dit, ops, video_vae
 
@@ -29,17 +32,23 @@ def cudnn_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-KERNELS: dict[Attention, ops.AttentionKernel] = {Attention.TORCH_SDPA: ops.sdpa, Attention.CUDNN_ATTN: cudnn_sdpa}
+KERNELS: dict[Attention, ops.AttentionKernel] = {
+    Attention.TORCH_SDPA: ops.sdpa,
+    Attention.CUDNN_ATTN: cudnn_sdpa,
+    Attention.CUDNN_FP8: fp8_attention.fp8_sdpa,
+}
 if set(KERNELS) != set(Attention):  # a backend name without a kernel fails at import, not at a request
     raise ImportError(f"attention backends without a kernel: {set(Attention) - set(KERNELS)}")
 # The modules that hold an attention kernel: the DiT's, the video decoder's, the audio encoder's.
 MODULES = (dit.Attention, video_vae.Attention, audio_vae.CausalAttention)
+# Backends for the DiT's attention alone, and what the other modules run under them.
+DIT_ONLY = {Attention.CUDNN_FP8: Attention.CUDNN_ATTN}
 
 
 def set_kernel(model: nn.Module, name: Attention) -> int:
     """Every attention module of `model` runs backend `name` from now on; returns how many there are."""
-    kernel = KERNELS[Attention(name)]
+    name = Attention(name)
     modules = [m for m in model.modules() if isinstance(m, MODULES)]
     for module in modules:
-        module.kernel = kernel
+        module.kernel = KERNELS[name if isinstance(module, dit.Attention) else DIT_ONLY.get(name, name)]
     return len(modules)

@@ -23,9 +23,12 @@ if TYPE_CHECKING:
 
 class Attention(enum.StrEnum):
     """TORCH_SDPA: torch's scaled_dot_product_attention with its own backend choice (the reference).
-    CUDNN_ATTN: the same call held to cuDNN's fused attention (fails rather than falls back)."""
+    CUDNN_ATTN: the same call held to cuDNN's fused attention (fails rather than falls back).
+    CUDNN_FP8: the DiT's attention in FP8 through cuDNN's FP8 SDPA, per-head scales and smoothed keys (opt-in,
+    lossy; Hopper or newer and the `fp8-attention` extra); the decoders' attention runs CUDNN_ATTN under it."""
 
     CUDNN_ATTN = "CUDNN_ATTN"
+    CUDNN_FP8 = "CUDNN_FP8"
     TORCH_SDPA = "TORCH_SDPA"
 
 
@@ -97,7 +100,11 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
 }
 # What the CPU runs, whatever the dtype: everything else needs CUDA.
 CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")
-FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)  # block linears stored as e4m3 weights (quantized as they load)
+FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)
+CUDNN = (
+    Attention.CUDNN_ATTN,
+    Attention.CUDNN_FP8,
+)  # the backends held to cuDNN (half precision only)  # block linears stored as e4m3 weights (quantized as they load)
 DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,3}))?$")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and newer
 
@@ -163,10 +170,10 @@ class Profile:
                     raise ProfileError(
                         name, f"{name} {getattr(self, name)} needs a CUDA device (allowed on cpu: {allowed})"
                     )
-        if self.attention == Attention.CUDNN_ATTN and self.dtype == DType.FLOAT32:
+        if self.attention in CUDNN and self.dtype == DType.FLOAT32:
             raise ProfileError(
                 "attention",
-                "attention CUDNN_ATTN has no float32 kernel: use dtype bfloat16, or attention TORCH_SDPA",
+                f"attention {self.attention} has no float32 kernel: use dtype bfloat16, or attention TORCH_SDPA",
             )
 
     @classmethod
@@ -240,10 +247,17 @@ def check(profile: Profile) -> None:
         raise ProfileError("device", f"device {profile.device!r}: CUDA is not available on this machine (allowed: cpu)")
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ProfileError("device", f"device {profile.device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    if profile.attention == Attention.CUDNN_ATTN and not torch.backends.cudnn.is_available():
+    if profile.attention in CUDNN and not torch.backends.cudnn.is_available():
         raise ProfileError(
-            "attention", "attention CUDNN_ATTN: cuDNN is not available in this torch build (allowed: TORCH_SDPA)"
+            "attention",
+            f"attention {profile.attention}: cuDNN is not available in this torch build (allowed: TORCH_SDPA)",
         )
+    if profile.attention == Attention.CUDNN_FP8:
+        from h3serve.accel import fp8_attention
+
+        missing = fp8_attention.missing(device)
+        if missing is not None:
+            raise ProfileError("attention", missing)
     fp8 = [name for name in ("linear", "text_linear") if getattr(profile, name) in FP8_LINEARS]
     if fp8:
         major, minor = torch.cuda.get_device_capability(device)

@@ -3,7 +3,7 @@ check` runs it without touching the hardware; the visible device count is `worke
 
 from __future__ import annotations
 
-from h3serve.accel.profile import Linear, Profile
+from h3serve.accel.profile import Attention, Linear, Profile
 from h3serve.config import DiTConfig
 
 SETTING = "H3_NUM_GPUS (--num-gpus)"
@@ -12,13 +12,17 @@ SETTING = "H3_NUM_GPUS (--num-gpus)"
 def check_split(config: DiTConfig, profile: Profile, num_gpus: int) -> None:
     """ValueError naming H3_NUM_GPUS and what is allowed: heads that do not divide, HUMMING, one named GPU."""
     check_heads(config, num_gpus)
-    for message in split_refusals(profile.linear, profile.device, num_gpus):
+    for message in split_refusals(profile.linear, profile.device, num_gpus, profile.attention):
         raise ValueError(f"{SETTING} {num_gpus}: {message}")
 
 
-def split_refusals(linear: str | None, device: str | None, num_gpus: int) -> list[str]:
-    """Why these linears and this device cannot be split over `num_gpus` (the settings' rule and `check_split`)."""
+def split_refusals(linear: str | None, device: str | None, num_gpus: int, attention: str | None = None) -> list[str]:
+    """Why these linears, attention and device cannot be split over `num_gpus` (the settings' rule and
+    `check_split`)."""
     out = []
+    if num_gpus > 1 and attention == Attention.CUDNN_FP8:
+        out.append("attention CUDNN_FP8 runs on one GPU only (its Q and K scales are shared by all the heads, which a "
+                   "split deals out); use CUDNN_ATTN, or one GPU")  # fmt: skip
     if num_gpus > 1 and linear == Linear.HUMMING:
         out.append("linear HUMMING runs on one GPU only (its kernels are not shown to give a row block's bits alone); "
                    "use BF16 or CUTLASS, or one GPU")  # fmt: skip
