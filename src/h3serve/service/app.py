@@ -4,14 +4,15 @@
     GET    /ready                     200 once the startup warmup has passed, else 503 (HEAD too)
     GET    /openapi.json              the API's OpenAPI schema (unless H3_API_SCHEMA is off)
     GET    /metrics                   Prometheus text
-    GET    /v1/models                 the served model (its entry lists the tasks served, from H3_TASK_TYPE)
+    GET    /v1/models                 the served model: the tasks served (H3_TASK_TYPE), adapters, request limits
     POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout); step caching in
                                       the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`)
     POST   /v1/videos                 queue an async job; returns its record at once
     GET    /v1/videos                 jobs, newest first (limit, after, order)
-    GET    /v1/videos/{id}            one job record
+    GET    /v1/videos/{id}            one job record (with `live`: an unfinished job's stage and step)
     GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept)
     DELETE /v1/videos/{id}            cancel a queued or running job; delete a finished one and its MP4
+    GET    /, /web/{name}             the web page (page.py, docs/web.md): static files, no key, not in the schema
 
 The app never touches kernels or tensors: it maps requests onto the engine's `RenderRequest` (schemas.py) and hands
 them to the scheduler (scheduler.py), which renders them one at a time; the records are in the store (store.py).
@@ -51,6 +52,7 @@ from h3serve.pipeline.engine import Engine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, escaped, internal_error, shown
 from h3serve.service.metrics import Metrics
+from h3serve.service.page import INDEX, WebPage
 from h3serve.service.scheduler import QueueFull, Scheduler, Work
 from h3serve.service.schemas import (
     MAX_KEYFRAMES,
@@ -60,6 +62,7 @@ from h3serve.service.schemas import (
     Mapped,
     VideoJob,
     map_request,
+    request_limits,
     step_cache_mode,
 )
 from h3serve.service.security import BearerKey, require_key
@@ -94,6 +97,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.state.settings, app.state.engine, app.state.auth = settings, engine, BearerKey(settings.key)
     app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
+    app.state.page = WebPage.load()
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -101,6 +105,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _query_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(open_routes)
+    app.include_router(page_routes)
     app.include_router(routes)
     return app
 
@@ -232,6 +237,21 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
     }
 
 
+# ---- the web page: no key (its files hold nothing private; what it does, it does through the routes below) --------
+# Not in the schema: the schema describes the API, and the page is one of its clients.
+page_routes = APIRouter(dependencies=[Depends(strict_query)], include_in_schema=False)
+
+
+@page_routes.get("/")
+async def page(request: Request) -> Response:
+    return request.app.state.page.response(INDEX)
+
+
+@page_routes.get("/web/{name}")
+async def page_file(request: Request, name: str) -> Response:
+    return request.app.state.page.response(name)  # a 404 for any name but the page's own files
+
+
 # ---- authenticated routes -------------------------------------------------------------------------------------------
 routes = APIRouter(dependencies=[Depends(require_key), Depends(strict_query)])
 
@@ -263,6 +283,7 @@ def models(settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
         "owned_by": "h3serve",
         "tasks": list(engine.tasks),
         "adapters": adapter_entries(engine),
+        "limits": request_limits(engine, settings.max_prompt_chars, settings.max_upload_mb),
     }
     return {"object": "list", "data": [entry]}
 
@@ -372,12 +393,16 @@ async def create_job(
     mapped = await _parse(request, settings, engine, scheduler, metrics)
     record = job_record(new_job_id(), mapped.request, settings.model_id)
     await _submit(scheduler, metrics, Work(record.id, mapped.request, persist=True), record)
-    return record.model_dump()
+    return shown_record(record, scheduler.live())
 
 
 @routes.get("/v1/videos")
 def list_jobs(
-    store: StoreDep, limit: int = 20, after: str | None = None, order: Literal["asc", "desc"] = "desc"
+    store: StoreDep,
+    scheduler: SchedulerDep,
+    limit: int = 20,
+    after: str | None = None,
+    order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
     """Jobs by creation time: newest first (order=desc, the default) or oldest first (asc); `after` continues from
     the job of that id in the same order."""
@@ -386,7 +411,8 @@ def list_jobs(
     if after is not None and store.get(after) is None:
         raise bad_request("after", f"after: no job {shown(after)}")
     jobs, more = store.list(limit, after, oldest_first=order == "asc")
-    data = [j.model_dump() for j in jobs]
+    live = scheduler.live()
+    data = [shown_record(j, live) for j in jobs]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
@@ -399,8 +425,8 @@ def _find(store: JobStore, video_id: str) -> VideoJob:
 
 
 @routes.get("/v1/videos/{video_id}")
-def get_job(store: StoreDep, video_id: str) -> dict[str, Any]:
-    return _find(store, video_id).model_dump()
+def get_job(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str, Any]:
+    return shown_record(_find(store, video_id), scheduler.live())
 
 
 @routes.get("/v1/videos/{video_id}/content")
@@ -425,9 +451,15 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str,
         scheduler.cancel(video_id, "cancelled by DELETE /v1/videos/{id}")  # returns once the job has stopped
         job = _find(store, video_id)
         if job.status in (JobStatus.CANCELLED, *ACTIVE):
-            return job.model_dump()
+            return shown_record(job, scheduler.live())
     store.delete(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+
+def shown_record(job: VideoJob, live: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A job record as the API shows it: the stored fields, and `live` (`Scheduler.live`: where an unfinished job is
+    now, its stage and step; null once it has finished)."""
+    return {**job.model_dump(), "live": live.get(job.id)}
 
 
 def adapter_entries(engine: Engine) -> list[dict[str, Any]]:

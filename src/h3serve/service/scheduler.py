@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from h3serve.media.mp4 import encode_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
@@ -54,6 +55,10 @@ def progress_percent(p: Progress) -> int:
     return 0
 
 
+def _live(stage: str, done: int, total: int, elapsed: float | None, ahead: int | None = None) -> dict[str, Any]:
+    return {"stage": stage, "done": done, "total": total, "elapsed_s": elapsed, "ahead": ahead}
+
+
 class QueueFull(Exception):
     pass
 
@@ -69,6 +74,8 @@ class Work:
     ctx: RenderContext = field(default_factory=RenderContext)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     result: RenderResult | None = None  # set when the render has finished
+    started: float | None = None  # time.monotonic() when the worker took it
+    progress: Progress | None = None  # the render's latest event (`live`)
 
 
 class Readiness(enum.StrEnum):
@@ -146,6 +153,28 @@ class Scheduler:
         with self._cond:
             return len(self._queue)
 
+    def live(self) -> dict[str, dict[str, Any]]:
+        """Where each unfinished job is now, by id, for its record (`live`; not stored, so a job the scheduler no
+        longer holds has none): `queued` with the renders `ahead` of it, a render stage (engine.STAGES) with its
+        units `done` of `total` (denoise steps, decode windows), or `encode` once rendered; `elapsed_s` since the
+        worker took it."""
+        now = time.monotonic()
+        with self._cond:
+            busy = int(self._rendering is not None)  # the render on the GPU is ahead of every queued one
+            out = {w.id: _live("queued", 0, 0, None, ahead) for ahead, w in enumerate(self._queue, start=busy)}
+            for work in (*self._encodes, self._encoding, self._rendering):
+                if work is None or work.future.done():  # finished: its thread lets go of it next
+                    continue
+                elapsed = None if work.started is None else round(now - work.started, 3)
+                p = work.progress
+                if work is not self._rendering or work.result is not None:  # rendered: its MP4 is being written
+                    out[work.id] = _live("encode", 0, 1, elapsed)
+                elif p is None:
+                    out[work.id] = _live("starting", 0, 0, elapsed)
+                else:
+                    out[work.id] = _live(p.stage, p.done, p.total, elapsed)
+            return out
+
     def submit(self, work: Work, record: VideoJob | None = None) -> None:
         """Queue a render (and insert its record first, so it is never lost); QueueFull when the queue is full."""
         with self._cond:
@@ -209,6 +238,7 @@ class Scheduler:
             if self._stopping:
                 return None
             self._rendering = self._queue.popleft()
+            self._rendering.started = time.monotonic()
             return self._rendering
 
     def _render(self, work: Work) -> bool:
@@ -217,6 +247,7 @@ class Scheduler:
 
         def on_progress(p: Progress) -> None:
             nonlocal last
+            work.progress = p
             percent = progress_percent(p)
             if work.persist and percent != last:
                 last = percent

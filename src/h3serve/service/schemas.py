@@ -37,10 +37,19 @@ from pydantic import BaseModel
 
 from h3serve.config import FPS
 from h3serve.pipeline.request import RenderRequest
-from h3serve.pipeline.rules import MAX_REFERENCES, MAX_SEED, QUALITIES, RequestError, resolve_canvas
+from h3serve.pipeline.rules import (
+    MAX_REFERENCE_AUDIOS,
+    MAX_REFERENCE_IMAGES,
+    MAX_REFERENCE_VIDEOS,
+    MAX_REFERENCES,
+    MAX_SEED,
+    QUALITIES,
+    RequestError,
+    resolve_canvas,
+)
 from h3serve.service.bodies import LongInt, Upload, load_json
 from h3serve.service.errors import ApiError, bad_request, escaped, shown
-from h3serve.vocab import ANCHORS, TASK_ANCHORS, Task, seconds_to_frames
+from h3serve.vocab import ANCHORS, TASK_ANCHORS, ReferenceKind, Task, seconds_to_frames
 
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
@@ -385,6 +394,46 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
             hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
         raise _refusal(err, names, hint) from err
     return Mapped(request)
+
+
+def request_limits(engine, max_prompt: int, max_upload_mb: int) -> dict[str, Any]:
+    """What a request to this server may be, as `/v1/models` reports it (under `limits`): the values the checks above
+    and the engine's rules hold requests to, so that a client (the web page) shows them rather than guessing.
+
+    `size.aspect_ratios` gives the canvas each `aspect_ratio` resolves to on this model; `frames` the 17n+5 grid
+    (`seconds` snap up to it: `round(seconds * fps)`, then the next 17n+5); `num_inference_steps.default` the
+    server's (an adapter's trained one where it has one); `quality` the step-cache choices, null without a step cache;
+    `references` the Ref2VA limits per kind and in all, null on a server without the Ref2VA DiT.
+    """
+    rules, admission = engine.rules, engine.admission
+    canvas, frames = rules.canvas, rules.frames
+    sizes = {name: "x".join(map(str, resolve_canvas(*ratio, canvas))) for name, ratio in ASPECT_RATIOS.items()}
+    references = None
+    if REF2VA in engine.tasks:
+        references = {
+            ReferenceKind.IMAGE.value: MAX_REFERENCE_IMAGES,
+            ReferenceKind.VIDEO.value: MAX_REFERENCE_VIDEOS,
+            ReferenceKind.AUDIO.value: MAX_REFERENCE_AUDIOS,
+            "total": MAX_REFERENCES,
+        }
+    return {
+        "prompt_chars": max_prompt,
+        "upload_mb": max_upload_mb,
+        "size": {
+            "multiple": canvas.multiple,
+            "max_pixels": canvas.max_pixels,
+            "min_aspect": canvas.min_aspect,
+            "max_aspect": canvas.max_aspect,
+            "default": sizes["16:9"],  # without keyframes; with them, the first keyframe's aspect
+            "aspect_ratios": sizes,
+        },
+        "frames": {"min": frames.min_frames, "max": frames.max_frames, "default": frames.default_frames, "fps": FPS},
+        "num_inference_steps": {"min": rules.min_steps, "max": rules.max_steps, "default": admission.sampler.steps},
+        "seed": {"min": 0, "max": MAX_SEED},
+        "keyframes": MAX_KEYFRAMES,
+        "references": references,
+        "quality": list(QUALITIES) if admission.step_cache else None,
+    }
 
 
 class JobStatus(enum.StrEnum):
