@@ -202,7 +202,7 @@ EXECUTIONS = (
 AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
 
 
-# Our attention backends measured; CUDNN_FP8_NAIVE is CUDNN_FP8 with per-tensor scales and no key smoothing
+# Our attention backends measured; CUDNN_FP8_NAIVE is CUDNN_FP8 with per-tensor scales and no K or V smoothing
 # (`accel.fp8_attention.naive_sdpa`: what the design's scales buy, never served).
 ATTENTIONS = ("TORCH_SDPA", "CUDNN_ATTN", "CUDNN_FP8", "CUDNN_FP8_NAIVE")
 FP8_ATTENTIONS = ("CUDNN_FP8", "CUDNN_FP8_NAIVE")

@@ -61,7 +61,7 @@ def test_the_kernel_matches_the_float32_emulation_of_the_same_quantized_computat
 
 def test_the_triton_passes_quantize_as_torchs_ops_do():
     q, k, v = _qkv(3001, key_offset=2.0)
-    assert fp8_attention.fused(q)
+    assert fp8_attention.fused(q, k, v)
     fused, ops = quantize(q, k, v), fp8_attention.quantize_ops(q, k, v)
     for name in ("q", "k", "v", "descale", "v_mean"):  # the means' sums run in another order: close, not bitwise
         torch.testing.assert_close(getattr(fused[3], name), getattr(ops[3], name), rtol=1e-5, atol=1e-6)

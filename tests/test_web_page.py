@@ -116,6 +116,19 @@ def test_a_running_job_says_its_stage_and_step(server):
         assert cancelled["status"] == "cancelled" and cancelled["live"] is None
 
 
+def test_a_finished_record_shows_no_live_state_even_while_the_scheduler_holds_the_job():
+    """The store marks a job completed before its future is set: a poll in between must not show it encoding."""
+    from h3serve.service.app import shown_record
+    from h3serve.service.schemas import JobStatus, VideoJob
+
+    job = VideoJob(id="video_gen_x", status=JobStatus.COMPLETED, model="m", prompt="p", size="224x128", seconds="1",
+                   created_at=0, task="t2va", num_frames=22, num_inference_steps=4, seed=0)  # fmt: skip
+    live = {"video_gen_x": {"stage": "encode", "done": 0, "total": 1, "elapsed_s": 1.0, "ahead": None}}
+    assert shown_record(job, live)["live"] is None
+    running = job.model_copy(update={"status": JobStatus.IN_PROGRESS})
+    assert shown_record(running, live)["live"]["stage"] == "encode"
+
+
 def test_the_page_snaps_frames_on_the_servers_grid():
     js = (WEB / "page.js").read_text(encoding="utf-8")
     assert re.search(r"const CLIP_FRAMES = (\d+);", js)[1] == str(CLIP_FRAMES)

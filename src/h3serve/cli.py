@@ -355,6 +355,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     adapters = _read_adapters(settings, folder)
     for adapter in adapters:
         log.info("adapter: %s", adapter.describe())
+    from h3serve.service.page import WebPage
+
+    page = WebPage.load()  # the page's packaged files, read before any weight loads: an install without them stops here
     start = time.perf_counter()
     engine = _load_engine(settings, folder, settings.profile(), settings.task_type, adapters)
     gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
@@ -364,7 +367,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "adapters merged in %.2f s; default sampler: %s", engine.merge_seconds, engine.admission.sampler.describe()
         )
     log.info("memory held after load:\n%s", engine.memory_budget().table())
-    app = create_app(settings, engine)
+    app = create_app(settings, engine, page)
     try:
         uvicorn.run(
             app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30

@@ -111,10 +111,12 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * scale[None, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def fused(q: torch.Tensor) -> bool:
-    """Whether `quantize` runs the two Triton passes for these operands (CUDA, Triton, a power-of-two head size)."""
+def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `quantize` runs the two Triton passes for these operands: on CUDA with Triton, self-attention shapes
+    (q, k, v alike), a power-of-two head size and unit channel strides."""
     d = q.shape[-1]
-    return q.is_cuda and d & (d - 1) == 0 and PASSES is not None
+    alike = q.shape == k.shape == v.shape and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    return q.is_cuda and alike and d & (d - 1) == 0 and PASSES is not None
 
 
 def quantize(
@@ -123,7 +125,7 @@ def quantize(
     """q, k, v (B, H, S, D) -> their e4m3 forms and the scales (the module docstring's step 1). On CUDA two Triton
     passes over q, k, v (`triton_fp8_attention`: the statistics, then the rounding), else torch's ops; the naive
     variant always runs torch's."""
-    if not naive and fused(q):
+    if not naive and fused(q, k, v):
         return _quantize_fused(q, k, v)
     return quantize_ops(q, k, v, naive)
 

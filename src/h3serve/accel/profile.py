@@ -100,11 +100,8 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
 }
 # What the CPU runs, whatever the dtype: everything else needs CUDA.
 CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")
-FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)
-CUDNN = (
-    Attention.CUDNN_ATTN,
-    Attention.CUDNN_FP8,
-)  # the backends held to cuDNN (half precision only)  # block linears stored as e4m3 weights (quantized as they load)
+FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)  # block linears stored as e4m3 weights (quantized as they load)
+CUDNN = (Attention.CUDNN_ATTN, Attention.CUDNN_FP8)  # the backends held to cuDNN (half precision only)
 DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,3}))?$")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and newer
 

@@ -22,9 +22,9 @@ E4M3_MAX = tl.constexpr(448.0)
 
 @triton.jit
 def _tile(ptr, b, h, rows, cols, mask, sb, sh, ss):
-    return tl.load(ptr + b * sb + h * sh + rows[:, None] * ss + cols[None, :], mask=mask[:, None], other=0.0).to(
-        tl.float32
-    )
+    # int64 offsets: v is a slice of the fused projection, 3 H D elements a row, past 2^31 at ~100k rows
+    offsets = b.to(tl.int64) * sb + h.to(tl.int64) * sh + rows.to(tl.int64)[:, None] * ss + cols[None, :]
+    return tl.load(ptr + offsets, mask=mask[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -56,7 +56,8 @@ def _stats_kernel(
 def _quantize_tile(x_ptr, out_ptr, b, h, rows, cols, mask, sb, sh, ss, osb, osh, oss, scale, shift):
     x = (_tile(x_ptr, b, h, rows, cols, mask, sb, sh, ss) - shift) * scale
     x = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
-    tl.store(out_ptr + b * osb + h * osh + rows[:, None] * oss + cols[None, :], x.to(tl.float8e4nv), mask=mask[:, None])
+    offsets = b.to(tl.int64) * osb + h.to(tl.int64) * osh + rows.to(tl.int64)[:, None] * oss + cols[None, :]
+    tl.store(out_ptr + offsets, x.to(tl.float8e4nv), mask=mask[:, None])
 
 
 @triton.jit

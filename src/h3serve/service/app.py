@@ -77,7 +77,7 @@ MAX_PAGE = 100
 SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected client
 
 
-def create_app(settings: Settings, engine: Engine) -> FastAPI:
+def create_app(settings: Settings, engine: Engine, page: WebPage | None = None) -> FastAPI:
     store = JobStore(settings.output_dir)
     metrics = Metrics()
     scheduler = Scheduler(
@@ -97,7 +97,7 @@ def create_app(settings: Settings, engine: Engine) -> FastAPI:
     app.state.settings, app.state.engine, app.state.auth = settings, engine, BearerKey(settings.key)
     app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
-    app.state.page = WebPage.load()
+    app.state.page = page or WebPage.load()
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -458,8 +458,9 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str,
 
 def shown_record(job: VideoJob, live: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A job record as the API shows it: the stored fields, and `live` (`Scheduler.live`: where an unfinished job is
-    now, its stage and step; null once it has finished)."""
-    return {**job.model_dump(), "live": live.get(job.id)}
+    now, its stage and step; null once its record says it has finished, even while the scheduler still lets go of
+    it)."""
+    return {**job.model_dump(), "live": live.get(job.id) if job.status in ACTIVE else None}
 
 
 def adapter_entries(engine: Engine) -> list[dict[str, Any]]:

@@ -654,7 +654,7 @@ class Page {
       const answer = await this.call("DELETE", `/v1/videos/${encodeURIComponent(id)}`);
       if (answer.deleted) {
         this.dropCard(id, card);
-      } else {
+      } else if (card) {
         this.update(card, answer);
       }
     } catch (err) {
