@@ -28,6 +28,14 @@ def _tile(ptr, b, h, rows, cols, mask, sb, sh, ss):
 
 
 @triton.jit
+def _program(S, D: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's row block, head and batch item (the grid's axes), its rows and channels, and its rows' mask."""
+    blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    return blk, h, b, rows, tl.arange(0, D), rows < S
+
+
+@triton.jit
 def _channel_stats(x, mask, out_ptr, slot, part, cols, D: tl.constexpr):
     """A tile's per-channel sum, max and min, at `out_ptr`'s [0 | 1 | 2][slot] rows (`part` apart)."""
     tl.store(out_ptr + slot * D + cols, tl.sum(x, axis=0))
@@ -41,10 +49,7 @@ def _stats_kernel(
     qsb, qsh, qss, ksb, ksh, kss, vsb, vsh, vss,
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = blk * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    mask = rows < S
+    blk, h, b, rows, cols, mask = _program(S, D, BLOCK)
     slot = (b * H + h) * NB + blk
     q = _tile(q_ptr, b, h, rows, cols, mask, qsb, qsh, qss)
     tl.store(qa_ptr + slot, tl.max(tl.max(tl.abs(q), axis=1), axis=0))
@@ -66,10 +71,7 @@ def _quantize_kernel(
     qsb, qsh, qss, ksb, ksh, kss, vsb, vsh, vss, osb, osh, oss,
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    blk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = blk * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    mask = rows < S
+    _, h, b, rows, cols, mask = _program(S, D, BLOCK)
     k_mean = tl.load(kmean_ptr + (b * H + h) * D + cols)[None, :]
     v_mean = tl.load(vmean_ptr + (b * H + h) * D + cols)[None, :]
     _quantize_tile(q_ptr, q8_ptr, b, h, rows, cols, mask, qsb, qsh, qss, osb, osh, oss, tl.load(sq_ptr + h), 0.0)
