@@ -446,7 +446,8 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     rec.data["sequence_length"] = int(x["token_tags"].shape[0])
     outputs = {}
     block_states: dict[str, BlockStates] = {}
-    if any(a in FP8_ATTENTIONS for n in args.only or ATTENTIONS for a in n.split("+")[:1]) and not args.tiny:
+    measured = {name.split("+")[0] for name in args.only} if args.only else set(ATTENTIONS)
+    if measured & set(FP8_ATTENTIONS) and not args.tiny:
         rec.data["attention_op"] = attention_op(x["token_tags"].shape[0], dit.config)
         rec.save()
         print("attention_op", rec.data["attention_op"], flush=True)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Attention(enum.StrEnum):
     """TORCH_SDPA: torch's scaled_dot_product_attention with its own backend choice (the reference).
     CUDNN_ATTN: the same call held to cuDNN's fused attention (fails rather than falls back).
-    CUDNN_FP8: the DiT's attention in FP8 through cuDNN's FP8 SDPA, per-head scales and smoothed keys (opt-in,
+    CUDNN_FP8: the DiT's attention in FP8 through cuDNN's FP8 SDPA, per-head scales, smoothed keys and values (opt-in,
     lossy; Hopper or newer and the `fp8-attention` extra); the decoders' attention runs CUDNN_ATTN under it."""
 
     CUDNN_ATTN = "CUDNN_ATTN"

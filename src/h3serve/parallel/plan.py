@@ -10,7 +10,8 @@ SETTING = "H3_NUM_GPUS (--num-gpus)"
 
 
 def check_split(config: DiTConfig, profile: Profile, num_gpus: int) -> None:
-    """ValueError naming H3_NUM_GPUS and what is allowed: heads that do not divide, HUMMING, one named GPU."""
+    """ValueError naming H3_NUM_GPUS and what is allowed: heads that do not divide, HUMMING, CUDNN_FP8, one named
+    GPU."""
     check_heads(config, num_gpus)
     for message in split_refusals(profile.linear, profile.device, num_gpus, profile.attention):
         raise ValueError(f"{SETTING} {num_gpus}: {message}")
