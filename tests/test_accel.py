@@ -267,7 +267,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
     layout = build_layout([1] * 9, MediaGeometry.from_pixels(128, 224, 22), ("first",))
     schedule = DualSchedule.build(5, 12.0, 3.0)
     steps = step_timesteps(layout, schedule)
-    maker = AdalnTables(dit, resident=True)
+    maker = AdalnTables(dit, weights="device")
     tables = maker.for_steps(steps)
     assert len(tables) == 4 and all(len(t) == len(dit.blocks) for t in tables)
     for step, timesteps in enumerate(steps):
@@ -276,8 +276,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
             assert torch.equal(tables[step][b], block.modulation(temb, dit.compute_dtype)), (step, b)
     assert maker.for_steps(steps) is tables  # cached
     # The off-device path (weights copied in per block, the module's own forward on the copies) gives the same.
-    offloaded = AdalnTables(dit, resident=True)
-    offloaded.offloaded = True  # as on a GPU with the weights in host memory; here both sides are the CPU
+    offloaded = AdalnTables(dit, weights="pinned")  # on the CPU both sides are the CPU; the copies are made all the same
     again_tables = offloaded.for_steps(steps)
     assert all(
         torch.equal(a, b) for sa, sb in zip(tables, again_tables, strict=True) for a, b in zip(sa, sb, strict=True)
@@ -285,7 +284,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
 
     request = engine.validate("a fox", steps=5, seed=4)
     with_tables = engine.render(request)
-    engine.tables["fl2va"] = AdalnTables(dit, resident=True, cache_size=0)  # nothing kept: made again every time
+    engine.tables["fl2va"] = AdalnTables(dit, cache_size=0)  # nothing kept: made again every time
     again = engine.render(request)
     np.testing.assert_array_equal(with_tables.frames, again.frames)
     np.testing.assert_array_equal(with_tables.audio, again.audio)
@@ -305,7 +304,7 @@ def test_a_forward_with_tables_is_bitwise_the_forward_without(engine):
     text = encode_text(c.text_encoder, request.prompt)
     layout = build_layout(text.token_tags, MediaGeometry.from_pixels(request.height, request.width, 22), ())
     schedule = DualSchedule.build(3, 12.0, 3.0)
-    tables = AdalnTables(c.dit, resident=True).for_steps(step_timesteps(layout, schedule))
+    tables = AdalnTables(c.dit, weights="device").for_steps(step_timesteps(layout, schedule))
     g = torch.Generator().manual_seed(0)
     video = torch.randn(layout.num_video_rows, c.dit.config.video_patch_dim, generator=g)
     audio = torch.randn(layout.num_audio_rows, c.dit.config.audio_latents_dim, generator=g)
@@ -363,7 +362,7 @@ def test_default_schedule_tables_are_made_at_start_for_every_task(engine, monkey
     from h3serve.pipeline.sampling import step_timesteps
     from h3serve.pipeline.schedule import DualSchedule
 
-    monkeypatch.setattr(engine, "tables", {"fl2va": AdalnTables(engine.components.dit, resident=True)})
+    monkeypatch.setattr(engine, "tables", {"fl2va": AdalnTables(engine.components.dit, weights="device")})
     assert engine.prepare_tables() > 0
     assert len(engine.tables["fl2va"]._cache) == 2  # no keyframe rows, and keyframe rows (one clock more)
     made = dict(engine.tables["fl2va"]._cache)

@@ -15,7 +15,7 @@ from h3serve.cli import main
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.model.video_vae import VideoVAEConfig
-from h3serve.pipeline.budget import OVERHEAD_GIB, check_fits, plan_budget
+from h3serve.pipeline.budget import OVERHEAD_GIB, PLANNED_TEXT_ROWS, PROCESS_HOST_GIB, check_fits, plan_budget
 from h3serve.pipeline.rules import RELEASED_RULES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,9 +39,10 @@ def released_configs():
     )
 
 
-def cuda_profile(linear: str, text_linear: str, adaln_resident: bool = False) -> Profile:
+def cuda_profile(linear: str, text_linear: str, adaln_weights: str | None = None, integrated: bool = False) -> Profile:
     """A real CUDA profile: a value, built on any machine (only `accel.profile.check` asks the hardware)."""
-    return Profile.for_device("cuda", linear=linear, text_linear=text_linear, adaln_resident=adaln_resident)
+    values = {"linear": linear, "text_linear": text_linear, "adaln_weights": adaln_weights}
+    return Profile.for_device("cuda", integrated=integrated, **values)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,8 @@ def test_the_budget_from_the_released_configs_matches_what_the_h200_measured(run
     budget = plan_budget(released_configs(), cuda_profile(linear, text_linear), RELEASED_RULES)
     assert budget.device_weights == pytest.approx(measured["resident_gib"], rel=0.05)
     assert budget.device_weights + budget.activations_reference == pytest.approx(measured["peak_gib"], rel=0.05)
-    assert budget.host["adaln_weights"] == pytest.approx(measured["budget_gib"]["adaln_in_host_memory"], rel=0.01)
+    pinned = budget.host["adaln_weights (page-locked)"]
+    assert pinned == pytest.approx(measured["budget_gib"]["adaln_in_host_memory"], rel=0.01)
 
 
 def test_fp8_options_shrink_exactly_the_components_they_quantize():
@@ -67,10 +69,10 @@ def test_fp8_options_shrink_exactly_the_components_they_quantize():
         fp8.device["dit"] < 0.55 * bf16.device["dit"] and fp8.device["text_encoder"] < 0.6 * bf16.device["text_encoder"]
     )
     assert fp8.device["video_vae"] == bf16.device["video_vae"] and fp8.device["audio_vae"] == bf16.device["audio_vae"]
-    kept = cuda_profile("BF16", "BF16", adaln_resident=True)
+    kept = cuda_profile("BF16", "BF16", adaln_weights="device")
     resident = plan_budget(configs, kept, RELEASED_RULES)
     assert resident.host == {} and resident.device["dit"] == pytest.approx(
-        bf16.device["dit"] + bf16.host["adaln_weights"]
+        bf16.device["dit"] + bf16.host["adaln_weights (page-locked)"]
     )
     tables = "adaln_tables (4 schedules of 49 steps)"
     assert resident.device[tables] == bf16.host[tables] == pytest.approx(4 * 49 * 50 * 12 * 6 * 5376 * 2 / 2**30)
@@ -80,13 +82,57 @@ def test_check_fits_names_what_is_short():
     budget = plan_budget(released_configs(), cuda_profile("CUTLASS", "CUTLASS"), RELEASED_RULES)
     assert check_fits(budget, 200.0, 200.0, shared=False) == []
     (device,) = check_fits(budget, budget.device_need - 1, 200.0, shared=False)
-    assert device.startswith(f"needs {budget.device_need:.1f} GiB on the device")
+    assert device.startswith(f"needs {budget.device_need:.1f} GiB on the device") and "1.0 GiB missing" in device
     (host,) = check_fits(budget, 200.0, 1.0, shared=False)
     assert "GiB of host memory, 1.0 GiB available" in host
     # One pool (a DGX Spark): the device's and the host's needs add up.
     assert check_fits(budget, budget.device_need + 1, budget.device_need + 1, shared=True)
     assert not check_fits(budget, 128.0, 128.0, shared=True)
     assert budget.device_need == pytest.approx(budget.device_weights + budget.activations_largest + OVERHEAD_GIB)
+
+
+# ---- one pool: an integrated GPU (a DGX Spark's 128 GB) -------------------------------------------------------------
+
+SPARK_TARGETS = {("BF16", "BF16"): 110.0, ("CUTLASS", "BF16"): 92.0, ("CUTLASS", "CUTLASS"): 70.0}  # GiB, issue 27
+
+
+@pytest.mark.parametrize(("linear", "text_linear"), list(SPARK_TARGETS))
+def test_an_integrated_gpu_plans_one_pool_with_the_adaln_weights_as_page_cache(linear, text_linear):
+    """On an integrated GPU the AdaLN weights default to the mapped checkpoint and one schedule's tables are kept:
+    the pool counts the GPU's allocations, the page-locked tables and the process's own host memory, never the
+    page cache. The issue's targets for 128 GB at the default request, from the released configurations."""
+    configs = released_configs()
+    spark = cuda_profile(linear, text_linear, integrated=True)
+    assert spark.adaln_weights == "mapped" and spark.adaln_tables_kept == 1
+    budget = plan_budget(configs, spark, RELEASED_RULES, shared=True)
+    discrete = plan_budget(configs, cuda_profile(linear, text_linear), RELEASED_RULES)
+    assert budget.mapped == {"adaln_weights (mapped)": pytest.approx(discrete.host["adaln_weights (page-locked)"])}
+    (tables,) = budget.host.values()  # nothing else page-locked: only one schedule's tables
+    assert tables == pytest.approx(discrete.host["adaln_tables (4 schedules of 49 steps)"] / 4)
+    assert budget.device == discrete.device
+    default = budget.pool_need(budget.activations_default)
+    expected = budget.device_weights + budget.activations_default + OVERHEAD_GIB + tables + PROCESS_HOST_GIB
+    assert default == pytest.approx(expected)
+    assert default <= SPARK_TARGETS[(linear, text_linear)]
+    assert budget.pool_need() == pytest.approx(default + budget.activations_largest - budget.activations_default)
+    # The default request: T2VA 1344x768, 124 frames (the benchmarks' default shape: 38,247 rows with a 537-row prompt)
+    # with the planned prompt rows.
+    assert budget.default_rows == 38247 - 537 + PLANNED_TEXT_ROWS
+    table = budget.table()
+    assert "GPU GiB" in table and "host GiB" in table and "page cache, evictable, not counted" in table
+    assert f"{budget.pool_need(budget.activations_default):.2f} GiB at the default request" in table
+
+
+def test_one_pool_refuses_with_the_missing_amount():
+    budget = plan_budget(released_configs(), cuda_profile("BF16", "BF16", integrated=True), RELEASED_RULES, shared=True)
+    need = budget.pool_need()
+    (problem,) = check_fits(budget, need - 5.0, 200.0, shared=True)
+    assert problem.startswith(f"needs {need:.1f} GiB of the shared memory") and "5.0 GiB missing" in problem
+    assert "page cache not counted" in problem
+    assert check_fits(budget, need + 0.1, need + 0.1, shared=True) == []
+    # Pinned on the same device: the 24 GiB of AdaLN weights join the pool.
+    pinned = plan_budget(released_configs(), cuda_profile("BF16", "BF16", "pinned", True), RELEASED_RULES, shared=True)
+    assert pinned.pool_need() - need == pytest.approx(pinned.host["adaln_weights (page-locked)"])
 
 
 # ---- the preflight ------------------------------------------------------------------------------------------------
@@ -111,7 +157,7 @@ def preflight(capsys, *args: str) -> tuple[int, str, str]:
 def test_preflight_passes_and_prints_the_budget(checkpoint, tmp_path, capsys):
     code, out, err = preflight(capsys, "--model", str(checkpoint), "--output-dir", str(tmp_path / "out"))
     assert code == 0, err
-    assert "device need (weights + largest activations + overhead)" in out and "preflight ok" in err
+    assert "need (weights + largest activations + overhead; host part)" in out and "preflight ok" in err
 
 
 def test_preflight_refuses_a_missing_weight_file(checkpoint, tmp_path, capsys):
@@ -152,7 +198,7 @@ def test_preflight_refuses_too_little_memory_with_the_budget(checkpoint, tmp_pat
     with pytest.raises(PreflightError) as err:
         check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
     message = str(err.value)
-    assert message.startswith("not enough memory for profile BF16/BF16 on cpu: needs ") and "device need" in message
+    assert message.startswith("not enough memory for profile BF16/BF16 on cpu: needs ") and "need (weights" in message
 
 
 def test_preflight_with_several_gpus_checks_each_gpu_and_every_ranks_host_part(checkpoint, tmp_path):

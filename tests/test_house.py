@@ -146,7 +146,7 @@ def test_a_cuda_profile_is_a_value_built_anywhere_and_checked_against_the_machin
         Execution.COMPILE,
         Linear.CUTLASS,
     )
-    assert profile.as_dict()["linear"] == "CUTLASS" and profile.quantized_linears and profile.adaln_in_host_memory
+    assert profile.as_dict()["linear"] == "CUTLASS" and profile.quantized_linears and profile.adaln_off_device
     if not torch.cuda.is_available():
         with pytest.raises(ProfileError) as err:
             check(profile)

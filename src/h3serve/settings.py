@@ -31,6 +31,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 from h3serve.accel.profile import (
+    MAX_TABLES_KEPT,
+    AdalnWeights,
     Attention,
     DType,
     Execution,
@@ -41,6 +43,7 @@ from h3serve.accel.profile import (
     VaeAutocast,
     check,
     check_step_cache,
+    is_integrated,
 )
 from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
@@ -52,6 +55,8 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
 REDACTED = "<redacted>"
+# Settings that were renamed: the old H3_ variable or config key is refused with what replaces it.
+RENAMED = {"adaln_resident": "H3_ADALN_WEIGHTS (device: on the GPU; pinned: the former default)"}
 # The profile's field for each setting that feeds it (`accel.profile.Profile`); a ProfileError names the former.
 PROFILE_FIELDS = {
     "device": "device",
@@ -61,7 +66,8 @@ PROFILE_FIELDS = {
     "execution_mode": "execution",
     "linear_backend": "linear",
     "text_encoder_linear": "text_linear",
-    "adaln_resident": "adaln_resident",
+    "adaln_weights": "adaln_weights",
+    "adaln_tables_kept": "adaln_tables_kept",
 }
 SETTING_OF = {profile: setting for setting, profile in PROFILE_FIELDS.items()}
 # `h3serve render`'s flag names before it took the shared schema, accepted for one release (0.2 drops them).
@@ -113,9 +119,18 @@ class EngineSettings(BaseModel):
         None,
         description="text-encoder decoder-layer linears: BF16 (exact, default) or CUTLASS (FP8: -24 GB, lossy)",
     )
-    adaln_resident: bool = Field(
-        False,
-        description="keep the DiT's AdaLN weights (13 B parameters) on the GPU; default: only per-schedule tables",
+    adaln_weights: AdalnWeights | None = Field(
+        None,
+        description="where the DiT's AdaLN weights (13 B parameters) live: device, pinned (a page-locked host copy) "
+        "or mapped (read from the checkpoint file when a schedule's tables are made); unset: mapped on an integrated "
+        "GPU, pinned on a discrete one, device on cpu",
+    )
+    adaln_tables_kept: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TABLES_KEPT,
+        description="schedules whose AdaLN tables are kept (about 1.8 GiB each at 50 grid points); unset: 1 on an "
+        "integrated GPU, else 4",
     )
     cache_backend: Literal["none", "cache_dit"] = Field(
         "none", description="step caching (lossy): none, or cache_dit with cache_config"
@@ -145,30 +160,36 @@ class EngineSettings(BaseModel):
         "cpu); the DiT's attention heads must divide by it",
     )
 
-    def profile(self) -> Profile:
-        """The engine profile these settings select (ProfileError naming what cannot be combined). The hardware is
-        not asked here (`accel.profile.check`)."""
+    def profile(self, *, ask_hardware: bool = True) -> Profile:
+        """The engine profile these settings select (ProfileError naming what cannot be combined). What the hardware
+        can run is not asked here (`accel.profile.check`); which GPU it is is (an integrated one has other defaults),
+        unless `ask_hardware=False` (then a discrete GPU's defaults)."""
         device = self.device
         if device is None:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return Profile.for_device(device, **self._profile_values())
+        integrated = ask_hardware and is_integrated(device)
+        return Profile.for_device(device, integrated=integrated, **self._profile_values(device))
+
+    def _profile_values(self, device: str) -> dict[str, Any]:
+        values = {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
+        if self.model is None and values["adaln_weights"] is None and device.startswith("cuda"):
+            values["adaln_weights"] = AdalnWeights.PINNED  # not mapped on an integrated GPU: the tiny model has no file
+        return values
 
     def device_profiles(self) -> dict[str, Profile | ProfileError]:
         """The profile on each device these settings may start on, without asking the hardware (so without torch):
-        the device set, or with none set cuda and cpu (a start takes cuda when available). A ProfileError where the
-        profile's own rules refuse; what this machine can run is `accel.profile.check`'s (`check --preflight`)."""
+        the device set, or with none set cuda and cpu (a start takes cuda when available; the defaults shown are a
+        discrete GPU's). A ProfileError where the profile's own rules refuse; what this machine can run is
+        `accel.profile.check`'s (`check --preflight`)."""
         out: dict[str, Profile | ProfileError] = {}
         for device in (self.device,) if self.device is not None else ("cuda", "cpu"):
             try:
-                out[device] = Profile.for_device(device, **self._profile_values())
+                out[device] = Profile.for_device(device, **self._profile_values(device))
             except ProfileError as err:
                 out[device] = err
         return out
-
-    def _profile_values(self) -> dict[str, Any]:
-        return {PROFILE_FIELDS[name]: getattr(self, name) for name in PROFILE_FIELDS if name != "device"}
 
     def adapter_files(self) -> list[tuple[Path, float]]:
         """The adapter files and their scales from `lora`, in order (valid once load_settings returned)."""
@@ -256,7 +277,7 @@ class Settings(EngineSettings):
             values["profile"] = {d: p.as_dict() if isinstance(p, Profile) else f"invalid: {p}" for d, p in candidates}
             return values
         try:
-            values["profile"] = self.profile().as_dict()
+            values["profile"] = self.profile(ask_hardware=resolve_device).as_dict()
         except ValueError as err:
             values["profile"] = f"invalid: {err}"
         return values
@@ -378,7 +399,9 @@ def load_settings(
     config_file = config_file or (getattr(args, "config", None) if args is not None else None)
     if config_file is not None:
         for key, value in _read_config(config_file, violations).items():
-            if key not in Settings.model_fields:
+            if key in RENAMED:
+                violations.append(Violation(f"{config_file}: {key!r} was replaced by {RENAMED[key]}", key))
+            elif key not in Settings.model_fields:
                 violations.append(
                     f"{config_file}: unknown setting {key!r}; allowed: {', '.join(Settings.model_fields)}"
                 )
@@ -388,6 +411,9 @@ def load_settings(
         if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
             continue
         name = var[len(ENV_PREFIX) :].lower()
+        if name in RENAMED:
+            violations.append(Violation(f"{var}: was replaced by {RENAMED[name]}", name))
+            continue
         if name not in Settings.model_fields:
             violations.append(
                 f"{var}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
@@ -459,6 +485,9 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
                 out.append(refusal("cache_config", "given, but H3_CACHE_BACKEND is none; set cache_dit or remove it"))
         if s.cache_backend == "cache_dit" and s.cache_config is None:
             out.append(refusal("cache_backend", "cache_dit requires an explicit, tested H3_CACHE_CONFIG"))
+    if ok("adaln_weights", "model") and s.adaln_weights == AdalnWeights.MAPPED and s.model is None:
+        message = "mapped reads the AdaLN weights from the checkpoint's files; the built-in tiny model has none: set "
+        out.append(refusal("adaln_weights", message + "H3_MODEL, or device or pinned"))
     # Adapters: each PATH[:SCALE] parses and names a readable file (what the file is, is read before weights load).
     if ok("lora") and s.lora is not None:
         for item in s.lora.split(","):

@@ -2,6 +2,12 @@
 every block's modulation table at every step is made once before the denoise loop, and the weights need not stay on
 the GPU while it runs.
 
+Where the weights live is the profile's `adaln_weights`: on the device; a page-locked host copy (`AdalnHostHook`
+puts them there as they load); or mapped, never read at load (`model.loading.assign_from_checkpoint(mapped=...)`):
+the blocks' parameters are views of the checkpoint's file mapping, streamed one block at a time into fresh tensors
+on the compute device when a schedule's tables are made (few-step adapters merged into each as it comes in, with
+the load's own merge), so the weights are page cache the kernel can evict and re-read, never process memory.
+
 A table is made exactly as the block makes it during a forward (`Block.modulation`: the same projection on the same
 (M, time_embed_dim) rows, one step at a time), so a denoise over tables is bitwise the denoise without them. Off the
 GPU (the default on CUDA), the weights live in host memory and are copied in one block at a time when a schedule's
@@ -14,12 +20,14 @@ requests of one schedule pay once.
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 from torch.func import functional_call
 
-from h3serve.model.dit import H3DiT, pad_table
+from h3serve.accel.profile import TABLES_KEPT, AdalnWeights
+from h3serve.model.dit import H3DiT, is_fp32_name, pad_table
 
 Tables = list[list[torch.Tensor]]  # [step][block] -> (TABLE_ROWS, 6 * hidden)
 
@@ -58,26 +66,70 @@ class AdalnHostHook:
         pass
 
 
+class Merge(Protocol):
+    """What a mapped block's weights pass through as they come in (`model.adapters.AdapterMerge`)."""
+
+    def transform(self, name: str, tensor: torch.Tensor) -> Mapping[str, torch.Tensor]: ...
+
+
 class AdalnTables:
-    def __init__(self, dit: H3DiT, *, resident: bool, cache_size: int = 4):
+    """Each schedule's tables for one DiT, kept for the `cache_size` schedules used last. `weights`: where the blocks'
+    AdaLN weights live (see the module docstring); `merge`: with mapped weights, the adapters' merge applied to each
+    block's weights as they are streamed in (None: no adapters)."""
+
+    def __init__(
+        self,
+        dit: H3DiT,
+        *,
+        weights: AdalnWeights | str = AdalnWeights.DEVICE,
+        cache_size: int = TABLES_KEPT,
+        merge: Merge | None = None,
+    ):
         self.dit = dit
         self.device = dit.blocks[0].norm1.weight.device  # the compute device, whatever the AdaLN weights' is
+        self.weights = AdalnWeights(weights)
         self.cache_size = cache_size
+        self.merge = merge
         self._cache: collections.OrderedDict[tuple, ScheduleTables] = collections.OrderedDict()
-        self.offloaded = not resident and self.device.type != "cpu"
-        if self.offloaded:
+        # The tables wait in (pinned) host memory whenever the weights are off the compute device.
+        self.offloaded = self.weights != AdalnWeights.DEVICE and self.device.type != "cpu"
+        if self.weights == AdalnWeights.MAPPED:
+            for name, p in self._adaln_parameters():
+                if p.device.type != "cpu":
+                    raise ValueError(
+                        f"{name} is on {p.device}: mapped AdaLN weights stay in the checkpoint's mapping (load the DiT "
+                        "with `load_plan(profile)`'s dit_mapped)"
+                    )
+        elif self.weights == AdalnWeights.PINNED and self.offloaded:
             pin = torch.cuda.is_available()
-            for block in dit.blocks:
-                for p in block.adaln_proj.parameters():
-                    if p.device.type == "cpu":  # already there (`AdalnHostHook` put it there as it loaded)
-                        continue
-                    # Straight into page-locked memory: one copy, not a pageable copy and then a pinned one.
-                    p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.data)
+            for _, p in self._adaln_parameters():
+                if p.device.type == "cpu":  # already there (`AdalnHostHook` put it there as it loaded)
+                    continue
+                # Straight into page-locked memory: one copy, not a pageable copy and then a pinned one.
+                p.data = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.data)
             torch.cuda.empty_cache()
-        else:  # resident: on the compute device, wherever they were loaded
-            for block in dit.blocks:
-                for p in block.adaln_proj.parameters():
-                    p.data = p.data.to(self.device)
+        elif self.weights == AdalnWeights.DEVICE:  # resident: on the compute device, wherever they were loaded
+            for _, p in self._adaln_parameters():
+                p.data = p.data.to(self.device)
+
+    def _adaln_parameters(self):
+        for i, block in enumerate(self.dit.blocks):
+            for n, p in block.adaln_proj.named_parameters():
+                yield f"blocks.{i}.adaln_proj.{n}", p
+
+    def _block_weights(self, index: int, proj: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """Block `index`'s AdaLN weights on the compute device for making its tables (None: the module's own)."""
+        if self.weights == AdalnWeights.DEVICE:
+            return None
+        if self.weights == AdalnWeights.PINNED:
+            return {n: p.to(self.device, non_blocking=True) for n, p in proj.named_parameters()}
+        out = {}
+        for n, p in proj.named_parameters():  # mapped: read from the page cache (or the disk) into a fresh tensor
+            name = f"blocks.{index}.adaln_proj.{n}"
+            dtype = torch.float32 if is_fp32_name(name) else self.dit.compute_dtype  # as the loader would place it
+            fresh = torch.empty(p.shape, dtype=dtype, device=self.device).copy_(p)
+            out[n] = fresh if self.merge is None else self.merge.transform(name, fresh)[name]
+        return out
 
     @torch.no_grad()
     def for_steps(self, timesteps: Sequence[torch.Tensor]) -> ScheduleTables:
@@ -91,11 +143,9 @@ class AdalnTables:
         pin = self.offloaded and torch.cuda.is_available()
         tembs = [self.dit.time_embedder(t.to(self.device)) for t in timesteps]  # (M_i, time_embed_dim) fp32
         tables: Tables = [[] for _ in timesteps]
-        for block in self.dit.blocks:
+        for index, block in enumerate(self.dit.blocks):
             proj = block.adaln_proj
-            params = None
-            if self.offloaded:  # this block's weights, on the GPU only while its tables are made
-                params = {n: p.to(self.device, non_blocking=True) for n, p in proj.named_parameters()}
+            params = self._block_weights(index, proj)  # off the device: on it only while its tables are made
             for step, temb in enumerate(tembs):
                 table = pad_table(proj(temb, dtype) if params is None else functional_call(proj, params, (temb, dtype)))
                 if self.offloaded:  # kept in host memory; the step's copy comes in as it starts

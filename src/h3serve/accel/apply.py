@@ -16,7 +16,7 @@ from h3serve.accel.adaln import AdalnHostHook, is_block_adaln
 from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
-from h3serve.accel.profile import Execution, Linear, Profile, TextLinear
+from h3serve.accel.profile import AdalnWeights, Execution, Linear, Profile, TextLinear
 from h3serve.accel.vae import decoder_weights_to
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
@@ -34,27 +34,41 @@ log = logging.getLogger(__name__)
 class LoadPlan:
     """What a checkpoint load does for a profile, as hooks (`load_components`' `dit_hook` and `text_hook`): FP8
     block linears (CUTLASS; HUMMING starts from the same e4m3 weights) and the FP8 text encoder are quantized as
-    their weights are read, and the AdaLN weights go to host memory as they are read unless kept resident, so no
-    component is ever whole on the device in a form the profile drops. The memory plan (`pipeline.budget`) runs the
-    same hooks' `prepare` on meta-device models, so the plan and the load count one layout."""
+    their weights are read, and the AdaLN weights go to pinned host memory as they are read (`AdalnWeights.PINNED`)
+    or are not read at all (`MAPPED`: `dit_mapped`), so no component is ever whole on the device in a form the
+    profile drops. The memory plan (`pipeline.budget`) runs the same hooks' `prepare` on meta-device models, so the
+    plan and the load count one layout."""
 
     dit_hook: LoadHook | None
     text_hook: LoadHook | None
-    adaln_on_host: bool  # the DiT blocks' AdaLN weights wait in host memory (`AdalnHostHook`)
+    adaln: AdalnWeights  # where the DiT blocks' AdaLN weights live after the load
+    off_device: bool  # whether that is off the compute device
 
-    def hooks(self) -> dict[str, LoadHook | None]:
-        return {"dit_hook": self.dit_hook, "text_hook": self.text_hook}
+    def hooks(self) -> dict[str, object]:
+        """`load_components`' keyword arguments."""
+        mapped = is_block_adaln if self.adaln == AdalnWeights.MAPPED else None
+        return {"dit_hook": self.dit_hook, "text_hook": self.text_hook, "dit_mapped": mapped}
 
-    def on_host(self, name: str) -> bool:
-        """Whether the DiT tensor `name` waits in host memory after a load under this plan."""
-        return self.adaln_on_host and is_block_adaln(name)
+    def where(self, name: str) -> str:
+        """Where the DiT tensor `name` is after a load under this plan: "device", "host" (page-locked host memory)
+        or "mapped" (the checkpoint's file mapping: page cache)."""
+        if not is_block_adaln(name):
+            return "device"
+        if self.adaln == AdalnWeights.MAPPED:
+            return "mapped"
+        return "host" if self.off_device else "device"
 
 
 def load_plan(profile: Profile) -> LoadPlan:
     quantize = Fp8LoadHook() if profile.quantized_linears else None
-    offload = AdalnHostHook() if profile.adaln_in_host_memory else None
+    pinned = profile.adaln_off_device and profile.adaln_weights == AdalnWeights.PINNED
     text = TextFp8LoadHook() if profile.text_linear == TextLinear.CUTLASS else None
-    return LoadPlan(dit_hook=chain(quantize, offload), text_hook=text, adaln_on_host=offload is not None)
+    return LoadPlan(
+        dit_hook=chain(quantize, AdalnHostHook() if pinned else None),
+        text_hook=text,
+        adaln=profile.adaln_weights,
+        off_device=profile.adaln_off_device,
+    )
 
 
 def apply(components: Components, profile: Profile, compiler: Compiler | None = None) -> GraphCounter | None:

@@ -55,6 +55,18 @@ class TextLinear(enum.StrEnum):
     CUTLASS = "CUTLASS"
 
 
+class AdalnWeights(enum.StrEnum):
+    """Where the DiT blocks' AdaLN weights (13 B parameters, 24.2 GiB in BF16) live; they only make each schedule's
+    modulation tables (`accel.adaln`). device: resident on the compute device. pinned: a page-locked host copy,
+    copied in one block at a time (the default on a discrete GPU). mapped: never copied at load; read from the
+    memory-mapped checkpoint (page cache the kernel can evict and re-read) one block at a time when a schedule's
+    tables are made (the default on an integrated GPU, whose host memory is its memory; needs a checkpoint)."""
+
+    DEVICE = "device"
+    MAPPED = "mapped"
+    PINNED = "pinned"
+
+
 class DType(enum.StrEnum):
     """The DiT block stack's and text encoder's precision (the DiT's fp32 islands and both VAEs stay float32)."""
 
@@ -77,6 +89,7 @@ CHOICES: dict[str, type[enum.StrEnum]] = {
     "execution": Execution,
     "linear": Linear,
     "text_linear": TextLinear,
+    "adaln_weights": AdalnWeights,
 }
 # The defaults per device type. On CUDA the seed's profile (cuDNN attention, regional compile, CUTLASS FP8 block
 # linears; BF16 is the exact profile, one setting away). On the CPU the only values that run there.
@@ -88,6 +101,7 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
         "execution": Execution.COMPILE,
         "linear": Linear.CUTLASS,
         "text_linear": TextLinear.BF16,
+        "adaln_weights": AdalnWeights.PINNED,  # MAPPED on an integrated GPU (`INTEGRATED_DEFAULTS`)
     },
     "cpu": {
         "dtype": DType.FLOAT32,
@@ -96,10 +110,16 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
         "execution": Execution.EAGER,
         "linear": Linear.BF16,
         "text_linear": TextLinear.BF16,
+        "adaln_weights": AdalnWeights.DEVICE,
     },
 }
+# An integrated GPU (a DGX Spark's GB10) shares the host's memory: page-locked host copies take from the GPU's own
+# pool, so the AdaLN weights stay in the page cache and fewer schedules' tables are kept.
+INTEGRATED_DEFAULTS: dict[str, Any] = {"adaln_weights": AdalnWeights.MAPPED, "adaln_tables_kept": 1}
+TABLES_KEPT = 4  # schedules whose AdaLN tables are kept, elsewhere
+MAX_TABLES_KEPT = 64
 # What the CPU runs, whatever the dtype: everything else needs CUDA.
-CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")
+CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")  # adaln_weights: device or mapped
 FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)  # block linears stored as e4m3 weights (quantized as they load)
 CUDNN = (Attention.CUDNN_ATTN, Attention.CUDNN_FP8)  # the backends held to cuDNN (half precision only)
 DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,3}))?$")
@@ -129,8 +149,8 @@ def device_type(device: str) -> str:
 class Profile:
     """How an engine runs. Values may be given as the enums or their names; they are held as the enums.
 
-    adaln_resident: keep the DiT's AdaLN weights on the device (else they wait in host memory and only each
-    schedule's tables are made from them; `accel.adaln`).
+    adaln_weights: where the DiT blocks' AdaLN weights live (`AdalnWeights`); adaln_tables_kept: how many schedules'
+    AdaLN tables are kept (the least recently used goes first).
     """
 
     device: str = "cpu"
@@ -140,7 +160,8 @@ class Profile:
     execution: Execution = Execution.EAGER
     linear: Linear = Linear.BF16
     text_linear: TextLinear = TextLinear.BF16
-    adaln_resident: bool = False
+    adaln_weights: AdalnWeights = AdalnWeights.DEVICE
+    adaln_tables_kept: int = TABLES_KEPT
 
     def __post_init__(self) -> None:
         for name, choice in CHOICES.items():
@@ -150,8 +171,10 @@ class Profile:
             except ValueError:
                 allowed = ", ".join(choice)
                 raise ProfileError(name, f"{name} must be one of {allowed}, got {value!r}") from None
-        if not isinstance(self.adaln_resident, bool):
-            raise ProfileError("adaln_resident", f"adaln_resident must be true or false, got {self.adaln_resident!r}")
+        kept = self.adaln_tables_kept
+        if isinstance(kept, bool) or not isinstance(kept, int) or not 1 <= kept <= MAX_TABLES_KEPT:
+            allowed = f"a whole number from 1 to {MAX_TABLES_KEPT}"
+            raise ProfileError("adaln_tables_kept", f"adaln_tables_kept must be {allowed}, got {kept!r}")
         if self.linear == Linear.HUMMING and self.execution != Execution.EAGER:
             raise ProfileError(
                 "linear",
@@ -167,6 +190,12 @@ class Profile:
                     raise ProfileError(
                         name, f"{name} {getattr(self, name)} needs a CUDA device (allowed on cpu: {allowed})"
                     )
+            if self.adaln_weights == AdalnWeights.PINNED:
+                raise ProfileError(
+                    "adaln_weights",
+                    "adaln_weights pinned needs a CUDA device (on cpu the weights are in host memory already: device "
+                    "or mapped)",
+                )
         if self.attention in CUDNN and self.dtype == DType.FLOAT32:
             raise ProfileError(
                 "attention",
@@ -174,12 +203,16 @@ class Profile:
             )
 
     @classmethod
-    def for_device(cls, device: str = "cpu", **values: Any) -> Profile:
-        """The device's defaults (`DEFAULTS`) with the values given (None: the default) put over them."""
-        unknown = set(values) - set(CHOICES) - {"adaln_resident"}
+    def for_device(cls, device: str = "cpu", *, integrated: bool = False, **values: Any) -> Profile:
+        """The device's defaults (`DEFAULTS`; `INTEGRATED_DEFAULTS` over them for an integrated GPU) with the values
+        given (None: the default) put over them."""
+        unknown = set(values) - set(CHOICES) - {"adaln_tables_kept"}
         if unknown:
             raise TypeError(f"unknown profile fields: {', '.join(sorted(unknown))}")
-        defaults = DEFAULTS[device_type(device)]
+        kind = device_type(device)
+        defaults: dict[str, Any] = {**DEFAULTS[kind], "adaln_tables_kept": TABLES_KEPT}
+        if integrated and kind == "cuda":
+            defaults |= INTEGRATED_DEFAULTS
         given = {k: v for k, v in values.items() if v is not None}
         return cls(device=device, **(defaults | given))
 
@@ -193,9 +226,10 @@ class Profile:
         return self.linear in FP8_LINEARS
 
     @property
-    def adaln_in_host_memory(self) -> bool:
-        """Whether the AdaLN weights wait in host memory (on CUDA unless kept resident)."""
-        return self.cuda and not self.adaln_resident
+    def adaln_off_device(self) -> bool:
+        """Whether the AdaLN weights live off the compute device (pinned, or mapped on CUDA), so that only each
+        schedule's tables, kept in page-locked host memory, are copied in one step at a time."""
+        return self.cuda and self.adaln_weights != AdalnWeights.DEVICE
 
     @property
     def torch_device(self) -> torch.device:
@@ -222,6 +256,18 @@ class Profile:
 
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+def is_integrated(device: str) -> bool:
+    """Whether `device` is an integrated GPU (its memory is the host's: a DGX Spark's GB10). Asks CUDA; False for the
+    CPU or without CUDA."""
+    if device_type(device) != "cuda":
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return bool(torch.cuda.get_device_properties(torch.device(device)).is_integrated)
 
 
 def check_step_cache(linear: Linear | str | None) -> None:

@@ -15,6 +15,7 @@ Everything here happens before the pipeline: it receives loaded `Components` and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +231,7 @@ def load_ref_dit(
     device: torch.device | str,
     dtype: torch.dtype,
     hook: LoadHook | None = None,
+    mapped: Callable[[str], bool] | None = None,
 ) -> H3DiT:
     """The Ref2VA DiT of a resolved folder, loaded as strictly as the FL2VA one (`load_dit`)."""
     folder.check_task_type(TaskType.REF2VA)
@@ -240,6 +242,7 @@ def load_ref_dit(
         config=folder.dit,
         qkv_layout=folder.ref_qkv_layout,
         hook=hook,
+        mapped=mapped,
     )
 
 
@@ -251,10 +254,12 @@ def load_components(
     task_type: str = TaskType.FL2VA,
     dit_hook: LoadHook | None = None,
     text_hook: LoadHook | None = None,
+    dit_mapped: Callable[[str], bool] | None = None,
 ) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
     islands and both VAEs stay float32). `task_type`: which DiTs (`TASK_TYPES`), checked before anything loads.
-    `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load."""
+    `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load.
+    `dit_mapped`: the DiT tensors left as their file's mapping, unread (`model.loading.assign_from_checkpoint`)."""
     folder.check_task_type(task_type)
     kinds = TASK_TYPES[task_type]
     dit = ref_dit = None
@@ -266,9 +271,10 @@ def load_components(
             config=folder.dit,
             qkv_layout=folder.dit_qkv_layout,
             hook=dit_hook,
+            mapped=dit_mapped,
         )
     if DiTKind.REF2VA in kinds:
-        ref_dit = load_ref_dit(folder, device=device, dtype=dtype, hook=dit_hook)
+        ref_dit = load_ref_dit(folder, device=device, dtype=dtype, hook=dit_hook, mapped=dit_mapped)
     return Components(
         dit=dit,
         text_encoder=load_text_encoder(

@@ -219,6 +219,7 @@ def assign_from_checkpoint(
     ckpt_dtype_of: Callable[[str], torch.dtype],
     unused: frozenset[str] = frozenset(),
     hook: LoadHook | None = None,
+    mapped: Callable[[str], bool] | None = None,
 ) -> None:
     """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source).
 
@@ -230,6 +231,11 @@ def assign_from_checkpoint(
     `hook` transforms tensors as they are read (`hook.transform(name, tensor)` returns the entries to keep in its
     place, e.g. an FP8 weight and its scales), so a transformed layer never exists whole in its stored precision;
     `hook.prepare(module)` then gives the meta module the matching structure before the tensors are assigned.
+
+    `mapped(name)`: tensors that are not read at all. Each becomes the file's mapping itself (a zero-copy view at the
+    stored dtype, no page of it touched), passed by no hook: what `accel.adaln` streams from when it makes a
+    schedule's tables, for AdaLN weights kept as page cache (`AdalnWeights.MAPPED`). Only for a tensor stored as is
+    (one key, no reordering).
     """
     expected = dict(module.state_dict(keep_vars=True))
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", to compare with a tensor's device
@@ -247,6 +253,9 @@ def assign_from_checkpoint(
 
     state: dict[str, torch.Tensor] = {}
     for name, src in plan.items():
+        if mapped is not None and mapped(name):
+            state[name] = _mapped(ckpt, name, src, expected[name], ckpt_dtype_of)
+            continue
         tensors = []
         for key in src.keys:
             got, want = ckpt.dtype(key), ckpt_dtype_of(key)
@@ -272,6 +281,23 @@ def assign_from_checkpoint(
     if hook is not None:
         hook.prepare(module)
     module.load_state_dict(state, strict=True, assign=True)
+
+
+def _mapped(
+    ckpt: Checkpoint, name: str, src: Source, target: torch.Tensor, ckpt_dtype_of: Callable[[str], torch.dtype]
+) -> torch.Tensor:
+    """The stored tensor for `name` as its file's mapping, checked as a read tensor is (dtype, shape), not read."""
+    if len(src.keys) != 1 or src.build is not _identity:
+        raise RuntimeError(f"{name}: only a tensor stored as is can stay mapped, this one is built from {src.keys}")
+    (key,) = src.keys
+    got, want = ckpt.dtype(key), ckpt_dtype_of(key)
+    if got != want:
+        raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+    view = ckpt.get(key)
+    if view.shape != target.shape:
+        shapes = f"{list(view.shape)}: wrong shape, expected {list(target.shape)} for {name}"
+        raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} {shapes}")
+    return view
 
 
 # Bytes to which torch's CPU allocator aligns every allocation (c10's gAlignment; CUDA's caching allocator: 512).
@@ -463,6 +489,7 @@ def load_dit(
     config: DiTConfig | None = None,
     qkv_layout: str | None = None,
     hook: LoadHook | None = None,
+    mapped: Callable[[str], bool] | None = None,
 ) -> H3DiT:
     """Load the H3 DiT from any published layout (see the module docstring; `qkv_layout` as in
     `resolve_dit_layout`).
@@ -471,7 +498,8 @@ def load_dit(
     released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
     `config.json` in the folder (required for a folder), else, for a single community file (they ship none), the
     released H3 configuration, with a warning. `hook`: a per-tensor transform applied as the weights are read (the
-    FP8 linear backend quantizes the block linears this way).
+    FP8 linear backend quantizes the block linears this way). `mapped`: tensors left as the file's mapping, unread
+    (`assign_from_checkpoint`).
     """
     path = Path(path)
     if config is None:
@@ -498,6 +526,7 @@ def load_dit(
         dtype_of=lambda name: torch.float32 if is_fp32_name(name) else dtype,
         ckpt_dtype_of=lambda key: torch.float32 if key in island_keys else torch.bfloat16,
         hook=hook,
+        mapped=mapped,
     )
     log.info("loaded H3 DiT from %s (%s, %s, %s)", path, layout, dtype, device)
     return model.eval().requires_grad_(False)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +37,9 @@ REFERENCE_ROWS = 6435  # T2VA 768x448, 56 frames, 537 prompt rows: the benchmark
 # window of the video decode. At the reference request on the H200 the peak beyond resident weights and activations
 # stayed far below this (bench/results/README.md, the whole-render runs); 2 GiB leaves room for larger decodes.
 OVERHEAD_GIB = 2.0
+# On one pool (an integrated GPU), the process's own host memory beyond what the plan lists: the interpreter, torch
+# and the CUDA libraries' anonymous pages (measured on the H200: bench/results/README.md, the one-box runs).
+PROCESS_HOST_GIB = 3.0
 
 
 def dit_activation_bytes(cfg: DiTConfig, rows: int) -> int:
@@ -58,15 +61,39 @@ def largest_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = P
     return int(layout.token_tags.numel())
 
 
+def default_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = PLANNED_TEXT_ROWS) -> int:
+    """Packed rows of the default request (T2VA at the default 16:9 canvas and frame count) with `text_rows` prompt
+    rows."""
+    from h3serve.pipeline.layout import MediaGeometry, build_layout
+    from h3serve.pipeline.rules import resolve_canvas
+
+    width, height = resolve_canvas(16, 9, rules.canvas)
+    geometry = MediaGeometry.from_pixels(height, width, rules.frames.default_frames)
+    layout = build_layout([1] * text_rows, geometry, TASK_ANCHORS[Task.T2VA], patch_size=cfg.patch_size)
+    return int(layout.token_tags.numel())
+
+
+DEVICE, HOST, MAPPED = "device", "host", "mapped"  # where a counted tensor is (`LoadPlan.where`)
+
+
 @dataclass(frozen=True)
 class Budget:
-    """GiB per row; `device_need` and `host_need` are what a start needs free."""
+    """GiB per row; `device_need`, `host_need` and (one pool) `pool_need` are what a start needs free.
+
+    `host` is what the process holds in host memory that the kernel cannot evict (page-locked AdaLN weights and
+    tables); `mapped` is page cache (AdaLN weights read from the checkpoint's mapping), shown but never counted: the
+    kernel evicts it and reads it again. `shared`: the device's memory is the host's (an integrated GPU), so the plan
+    counts the GPU's allocations, the host part and the process's own host memory in one pool."""
 
     device: dict[str, float]  # weights per component on the device
-    host: dict[str, float]  # what waits in host memory (AdaLN weights and tables)
+    host: dict[str, float]  # what waits in page-locked host memory (AdaLN weights, tables)
     activations_reference: float
     activations_largest: float
     largest_rows: int
+    mapped: dict[str, float] = field(default_factory=dict)  # page cache: evictable, not counted
+    activations_default: float = 0.0
+    default_rows: int = 0
+    shared: bool = False
 
     @property
     def device_weights(self) -> float:
@@ -80,36 +107,51 @@ class Budget:
     def host_need(self) -> float:
         return sum(self.host.values())
 
+    def pool_need(self, activations: float | None = None) -> float:
+        """One pool (an integrated GPU): the GPU's need (at the largest request, or with `activations`), the host
+        part and the process's own host memory (`PROCESS_HOST_GIB`); page cache left out."""
+        acts = self.activations_largest if activations is None else activations
+        return self.device_weights + acts + OVERHEAD_GIB + self.host_need + PROCESS_HOST_GIB
+
     def table(self) -> str:
-        rows = [(f"device: {k}", v) for k, v in self.device.items()]
-        rows += [("device: weights total", self.device_weights)]
-        rows += [(f"host: {k}", v) for k, v in self.host.items()]
+        """Rows with a GPU and a host column (and the page cache apart); with one pool, its totals."""
+        rows: list[tuple[str, float | None, float | None]] = [(k, v, None) for k, v in self.device.items()]
+        rows += [(k, None, v) for k, v in self.host.items()]
         rows += [
-            (f"activations at the reference shape ({REFERENCE_ROWS} rows)", self.activations_reference),
-            (f"activations at the largest request ({self.largest_rows} rows)", self.activations_largest),
-            ("overhead (CUDA context, workspaces, decode window)", OVERHEAD_GIB),
-            ("device need (weights + largest activations + overhead)", self.device_need),
-            ("host need", self.host_need),
+            (f"activations at the reference shape ({REFERENCE_ROWS} rows)", self.activations_reference, None),
+            (f"activations at the default request ({self.default_rows} rows)", self.activations_default, None),
+            (f"activations at the largest request ({self.largest_rows} rows)", self.activations_largest, None),
+            ("overhead (CUDA context, workspaces, decode window)", OVERHEAD_GIB, None),
         ]
-        width = max(len(name) for name, _ in rows)
-        return "\n".join(f"{name:<{width}}  {value:8.2f} GiB" for name, value in rows)
+        if self.shared:
+            rows.append(("the process's own host memory (torch, CUDA libraries)", None, PROCESS_HOST_GIB))
+        need_host = self.host_need + (PROCESS_HOST_GIB if self.shared else 0.0)
+        rows.append(("need (weights + largest activations + overhead; host part)", self.device_need, need_host))
+        width = max(len(name) for name, _, _ in rows)
+        cell = lambda v: f"{v:8.2f}" if v is not None else " " * 8  # noqa: E731
+        lines = [f"{'':<{width}}  {'GPU GiB':>8}  {'host GiB':>8}"]
+        lines += [f"{name:<{width}}  {cell(d)}  {cell(h)}" for name, d, h in rows]
+        for name, value in self.mapped.items():
+            lines.append(f"page cache, evictable, not counted: {name} {value:.2f} GiB")
+        if self.shared:
+            lines.append(
+                f"one pool (integrated GPU): {self.pool_need():.2f} GiB at the largest request, "
+                f"{self.pool_need(self.activations_default):.2f} GiB at the default request"
+            )
+        return "\n".join(lines)
 
 
-def count_bytes(module: nn.Module, on_host: Callable[[str], bool]) -> tuple[int, int]:
-    """(device bytes, host bytes) of a module's parameters and buffers, each counted once at its dtype; `on_host`:
-    whether a tensor (by name) waits in host memory. The one counter of the plan (meta tensors) and of a load."""
-    device = host = 0
+def count_bytes(module: nn.Module, where: Callable[[str], str]) -> dict[str, int]:
+    """Bytes of a module's parameters and buffers by where they are (`where(name)`: DEVICE, HOST or MAPPED), each
+    counted once at its dtype. The one counter of the plan (meta tensors) and of a load."""
+    out = {DEVICE: 0, HOST: 0, MAPPED: 0}
     seen: set[int] = set()
     for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        size = t.numel() * t.element_size()
-        if on_host(name):
-            host += size
-        else:
-            device += size
-    return device, host
+        out[where(name)] += t.numel() * t.element_size()
+    return out
 
 
 def _dit_name(kind: str) -> str:
@@ -117,41 +159,53 @@ def _dit_name(kind: str) -> str:
 
 
 def _budget(
-    sizes: dict[str, tuple[int, int]], cfg: DiTConfig, rules: RequestRules, tables_bytes: int, tables_label: str
+    sizes: dict[str, dict[str, int]],
+    cfg: DiTConfig,
+    rules: RequestRules,
+    tables_bytes: int,
+    tables_label: str,
+    tables_on_device: bool,
+    shared: bool,
 ) -> Budget:
-    """A budget from each component's (device, host) bytes and the kept tables' bytes (in host memory when the
-    AdaLN weights are)."""
-    device = {name: d / GIB for name, (d, _) in sizes.items()}
-    adaln = sum(h for _, h in sizes.values())
-    host: dict[str, float] = {"adaln_weights": adaln / GIB} if adaln else {}
-    (host if adaln else device)[tables_label] = tables_bytes / GIB
-    largest = largest_request_rows(cfg, rules)
+    """A budget from each component's bytes by place (`count_bytes`) and the kept tables' bytes (on the device, or
+    in page-locked host memory when the AdaLN weights are off it)."""
+    device = {name: where[DEVICE] / GIB for name, where in sizes.items()}
+    pinned = sum(where[HOST] for where in sizes.values())
+    mapped = sum(where[MAPPED] for where in sizes.values())
+    host: dict[str, float] = {"adaln_weights (page-locked)": pinned / GIB} if pinned else {}
+    (device if tables_on_device else host)[tables_label] = tables_bytes / GIB
+    largest, default = largest_request_rows(cfg, rules), default_request_rows(cfg, rules)
     return Budget(
         device=device,
         host=host,
         activations_reference=dit_activation_bytes(cfg, REFERENCE_ROWS) / GIB,
         activations_largest=dit_activation_bytes(cfg, largest) / GIB,
         largest_rows=largest,
+        mapped={"adaln_weights (mapped)": mapped / GIB} if mapped else {},
+        activations_default=dit_activation_bytes(cfg, default) / GIB,
+        default_rows=default,
+        shared=shared,
     )
 
 
-def _tables(cfg: DiTConfig, profile: Profile, dits: int, schedules_kept: int) -> tuple[int, str]:
-    """The AdaLN tables of the schedules kept: bytes and their row label."""
+def _tables(cfg: DiTConfig, profile: Profile, dits: int) -> tuple[int, str]:
+    """The AdaLN tables of the schedules the profile keeps: bytes and their row label."""
     from h3serve.model.dit import TABLE_ROWS
     from h3serve.pipeline.schedule import DualSchedule
 
     steps = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT).num_steps  # the default schedule's forwards
     per_block = TABLE_ROWS * NUM_BLOCK_MODULATIONS * cfg.hidden_size * profile.torch_dtype.itemsize
-    label = f"adaln_tables ({schedules_kept} schedules of {steps} steps{' per DiT' if dits > 1 else ''})"
-    return dits * schedules_kept * steps * cfg.num_layers * per_block, label
+    kept = profile.adaln_tables_kept
+    label = f"adaln_tables ({kept} schedule{'s' if kept > 1 else ''} of {steps} steps{' per DiT' if dits > 1 else ''})"
+    return dits * kept * steps * cfg.num_layers * per_block, label
 
 
 def plan_budget(
-    folder: ModelFolder, profile: Profile, rules: RequestRules, schedules_kept: int = 4, task_type: str = TaskType.FL2VA
+    folder: ModelFolder, profile: Profile, rules: RequestRules, task_type: str = TaskType.FL2VA, shared: bool = False
 ) -> Budget:
     """The budget of loading `folder` under `profile`, from its configurations (see the module docstring).
     `task_type`: which DiTs load (fl2va, ref2va or both); both are two DiTs of one size, each with its own AdaLN
-    weights and tables."""
+    weights and tables. `shared`: the device's memory is the host's (an integrated GPU: `free_memory`)."""
     from transformers import Qwen3VLConfig
 
     from h3serve.accel.apply import load_plan
@@ -177,31 +231,40 @@ def plan_budget(
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(video, profile.vae_autocast_dtype)
 
-    dit_sizes = count_bytes(dit, plan.on_host)
-    never = lambda _: False  # noqa: E731
+    dit_sizes = count_bytes(dit, plan.where)
+    on_device = lambda _: DEVICE  # noqa: E731
     dits = TASK_TYPES[task_type]
     sizes = {_dit_name(kind): dit_sizes for kind in dits}
-    sizes |= {"text_encoder": count_bytes(text, never)}
-    sizes |= {"video_vae": count_bytes(video, never), "audio_vae": count_bytes(audio, never)}
-    tables, label = _tables(folder.dit, profile, len(dits), schedules_kept)
-    return _budget(sizes, folder.dit, rules, tables, label)
+    sizes |= {"text_encoder": count_bytes(text, on_device)}
+    sizes |= {"video_vae": count_bytes(video, on_device), "audio_vae": count_bytes(audio, on_device)}
+    tables, label = _tables(folder.dit, profile, len(dits))
+    return _budget(sizes, folder.dit, rules, tables, label, not plan.off_device, shared)
 
 
-def loaded_budget(components: Components, profile: Profile, rules: RequestRules, schedules_kept: int = 4) -> Budget:
-    """The same budget, counted from the loaded tensors (a tensor off the profile's device type waits in host
-    memory)."""
+def loaded_budget(components: Components, profile: Profile, rules: RequestRules, shared: bool = False) -> Budget:
+    """The same budget, counted from the loaded tensors: a tensor off the profile's device type waits in host memory,
+    unless the plan left it mapped."""
+    from h3serve.accel.apply import load_plan
+
+    plan = load_plan(profile)
     kind = profile.torch_device.type
 
-    def on_host(module: nn.Module) -> Callable[[str], bool]:
+    def where(module: nn.Module, dit: bool) -> Callable[[str], str]:
         tensors = dict(module.named_parameters()) | dict(module.named_buffers())
-        return lambda name: tensors[name].device.type != kind
 
-    sizes = {_dit_name(k): count_bytes(dit, on_host(dit)) for k, dit in components.dits.items()}
+        def place(name: str) -> str:
+            if dit and plan.where(name) == MAPPED:
+                return MAPPED
+            return DEVICE if tensors[name].device.type == kind else HOST
+
+        return place
+
+    sizes = {_dit_name(k): count_bytes(dit, where(dit, True)) for k, dit in components.dits.items()}
     for name in ("text_encoder", "video_vae", "audio_vae"):
         module = getattr(components, name)
-        sizes[name] = count_bytes(module, on_host(module))
-    tables, label = _tables(components.dit_config, profile, len(components.dits), schedules_kept)
-    return _budget(sizes, components.dit_config, rules, tables, label)
+        sizes[name] = count_bytes(module, where(module, False))
+    tables, label = _tables(components.dit_config, profile, len(components.dits))
+    return _budget(sizes, components.dit_config, rules, tables, label, not plan.off_device, shared)
 
 
 def free_memory(device: torch.device) -> tuple[float, float, bool]:
@@ -226,21 +289,29 @@ def _mem_available_gib() -> float:
 
 
 def check_fits(budget: Budget, device_free: float, host_free: float, shared: bool, ranks: int = 1) -> list[str]:
-    """Why the budget does not fit the free memory (empty when it does). `ranks`: processes that each hold it (a
-    render split over GPUs: one device each, all their host parts in one host)."""
+    """Why the budget does not fit the free memory (empty when it does), each with the amount missing. `ranks`:
+    processes that each hold it (a render split over GPUs: one device each, all their host parts in one host). One
+    pool (`shared`): the GPU's need, the host part and the process's own host memory against what both have free."""
     problems = []
     host_need = budget.host_need * ranks
     copies = f" ({ranks} ranks x {budget.host_need:.1f})" if ranks > 1 else ""
     if shared:
-        need = budget.device_need * ranks + host_need
-        if need > min(device_free, host_free):
+        need, free = budget.pool_need() * ranks, min(device_free, host_free)
+        if need > free:
             problems.append(
-                f"needs {need:.1f} GiB of the shared memory (device {budget.device_need * ranks:.1f} + host "
-                f"{host_need:.1f}{copies}), {min(device_free, host_free):.1f} GiB free"
+                f"needs {need:.1f} GiB of the shared memory (GPU {budget.device_need * ranks:.1f} + host "
+                f"{host_need:.1f}{copies} + the process's own {PROCESS_HOST_GIB * ranks:.1f}; page cache not "
+                f"counted), {free:.1f} GiB free: {need - free:.1f} GiB missing"
             )
         return problems
     if budget.device_need > device_free:
-        problems.append(f"needs {budget.device_need:.1f} GiB on the device, {device_free:.1f} GiB free")
+        problems.append(
+            f"needs {budget.device_need:.1f} GiB on the device, {device_free:.1f} GiB free: "
+            f"{budget.device_need - device_free:.1f} GiB missing"
+        )
     if host_need > host_free:
-        problems.append(f"needs {host_need:.1f} GiB of host memory{copies}, {host_free:.1f} GiB available")
+        problems.append(
+            f"needs {host_need:.1f} GiB of host memory{copies}, {host_free:.1f} GiB available: "
+            f"{host_need - host_free:.1f} GiB missing"
+        )
     return problems

@@ -68,13 +68,14 @@ def check_memory(settings, folder, free: tuple[float, float, bool] | list | None
     from h3serve.pipeline.rules import RELEASED_RULES
 
     profile = settings.profile()
-    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type)
     gpus = settings.num_gpus if profile.cuda else 1
     frees = free if isinstance(free, list) else [free] * gpus
+    devices = [torch.device("cuda", rank) if gpus > 1 else profile.torch_device for rank in range(gpus)]
+    frees = [given or free_memory(device) for given, device in zip(frees[:gpus], devices, strict=True)]
+    shared = any(one_pool for _, _, one_pool in frees)
+    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=settings.task_type, shared=shared)
     problems = []
-    for rank, given in enumerate(frees[:gpus]):
-        device = torch.device("cuda", rank) if gpus > 1 else profile.torch_device
-        device_free, host_free, shared = given if given is not None else free_memory(device)
+    for rank, (device_free, host_free, shared) in enumerate(frees):
         where = f"cuda:{rank}: " if gpus > 1 else ""
         for problem in check_fits(budget, device_free, host_free, shared, ranks=gpus):
             problem = problem if "host memory" in problem else where + problem  # one host for every rank
@@ -84,6 +85,7 @@ def check_memory(settings, folder, free: tuple[float, float, bool] | list | None
         raise PreflightError(
             f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
             + "; ".join(problems)
-            + f"\n{budget.table()}\n(FP8 options: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS)"
+            + f"\n{budget.table()}\n(what makes it smaller: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS "
+            "(FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
         )
     return budget
