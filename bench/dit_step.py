@@ -37,6 +37,15 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
 `--only` picks our profiles by name; the peer runs eager and compiled unless `--only` names a `diffusers+` profile,
 then only those named (the errors against the peer need `diffusers+eager`). A CPU dry run of the plumbing:
 `--tiny` (`--shape default` then takes a tiny canvas 4x the tiny reference's rows; CPU ops instead of kernels).
+
+The linear `CUTLASS_EPILOGUE` (profiles named in `--only` only, never in a run without it): CUTLASS's e4m3 weights
+with the EPILOGUE scaling (`accel.linear.Fp8Scaling`: a per-tensor GEMM to float32, then the row and column scales
+and the cast), the fallback for GPUs whose rowwise-scaled GEMM fails (`accel.fp8_check`); the same weights as CUTLASS,
+so that one run times both and records each one's whole-forward error against the exact profile:
+
+    PYTHONPATH=src:tests python bench/dit_step.py --only CUDNN_ATTN+eager+BF16,CUDNN_ATTN+compile+CUTLASS,\
+        CUDNN_ATTN+compile+CUTLASS_EPILOGUE,diffusers+eager --out bench/results/dit_step_epilogue.json
+    # the same with --shape default (1344x768x124) --out bench/results/dit_step_epilogue_default.json
 """
 
 from __future__ import annotations
@@ -65,7 +74,14 @@ from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import block_passes, set_block_passes
 from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, uncompile_repeated_blocks
-from h3serve.accel.linear import Fp8Linear, block_linears, quantize_blocks, replace_block_linears
+from h3serve.accel.linear import (
+    Fp8Linear,
+    Fp8Scaling,
+    block_linears,
+    quantize_blocks,
+    replace_block_linears,
+    set_scaling,
+)
 from h3serve.accel.profile import Profile
 from h3serve.config import Modality
 from h3serve.pipeline.layout import MediaGeometry, build_layout
@@ -175,7 +191,10 @@ def uncompile(model, *inputs: dict) -> None:
                 del t._dynamo_dynamic_indices
 
 
-LINEARS = ("BF16", "CUTLASS", "HUMMING")
+LINEARS = ("BF16", "CUTLASS", "CUTLASS_EPILOGUE", "HUMMING")
+# Benchmark-only linears: the profile linear each one is a variant of, and the FP8 scaling it runs (`swap_linears`).
+# Measured only when `--only` names one of their profiles.
+VARIANTS = {"CUTLASS_EPILOGUE": ("CUTLASS", Fp8Scaling.EPILOGUE)}
 # eager: the engine's (on CUDA the exact passes, `accel.fused.exact_passes`: bit for bit the reference ops);
 # eager-unfused: the reference ops alone (what the exact passes save).
 # compile: the engine's (`accel.apply`: the row count symbolic; on CUDA the fused block passes and the fused
@@ -216,6 +235,7 @@ def configure(dit, attn: str, execution: str, linear: str, dev: str):
     variant `execution` names; returns the compile's graph counter (None when eager)."""
     # A CUDA profile value whatever `dev` (the --tiny dry run compiles on the CPU): `block_passes` reads its execution
     # and linear only.
+    linear = profile_linear(linear)
     backend = "CUDNN_FP8" if attn == "CUDNN_FP8_NAIVE" else attn
     profile = Profile.for_device("cuda", attention=backend, linear=linear,
                                  execution="eager" if execution.startswith("eager") else "compile")  # fmt: skip
@@ -248,8 +268,15 @@ def kernel_tabled(name: str) -> bool:
     return "+eager" not in name
 
 
+def profile_linear(linear: str) -> str:
+    """The profile's linear backend for one of `LINEARS` (a benchmark variant's base, `VARIANTS`)."""
+    return VARIANTS[linear][0] if linear in VARIANTS else linear
+
+
 def wanted(linear: str, attn: str, execution: str) -> bool:
-    """Which profiles a run without `--only` measures (`--only` may add compile-autotune, minutes of tuning)."""
+    """Which profiles a run without `--only` measures (`--only` may add compile-autotune, minutes of tuning); for a
+    variant (`VARIANTS`, measured only when named), which of its profiles `--only` may name: its base's."""
+    linear = profile_linear(linear)
     if execution == "compile-graph" and not torch.cuda.is_available():
         return False
     if execution == "compile-autotune":
@@ -265,11 +292,11 @@ def wanted(linear: str, attn: str, execution: str) -> bool:
 
 def set_fast_accum(dit, fast_accum: bool) -> None:
     """The FP8 block linears' accumulation for this variant (`Fp8Linear.fast_accum`, fixed per layer when it is made):
-    new layers over the same e4m3 weights where it differs."""
+    new layers over the same e4m3 weights (and the same scaling) where it differs."""
 
     def convert(module):
         if isinstance(module, Fp8Linear) and module.fast_accum != fast_accum:
-            return Fp8Linear(module.weight, module.scale, module.bias, fast_accum=fast_accum)
+            return Fp8Linear(module.weight, module.scale, module.bias, fast_accum=fast_accum, scaling=module.scaling)
         return None
 
     replace_block_linears(dit, convert)
@@ -281,8 +308,10 @@ def swap_linears(dit, linear: str) -> dict | None:
     if linear == "BF16":
         return None
     kept = {name: getattr(parent, leaf) for name, parent, leaf in block_linears(dit)}
-    if linear == "CUTLASS":
+    if profile_linear(linear) == "CUTLASS":
         quantize_blocks(dit)
+        if linear in VARIANTS:
+            set_scaling(dit, VARIANTS[linear][1])
     else:
         from h3serve.accel.humming import quantize_blocks as humming_blocks
 
@@ -442,7 +471,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     rec.data["warmup"], rec.data["iters"] = args.warmup, args.iters
     # The engine makes every block's modulation table before the denoise loop (h3serve.accel.adaln); so does this
     # benchmark, once: the 26 GB AdaLN projection is not part of a forward any more (the peer's forward includes it).
-    x["tables"] = other["tables"] = AdalnTables(dit, resident=True).for_steps([x["timesteps"]])[0]
+    x["tables"] = other["tables"] = AdalnTables(dit, weights="device").for_steps([x["timesteps"]])[0]
     rec.data["sequence_length"] = int(x["token_tags"].shape[0])
     outputs = {}
     block_states: dict[str, BlockStates] = {}
@@ -456,6 +485,8 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
             continue  # a CUDA-only kernel library
         if args.only and not any(n.endswith(f"+{linear}") for n in args.only):
             continue  # none of this linear's profiles asked for: no swap (HUMMING's needs its package)
+        if linear in VARIANTS and not args.only:
+            continue  # a variant runs only where named
         replaced = swap_linears(dit, linear)
         for attn in ATTENTIONS:
             for execution in EXECUTIONS:
@@ -632,7 +663,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         type=lambda v: v.split(","),
-        help="comma-separated profile names (the peer: both unless a diffusers+ profile is named)",
+        help="comma-separated profile names (the peer: both unless a diffusers+ profile is named); the linear "
+        "CUTLASS_EPILOGUE (CUTLASS with the EPILOGUE FP8 scaling) only runs where named here",
     )
     parser.add_argument(
         "--block-errors",

@@ -302,12 +302,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
+        _, fp8 = _preflight(preflight.check_fp8, settings.profile())
+        if fp8 is not None:
+            print(fp8)
         if folder is not None:
             print(_preflight(preflight.check_memory, settings, folder).table())
             if settings.num_gpus > 1:
                 print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
                       f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
-        checked = "settings, profile on this machine, model folder, output folder, port, memory"
+        checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, port, memory"
         print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
         return 0
     print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
@@ -359,7 +362,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     page = WebPage.load()  # the page's packaged files, read before any weight loads: an install without them stops here
     start = time.perf_counter()
-    engine = _load_engine(settings, folder, settings.profile(), settings.task_type, adapters)
+    profile, fp8 = _preflight(preflight.check_fp8, settings.profile())  # before any weight loads
+    if fp8 is not None:
+        log.info("%s", fp8)
+    engine = _load_engine(settings, folder, profile, settings.task_type, adapters)
     gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
     log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)
     if adapters:
@@ -623,10 +629,14 @@ def cmd_render(args: argparse.Namespace) -> int:
 def _run_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
     from h3serve.pipeline.engine import STAGES
+    from h3serve.service import preflight
 
     # 1. Everything the user gave, checked before any weight loads.
     plan = _plan_render(args)
-    request, profile, settings = plan.request, plan.profile, plan.settings
+    request, settings = plan.request, plan.settings
+    profile, fp8 = _preflight(preflight.check_fp8, plan.profile)  # the FP8 GEMM's self-test (CUTLASS on CUDA)
+    if fp8 is not None:
+        print(f"h3serve: {fp8}", file=sys.stderr)
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"

@@ -36,6 +36,7 @@ from h3serve.accel.profile import (
     Attention,
     DType,
     Execution,
+    Fp8Scaling,
     Linear,
     Profile,
     ProfileError,
@@ -68,6 +69,7 @@ PROFILE_FIELDS = {
     "text_encoder_linear": "text_linear",
     "adaln_weights": "adaln_weights",
     "adaln_tables_kept": "adaln_tables_kept",
+    "fp8_scaling": "fp8_scaling",
 }
 SETTING_OF = {profile: setting for setting, profile in PROFILE_FIELDS.items()}
 # `h3serve render`'s flag names before it took the shared schema, accepted for one release (0.2 drops them).
@@ -131,6 +133,11 @@ class EngineSettings(BaseModel):
         le=MAX_TABLES_KEPT,
         description="schedules whose AdaLN tables are kept (about 1.8 GiB each at 50 grid points); unset: 1 on an "
         "integrated GPU, else 4",
+    )
+    fp8_scaling: Fp8Scaling | None = Field(
+        None,
+        description="how the CUTLASS FP8 GEMM applies its scales: ROWWISE (in the GEMM) or EPILOGUE (after a "
+        "per-tensor GEMM); unset (auto): whichever passes the start-up self-test on this GPU",
     )
     cache_backend: Literal["none", "cache_dit"] = Field(
         "none", description="step caching (lossy): none, or cache_dit with cache_config"

@@ -139,6 +139,8 @@ class AdalnTables:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
+        while self._cache and len(self._cache) >= self.cache_size:  # room first: never one schedule more than kept
+            self._cache.popitem(last=False)
         dtype = self.dit.compute_dtype
         pin = self.offloaded and torch.cuda.is_available()
         tembs = [self.dit.time_embedder(t.to(self.device)) for t in timesteps]  # (M_i, time_embed_dim) fp32
@@ -153,7 +155,6 @@ class AdalnTables:
                 tables[step].append(table)
             del params
         made = ScheduleTables(tables, self.device)
-        self._cache[key] = made
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        if self.cache_size > 0:
+            self._cache[key] = made
         return made

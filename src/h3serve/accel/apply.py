@@ -16,7 +16,7 @@ from h3serve.accel.adaln import AdalnHostHook, is_block_adaln
 from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
-from h3serve.accel.profile import AdalnWeights, Execution, Linear, Profile, TextLinear
+from h3serve.accel.profile import AdalnWeights, Execution, Fp8Scaling, Linear, Profile, TextLinear
 from h3serve.accel.vae import decoder_weights_to
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
@@ -76,7 +76,7 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
     - each attention module its kernel (DiT, video decoder, audio encoder);
     - the video decoder its weights in the autocast dtype (bitwise the same decode);
     - the DiTs' block linears: FP8 (CUTLASS) unless the loader already quantized them, or Humming's layout;
-      the text encoder's FP8 linears when asked;
+      the text encoder's FP8 linears when asked; the FP8 GEMM's scaling, once the self-test chose it;
     - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
       compile traces the fused passes; compile shares one compiler (code and graph counter) between the DiTs.
     `compiler`: a benchmark's own compile options; the engine passes none. Returns the compile's graph counter (None
@@ -93,6 +93,9 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
             humming.quantize_blocks(dit)  # from the BF16 linears, or the loader's e4m3 ones
     if profile.text_linear == TextLinear.CUTLASS and not linear.is_text_quantized(components.text_encoder):
         linear.quantize_text_encoder(components.text_encoder)
+    if profile.fp8_scaling != Fp8Scaling.AUTO:  # the self-test's choice (`accel.fp8_check.resolve`)
+        for model in (*dits, components.text_encoder):
+            linear.set_scaling(model, profile.fp8_scaling.value)
 
     passes = profile.cuda and fused.available()
     if profile.cuda and not passes:

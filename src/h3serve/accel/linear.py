@@ -6,6 +6,18 @@
              sm90) with fast accumulation (`Fp8Linear.fast_accum`), output in the compute dtype (measured against
              the bf16 GEMM in bench/results/README.md).
 
+How the CUTLASS GEMM applies the scales (`Fp8Scaling`, per layer: `Fp8Linear.scaling`, `set_scaling`):
+
+    ROWWISE   the scales go into the GEMM (`torch._scaled_mm` with (M, 1) and (1, N) scales, output in the compute
+              dtype): one kernel, the default
+    EPILOGUE  the GEMM with unit per-tensor scales and a float32 output, then y * row scales * column scales and the
+              cast as separate element-wise work (fused by Inductor under torch.compile): the same product up to
+              float32 rounding order, for GPUs whose cuBLAS refuses rowwise scales (CUBLAS_STATUS_NOT_SUPPORTED has
+              been reported on sm120/sm121, e.g. GB10) while it runs per-tensor ones. It costs a float32 (M, N)
+              round trip: bench/dit_step.py times both (`CUTLASS_EPILOGUE`).
+
+Which one a GPU runs correctly is measured at start, before any weight loads: `h3serve.accel.fp8_check.self_test`.
+
 Which layers: the four GEMMs of every block and refiner block (fused QKV, attention out, fc1, fc2): 248 of the
 forward's ~250 TFLOP. The fp32 islands (patch projections, timestep MLP, output heads) are never quantized; the
 AdaLN projections (M <= 4 rows, so matrix-vector work) and the condition projection (once per request) stay in
@@ -14,6 +26,7 @@ the compute dtype here.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import torch
@@ -24,6 +37,22 @@ from h3serve.model.dit import REPEATED_BLOCKS
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 QUANTIZED = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+class Fp8Scaling(enum.StrEnum):
+    """Where an Fp8Linear's GEMM applies the row and column scales (see the module docstring)."""
+
+    ROWWISE = "ROWWISE"
+    EPILOGUE = "EPILOGUE"
+
+
+def parse_scaling(value: str) -> Fp8Scaling:
+    """`value` as an Fp8Scaling; a ValueError naming the setting and the allowed values otherwise."""
+    try:
+        return Fp8Scaling(value)
+    except ValueError:
+        allowed = ", ".join(s.value for s in Fp8Scaling)
+        raise ValueError(f"scaling must be one of {allowed}, got {value!r}") from None
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,15 +74,43 @@ class Fp8Linear(nn.Module):
 
     `fast_accum`: the GEMM's FP8 fast accumulation on sm90 (no periodic promotion of the partial sums to float32), as
     torchao's float8 linear runs its forward GEMM: faster at the same error against the reference (bench/dit_step.py
-    measures both; bench/results/README.md). Per layer; False only for the benchmark's comparison."""
+    measures both; bench/results/README.md). Per layer; False only for the benchmark's comparison.
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, fast_accum: bool = True):
+    `scaling`: where the GEMM applies the scales (`Fp8Scaling`; ROWWISE unless set). EPILOGUE needs a float32 unit
+    scale on the weight's device, made once when the scaling is set (a non-persistent buffer, so it follows `.to()`
+    and is in no state dict); a ROWWISE layer has none, so checkpoint loading and meta placeholders never see it."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        fast_accum: bool = True,
+        scaling: Fp8Scaling = Fp8Scaling.ROWWISE,
+    ):
         super().__init__()
         self.fast_accum = fast_accum
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (N, K) e4m3, row-major: weight.t() is the column-major B
         self.register_buffer("scale", scale)  # (1, N) float32
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._scaling = Fp8Scaling.ROWWISE
+        self.scaling = scaling
+
+    @property
+    def scaling(self) -> Fp8Scaling:
+        return self._scaling
+
+    @scaling.setter
+    def scaling(self, value: Fp8Scaling) -> None:
+        value = parse_scaling(value)
+        if value is Fp8Scaling.EPILOGUE and "unit_scale" not in self._buffers:
+            if self.weight.is_meta:
+                raise ValueError("scaling EPILOGUE: set it once the weights are on their device (these are on meta)")
+            # () float32 1.0 for both operands of the per-tensor GEMM: made here once, never per call.
+            unit = torch.ones((), dtype=torch.float32, device=self.weight.device)
+            self.register_buffer("unit_scale", unit, persistent=False)
+        self._scaling = value
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -68,20 +125,44 @@ class Fp8Linear(nn.Module):
     def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The GEMM on activations already quantized as `quantize_rows` does ((M, K) e4m3, (M, 1) float32 scales), so
         that a fused pass can quantize them where it makes them (`h3serve.accel.fused`). Returns (M, N)."""
-        y = torch._scaled_mm(
-            q, self.weight.t(), scale_a=scale, scale_b=self.scale, out_dtype=out_dtype, use_fast_accum=self.fast_accum
-        )
+        if self._scaling is Fp8Scaling.EPILOGUE:
+            unit = self.unit_scale
+            y = torch._scaled_mm(
+                q, self.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32, use_fast_accum=self.fast_accum
+            )  # (M, N) float32, unscaled
+            y = (y * scale * self.scale).to(out_dtype)  # (M, 1) row scales, (1, N) column scales
+        else:
+            y = torch._scaled_mm(
+                q,
+                self.weight.t(),
+                scale_a=scale,
+                scale_b=self.scale,
+                out_dtype=out_dtype,
+                use_fast_accum=self.fast_accum,
+            )
         return y if self.bias is None else y + self.bias
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same arithmetic in float32 (dequantized operands, exact products): what `forward` approximates with
-        its FP8 GEMM. Runs anywhere; tests and checks only."""
+        its FP8 GEMM, whichever the scaling. Runs anywhere; tests and checks only."""
         rows = x.reshape(-1, self.in_features)
         q, scale = quantize_rows(rows)
         y = (q.float() * scale) @ (self.weight.float() * self.scale.t()).t()
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def set_scaling(model: nn.Module, scaling: Fp8Scaling | str) -> int:
+    """Set `scaling` on every Fp8Linear in `model` (a DiT's block linears, a text encoder's decoder layers, or a
+    single layer); returns how many. Call it after the weights are on their device."""
+    scaling = parse_scaling(scaling)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.scaling = scaling
+            count += 1
+    return count
 
 
 def block_linears(model: nn.Module):

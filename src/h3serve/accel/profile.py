@@ -67,6 +67,17 @@ class AdalnWeights(enum.StrEnum):
     PINNED = "pinned"
 
 
+class Fp8Scaling(enum.StrEnum):
+    """How the CUTLASS linears' FP8 GEMM applies its row and column scales (`accel.linear`): ROWWISE inside the GEMM
+    (rowwise-scaled `_scaled_mm`), EPILOGUE after a per-tensor GEMM to float32 (for GPUs whose cuBLAS refuses or
+    miscomputes rowwise scales). auto: whichever passes the start-up self-test first, in that order
+    (`accel.fp8_check`); a named one is self-tested too, and refused if it fails."""
+
+    AUTO = "auto"
+    EPILOGUE = "EPILOGUE"
+    ROWWISE = "ROWWISE"
+
+
 class DType(enum.StrEnum):
     """The DiT block stack's and text encoder's precision (the DiT's fp32 islands and both VAEs stay float32)."""
 
@@ -90,6 +101,7 @@ CHOICES: dict[str, type[enum.StrEnum]] = {
     "linear": Linear,
     "text_linear": TextLinear,
     "adaln_weights": AdalnWeights,
+    "fp8_scaling": Fp8Scaling,
 }
 # The defaults per device type. On CUDA the seed's profile (cuDNN attention, regional compile, CUTLASS FP8 block
 # linears; BF16 is the exact profile, one setting away). On the CPU the only values that run there.
@@ -102,6 +114,7 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
         "linear": Linear.CUTLASS,
         "text_linear": TextLinear.BF16,
         "adaln_weights": AdalnWeights.PINNED,  # MAPPED on an integrated GPU (`INTEGRATED_DEFAULTS`)
+        "fp8_scaling": Fp8Scaling.AUTO,
     },
     "cpu": {
         "dtype": DType.FLOAT32,
@@ -111,6 +124,7 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
         "linear": Linear.BF16,
         "text_linear": TextLinear.BF16,
         "adaln_weights": AdalnWeights.DEVICE,
+        "fp8_scaling": Fp8Scaling.AUTO,
     },
 }
 # An integrated GPU (a DGX Spark's GB10) shares the host's memory: page-locked host copies take from the GPU's own
@@ -150,7 +164,8 @@ class Profile:
     """How an engine runs. Values may be given as the enums or their names; they are held as the enums.
 
     adaln_weights: where the DiT blocks' AdaLN weights live (`AdalnWeights`); adaln_tables_kept: how many schedules'
-    AdaLN tables are kept (the least recently used goes first).
+    AdaLN tables are kept (the least recently used goes first). fp8_scaling: the CUTLASS GEMM's scaling
+    (`Fp8Scaling`; auto until the start-up self-test has chosen, `accel.fp8_check.resolve`).
     """
 
     device: str = "cpu"
@@ -162,6 +177,7 @@ class Profile:
     text_linear: TextLinear = TextLinear.BF16
     adaln_weights: AdalnWeights = AdalnWeights.DEVICE
     adaln_tables_kept: int = TABLES_KEPT
+    fp8_scaling: Fp8Scaling = Fp8Scaling.AUTO
 
     def __post_init__(self) -> None:
         for name, choice in CHOICES.items():
@@ -180,6 +196,12 @@ class Profile:
                 "linear",
                 f"linear HUMMING runs eager only (it is the deterministic profile): set execution eager, got "
                 f"{self.execution}",
+            )
+        if self.fp8_scaling != Fp8Scaling.AUTO and Linear.CUTLASS not in (self.linear, self.text_linear):
+            raise ProfileError(
+                "fp8_scaling",
+                f"fp8_scaling {self.fp8_scaling} applies to CUTLASS linears, and this profile has none (linear "
+                f"{self.linear}, text_linear {self.text_linear}): set one to CUTLASS, or leave fp8_scaling auto",
             )
         # HUMMING's rule holds anywhere; then what the device type runs, then the dtype's kernels.
         kind = device_type(self.device)
@@ -224,6 +246,11 @@ class Profile:
     def quantized_linears(self) -> bool:
         """Whether the block linears are stored as e4m3 weights (CUTLASS, and HUMMING, which starts from them)."""
         return self.linear in FP8_LINEARS
+
+    @property
+    def fp8_gemm(self) -> bool:
+        """Whether any linear runs the CUTLASS FP8 GEMM (`accel.linear.Fp8Linear`) whose scaling is self-tested."""
+        return Linear.CUTLASS in (self.linear, self.text_linear)
 
     @property
     def adaln_off_device(self) -> bool:

@@ -89,3 +89,18 @@ def check_memory(settings, folder, free: tuple[float, float, bool] | list | None
             "(FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
         )
     return budget
+
+
+def check_fp8(profile):
+    """The profile with its FP8 GEMM scaling chosen by the start-up self-test on its device (`accel.fp8_check`), and
+    the test's line for the log (None when no CUTLASS linear runs on CUDA); PreflightError when none computes
+    correctly. Nothing is loaded: the test makes its own operands."""
+    from h3serve.accel.fp8_check import resolve
+    from h3serve.accel.profile import ProfileError
+    from h3serve.settings import SETTING_OF, refusal
+
+    try:
+        chosen, result = resolve(profile)
+    except ProfileError as err:
+        raise PreflightError(str(refusal(SETTING_OF.get(err.setting, "linear_backend"), str(err)))) from err
+    return chosen, None if result is None else result.describe()

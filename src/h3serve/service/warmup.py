@@ -69,6 +69,7 @@ def run_warmup(engine: Engine, threads: int = DEFAULT_THREADS) -> WarmupResult:
         shape = describe(request)
         log.info("default-schedule AdaLN tables made in %.2f s", engine.prepare_tables())  # under the engine's lock
         result = engine.render(request)
+        log.info("warmup render stages (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
         buffer = io.BytesIO()
         encode_mp4(buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=threads)
         buffer.seek(0)
