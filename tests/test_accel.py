@@ -3,6 +3,7 @@ compilation with no recompiles across steps and requests (counted, not assumed).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,31 @@ def test_a_conflicting_cache_variable_is_refused(tmp_path):
     with pytest.raises(SettingsError, match="H3_CACHE_DIR"):
         load_settings(env={**env, "H3_CACHE_DIR": str(tmp_path / "kernels")})
     assert load_settings(env={"H3_CACHE_DIR": str(tmp_path / "kernels")}).cache_dir == tmp_path / "kernels"
+
+
+def test_inductors_own_default_in_the_environment_is_no_conflict(tmp_path):
+    """Importing torch's compiler modules writes Inductor's default folder into the environment; that is replaced,
+    an operator's other folder is refused, and `h3serve render` starts with H3_CACHE_DIR set (it once refused to)."""
+    import subprocess
+    import sys
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from h3serve.accel.caches import use_cache_dir
+
+    env = {"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}
+    chosen = use_cache_dir(tmp_path / "kernels", environ=env)
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == chosen["TORCHINDUCTOR_CACHE_DIR"] != default_cache_dir()
+    with pytest.raises(ValueError, match="TORCHINDUCTOR_CACHE_DIR is already set"):
+        use_cache_dir(tmp_path / "kernels", environ={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")})
+    child = {k: v for k, v in os.environ.items() if not k.startswith("H3_") and k not in ("TORCHINDUCTOR_CACHE_DIR",)}
+    child["H3_CACHE_DIR"] = str(tmp_path / "kernels")
+    out = tmp_path / "fox.mp4"
+    run = subprocess.run(
+        [sys.executable, "-m", "h3serve.cli", "render", "a fox", "--steps", "2", "--no-progress", "-o", str(out)],
+        env=child, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and out.stat().st_size > 0, run.stderr[-2000:]
 
 
 def test_text_encoder_fp8_quantizes_the_decoder_layers_only_and_stays_close(engine):

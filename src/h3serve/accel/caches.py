@@ -9,6 +9,7 @@ Set once, at start, before anything compiles: the variables are read when the fi
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # Each cache's environment variable, and its subfolder of the cache directory.
@@ -19,15 +20,26 @@ def use_cache_dir(root: str | os.PathLike[str], environ: dict | None = None) -> 
     """Point every kernel cache at a subfolder of `root` (created if needed); returns the variables set.
 
     A cache variable the operator already set to another folder is a conflict, refused rather than overridden or
-    ignored (ValueError naming both)."""
+    ignored (ValueError naming both). Inductor's own default, which torch writes into the environment when its
+    compiler modules are imported (`_torch_default`), is no operator's choice: it is replaced."""
     environ = os.environ if environ is None else environ
     root = Path(root).expanduser().resolve()
     wanted = {var: str(root / sub) for var, sub in CACHES.items()}
     for var, path in wanted.items():
         current = environ.get(var)
-        if current and Path(current).expanduser().resolve() != Path(path):
+        if current and Path(current).expanduser().resolve() != Path(path) and not _torch_default(var, current):
             raise ValueError(f"H3_CACHE_DIR puts {var} at {path}, but {var} is already set to {current}; unset one")
     for path in wanted.values():
         Path(path).mkdir(parents=True, exist_ok=True)
     environ.update(wanted)
     return wanted
+
+
+def _torch_default(var: str, value: str) -> bool:
+    """Whether `value` of `var` is what torch itself put there: importing Inductor's runtime (torch.compile, a
+    triton_op) sets TORCHINDUCTOR_CACHE_DIR to its default folder when it is unset. Only once torch is imported."""
+    if var != "TORCHINDUCTOR_CACHE_DIR" or "torch" not in sys.modules:
+        return False
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(value).expanduser().resolve() == Path(default_cache_dir()).expanduser().resolve()
