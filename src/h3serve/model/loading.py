@@ -1,4 +1,8 @@
-"""Checkpoint loading: safetensors read with mmap into a model built on the meta device, strictly.
+"""Checkpoint loading: safetensors read into a model built on the meta device, strictly.
+
+Tensors are read by `model.reader.TensorReader` (large positional reads in a few threads, a bounded read-ahead) into
+buffers of their own; the previous path, one mmap view per tensor copied out, stays for comparison
+(`assign_from_checkpoint(threads=0)`, `bench/load.py`) and for the tensors left mapped (`mapped`).
 
 Loaders for the DiT and the text encoder live here (the VAEs' in `vae_loading.py`).
 
@@ -18,7 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +35,9 @@ from transformers import Qwen3VLConfig, Qwen3VLModel
 
 from h3serve.config import DiTConfig
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
+
+# CheckpointError lives beside the reader, which raises it too; callers import it from here, as before.
+from h3serve.model.reader import DEFAULT_THREADS, DTYPES, CheckpointError, TensorReader
 from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     TextEncoder,
@@ -42,12 +50,9 @@ from h3serve.model.text_encoder import (
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked; the message names the file and the key."""
-
-
 class Checkpoint:
-    """Tensor names of one or more safetensors files, read lazily (mmap) on request."""
+    """Tensor names of one or more safetensors files, read lazily (mmap) on request: what the mapped tensors and the
+    header checks read (`assign_from_checkpoint` reads the data through a `TensorReader` over `files_of`)."""
 
     def __init__(self, root: Path, files: Mapping[str, Path]):
         self.root = root  # the index file, or the single safetensors file
@@ -70,6 +75,10 @@ class Checkpoint:
 
     def file_of(self, key: str) -> Path:
         return self._files[key]
+
+    def files_of(self, keys: Iterable[str]) -> list[Path]:
+        """The files that hold `keys`, each once, in the order first met."""
+        return list(dict.fromkeys(self._files[k] for k in keys))
 
     def get(self, key: str) -> torch.Tensor:
         """The stored tensor: a zero-copy view into a mapping of its file, to be copied out (`_owned`), not kept.
@@ -96,20 +105,7 @@ class Checkpoint:
         return self._handles[file]
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_SAFETENSORS_DTYPES = DTYPES
 
 
 def _open(file: Path):
@@ -209,6 +205,33 @@ class Source:
     build: Callable[[list[torch.Tensor]], torch.Tensor] = _identity
 
 
+@dataclass(frozen=True)
+class LoadStats:
+    """What one `assign_from_checkpoint` read: tensor bytes (as stored) and wall seconds, the device synchronized.
+
+    `str()` is the operator's line, "X.X GB in Y.Y s (Z.ZZ GB/s)" (GB = 1e9 bytes). `threads`: the reader's (0: the
+    mmap copy). `peak_ahead`: the most bytes the reader held ahead of the tensor in hand (0 for the mmap copy)."""
+
+    bytes_read: int
+    seconds: float
+    tensors: int
+    threads: int
+    peak_ahead: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / 1e9 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return f"{self.bytes_read / 1e9:.1f} GB in {self.seconds:.1f} s ({self.gb_per_s:.2f} GB/s)"
+
+
+def _mmap_tensors(ckpt: Checkpoint, keys: list[str]) -> Iterator[torch.Tensor]:
+    """The previous read path: each key's zero-copy view into a fresh mapping of its file (`Checkpoint.get`)."""
+    for key in keys:
+        yield ckpt.get(key)
+
+
 def assign_from_checkpoint(
     module: nn.Module,
     ckpt: Checkpoint,
@@ -220,13 +243,21 @@ def assign_from_checkpoint(
     unused: frozenset[str] = frozenset(),
     hook: LoadHook | None = None,
     mapped: Callable[[str], bool] | None = None,
-) -> None:
-    """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source).
+    threads: int = DEFAULT_THREADS,
+) -> LoadStats:
+    """Materialise a meta-device `module` from `ckpt` following `plan` (module name -> Source); returns what it read.
 
     The checkpoint's key set must equal the plan's (plus `unused`: keys known to be there and deliberately not read,
     such as the text encoder's layers past the one H3 reads), each stored tensor must have the expected dtype, and
-    each built tensor the module's shape. Tensors are read with mmap and copied once into allocations of their own at
-    their target device and dtype (`_owned`): no loaded tensor is a view into the file's buffers.
+    each built tensor the module's shape. Every tensor ends in an allocation of its own at its target device and
+    dtype (`_owned`): no loaded tensor is a view into the file's buffers.
+
+    How it reads: `threads` > 0 (the default): a `model.reader.TensorReader` with that many threads reads the keys in
+    plan order into fresh CPU buffers, a bounded window ahead (the load's extra host memory: that window plus the
+    tensor in hand, about two of the largest tensor; see `model.reader`). A buffer read at its target dtype for the
+    CPU is kept as is; for another device it is copied there at its stored dtype and built there (the builds move
+    data only: reorders, concatenations). `threads=0`: the previous path, each tensor an mmap view
+    (`Checkpoint.get`) built on the CPU and copied once to its target (kept for `bench/load.py`'s comparison).
 
     `hook` transforms tensors as they are read (`hook.transform(name, tensor)` returns the entries to keep in its
     place, e.g. an FP8 weight and its scales), so a transformed layer never exists whole in its stored precision;
@@ -237,6 +268,9 @@ def assign_from_checkpoint(
     schedule's tables, for AdaLN weights kept as page cache (`AdalnWeights.MAPPED`). Only for a tensor stored as is
     (one key, no reordering).
     """
+    if threads < 0:
+        raise ValueError(f"threads must be 0 (the mmap copy) or more, got {threads}")
+    start = time.perf_counter()
     expected = dict(module.state_dict(keep_vars=True))
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", to compare with a tensor's device
     if set(plan) != set(expected):
@@ -251,36 +285,61 @@ def assign_from_checkpoint(
         key = min(present - wanted - unused)
         raise CheckpointError(f"{ckpt.file_of(key)}: unexpected key {key!r}")
 
+    kept_mapped = {name for name in plan if mapped is not None and mapped(name)}
+    keys = [key for name, src in plan.items() if name not in kept_mapped for key in src.keys]
+    reader = TensorReader(ckpt.files_of(keys), threads=threads) if threads and keys else None
+    stream = reader.read(keys) if reader is not None else _mmap_tensors(ckpt, keys)
+    to_device = reader is not None and device.type != "cpu"  # fresh CPU buffers: built on the target device
     state: dict[str, torch.Tensor] = {}
-    for name, src in plan.items():
-        if mapped is not None and mapped(name):
-            state[name] = _mapped(ckpt, name, src, expected[name], ckpt_dtype_of)
-            continue
-        tensors = []
-        for key in src.keys:
-            got, want = ckpt.dtype(key), ckpt_dtype_of(key)
-            if got != want:
-                raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
-            tensors.append(ckpt.get(key))
-        target = expected[name]
-        where = ", ".join(
-            f"{ckpt.file_of(k)}: key {k!r} {list(t.shape)}" for k, t in zip(src.keys, tensors, strict=True)
-        )
-        try:
-            tensor = src.build(tensors)
-        except RuntimeError as err:  # a view/reshape that the stored shape cannot satisfy
-            raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
-        if tensor.shape != target.shape:
-            raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
-        tensor = _owned(tensor, tensors, device=device, dtype=dtype_of(name))
-        if hook is None:
-            state[name] = tensor
-        else:
-            state.update(hook.transform(name, tensor))
-            del tensor  # a transformed tensor's stored form is dropped here, one tensor at a time
+    read_bytes = 0
+    try:
+        for name, src in plan.items():
+            if name in kept_mapped:
+                state[name] = _mapped(ckpt, name, src, expected[name], ckpt_dtype_of)
+                continue
+            tensors = []
+            for key in src.keys:
+                got, want = ckpt.dtype(key), ckpt_dtype_of(key)
+                if got != want:
+                    raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+                tensors.append(next(stream))
+                read_bytes += tensors[-1].nbytes
+            target = expected[name]
+            where = ", ".join(
+                f"{ckpt.file_of(k)}: key {k!r} {list(t.shape)}" for k, t in zip(src.keys, tensors, strict=True)
+            )
+            if to_device:
+                tensors = [t.to(device) for t in tensors]
+            try:
+                tensor = src.build(tensors)
+            except RuntimeError as err:  # a view/reshape that the stored shape cannot satisfy
+                raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
+            if tensor.shape != target.shape:
+                raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
+            views = [] if reader is not None else tensors  # the reader's buffers are fresh allocations, not views
+            tensor = _owned(tensor, views, device=device, dtype=dtype_of(name))
+            del tensors
+            if hook is None:
+                state[name] = tensor
+            else:
+                state.update(hook.transform(name, tensor))
+                del tensor  # a transformed tensor's stored form is dropped here, one tensor at a time
+    finally:
+        stream.close()  # a reader's reads in flight end here (a load that stops early), then its files close
+        if reader is not None:
+            reader.close()
     if hook is not None:
         hook.prepare(module)
     module.load_state_dict(state, strict=True, assign=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the copies and the hook's kernels are done: the seconds are the load's
+    return LoadStats(
+        bytes_read=read_bytes,
+        seconds=time.perf_counter() - start,
+        tensors=len(keys),
+        threads=threads if reader is not None else 0,
+        peak_ahead=reader.peak_ahead if reader is not None else 0,
+    )
 
 
 def _mapped(
@@ -304,7 +363,9 @@ def _mapped(
 ALIGNMENT = 64
 
 
-def _owned(tensor: torch.Tensor, read: list[torch.Tensor], *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _owned(
+    tensor: torch.Tensor, views: list[torch.Tensor], *, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """`tensor` at `device` and `dtype` in a contiguous, 64-byte aligned allocation of its own.
 
     safetensors hands out zero-copy views into its mmap at the offsets the file's header gives (8-byte aligned at
@@ -313,17 +374,18 @@ def _owned(tensor: torch.Tensor, read: list[torch.Tensor], *, device: torch.devi
     otherwise, for a weight that is not 64-byte aligned, so the same weights rendered other frames from the diffusers
     folder than from a single file (issue 22, on AMD EPYC). So every tensor is copied, once, straight from the
     mapping into a fresh allocation of its final dtype on its final device; a build that already made a fresh tensor
-    there (a QKV reorder, a concatenation) is kept, not copied again. One tensor at a time: the model never exists
-    twice.
+    there (a QKV reorder, a concatenation), or a reader's buffer already at its final dtype and device, is kept, not
+    copied again. `views`: the tensors read as views into a file's mapping (none from a `TensorReader`), which
+    `tensor` must not be. One tensor at a time: the model never exists twice.
     """
-    views = {t.untyped_storage().data_ptr() for t in read}
+    mappings = {t.untyped_storage().data_ptr() for t in views}
     fresh = (
         tensor.device == device
         and tensor.dtype == dtype
         and tensor.is_contiguous()
         and tensor.data_ptr() % ALIGNMENT == 0
         and tensor.untyped_storage().nbytes() == tensor.nbytes  # holds this tensor and nothing else
-        and tensor.untyped_storage().data_ptr() not in views
+        and tensor.untyped_storage().data_ptr() not in mappings
     )
     if fresh:
         return tensor
@@ -490,6 +552,8 @@ def load_dit(
     qkv_layout: str | None = None,
     hook: LoadHook | None = None,
     mapped: Callable[[str], bool] | None = None,
+    threads: int = DEFAULT_THREADS,
+    on_stats: Callable[[LoadStats], None] | None = None,
 ) -> H3DiT:
     """Load the H3 DiT from any published layout (see the module docstring; `qkv_layout` as in
     `resolve_dit_layout`).
@@ -498,8 +562,10 @@ def load_dit(
     released dtypes: float32 for the islands, bfloat16 for everything else. The config comes from `config`, else the
     `config.json` in the folder (required for a folder), else, for a single community file (they ship none), the
     released H3 configuration, with a warning. `hook`: a per-tensor transform applied as the weights are read (the
-    FP8 linear backend quantizes the block linears this way). `mapped`: tensors left as the file's mapping, unread
-    (`assign_from_checkpoint`).
+    FP8 linear backend quantizes the block linears this way). `mapped`: tensors left as the file's mapping, unread,
+    and `threads`: how the rest is read (0: the previous mmap copy), as in `assign_from_checkpoint`. The load's
+    bytes and seconds are logged at INFO ("DiT: X.X GB in Y.Y s (Z.ZZ GB/s)") and given to `on_stats` (for a caller
+    that records them: `bench/load.py`).
     """
     path = Path(path)
     if config is None:
@@ -518,7 +584,7 @@ def load_dit(
         model = H3DiT(config)
     plan = dit_plan(model, layout, ckpt.keys())
     island_keys = {key for name, src in plan.items() if is_fp32_name(name) for key in src.keys}
-    assign_from_checkpoint(
+    stats = assign_from_checkpoint(
         model,
         ckpt,
         plan,
@@ -527,8 +593,12 @@ def load_dit(
         ckpt_dtype_of=lambda key: torch.float32 if key in island_keys else torch.bfloat16,
         hook=hook,
         mapped=mapped,
+        threads=threads,
     )
     log.info("loaded H3 DiT from %s (%s, %s, %s)", path, layout, dtype, device)
+    log.info("DiT: %s", stats)
+    if on_stats is not None:
+        on_stats(stats)
     return model.eval().requires_grad_(False)
 
 
@@ -563,8 +633,9 @@ def load_qwen3vl_prefix(
     Strict like the other loaders: every tensor the prefix needs must be there, in the dtype the folder's config
     declares (bfloat16 in the release), with the right shape; keys past the prefix (later layers, the final norm,
     the LM head, the vision tower when not wanted) must be the ones `checkpoint_key_map` skips, and are never read.
-    Each tensor goes from the mmap-ed file to `device` at `dtype` once; `hook` may transform it on the way (the FP8
-    text encoder quantizes the decoder layers' linears as they are read).
+    Each tensor is read (`assign_from_checkpoint`) and placed at `device` and `dtype` once; `hook` may transform it
+    on the way (the FP8 text encoder quantizes the decoder layers' linears as they are read). The load's bytes and
+    seconds are logged at INFO ("text encoder: X.X GB in Y.Y s (Z.ZZ GB/s)").
     """
     folder = Path(folder)
     config = Qwen3VLConfig.from_pretrained(str(folder), local_files_only=True)
@@ -574,7 +645,7 @@ def load_qwen3vl_prefix(
     ckpt = open_checkpoint(folder)
     plan = {name: Source((f"model.{name}",)) for name in model.state_dict()}
     skipped = frozenset(k for k in ckpt if checkpoint_key_map(k, layer, vision) is None)
-    assign_from_checkpoint(
+    stats = assign_from_checkpoint(
         model,
         ckpt,
         plan,
@@ -584,6 +655,7 @@ def load_qwen3vl_prefix(
         unused=skipped,
         hook=hook,
     )
+    log.info("text encoder: %s", stats)
     materialize_buffers(model)
     return model.to(device)
 

@@ -189,12 +189,16 @@ def _budget(
 
 
 def _tables(cfg: DiTConfig, profile: Profile, dits: int) -> tuple[int, str]:
-    """The AdaLN tables of the schedules the profile keeps: bytes and their row label."""
+    """The AdaLN tables of the schedules the profile keeps: bytes and their row label. In page-locked host memory
+    (weights off the device) each table takes a power of two: torch's pinned-memory allocator rounds every block up
+    to one (1 MiB for a released table of 756 KiB; measured on the H200: bench/results/README.md, the one-box runs)."""
     from h3serve.model.dit import TABLE_ROWS
     from h3serve.pipeline.schedule import DualSchedule
 
     steps = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT).num_steps  # the default schedule's forwards
     per_block = TABLE_ROWS * NUM_BLOCK_MODULATIONS * cfg.hidden_size * profile.torch_dtype.itemsize
+    if profile.adaln_off_device:
+        per_block = 1 << (per_block - 1).bit_length()
     kept = profile.adaln_tables_kept
     label = f"adaln_tables ({kept} schedule{'s' if kept > 1 else ''} of {steps} steps{' per DiT' if dits > 1 else ''})"
     return dits * kept * steps * cfg.num_layers * per_block, label

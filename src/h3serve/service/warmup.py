@@ -53,6 +53,17 @@ def warmup_request(engine: Engine) -> RenderRequest:
     )
 
 
+def _compile_times() -> str:
+    """torch's per-phase compile times of this process, aggregated, on one line (empty if torch has none)."""
+    import torch._dynamo.utils
+
+    try:
+        text = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
+    except Exception as err:  # a private helper of torch's: its absence costs only this log line
+        return f"(no compile times: {type(err).__name__})"
+    return " | ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
 def describe(request: RenderRequest) -> str:
     shape = f"{request.task} {request.width}x{request.height} {request.num_frames} frames"
     return f"{shape}, {request.steps} grid points ({request.forwards} DiT forward(s))"
@@ -70,6 +81,9 @@ def run_warmup(engine: Engine, threads: int = DEFAULT_THREADS) -> WarmupResult:
         log.info("default-schedule AdaLN tables made in %.2f s", engine.prepare_tables())  # under the engine's lock
         result = engine.render(request)
         log.info("warmup render stages (s): %s", ", ".join(f"{k} {v:.2f}" for k, v in result.timings.items()))
+        compiled = getattr(engine, "compiled", None)  # a split engine compiles in its workers: nothing to say here
+        if compiled is not None:  # where a compiling forward's time went (Dynamo's own per-phase account)
+            log.info("warmup compile: %d graph(s); %s", compiled.graphs, _compile_times())
         buffer = io.BytesIO()
         encode_mp4(buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=threads)
         buffer.seek(0)
