@@ -305,6 +305,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
     assert maker.for_steps(steps) is tables  # cached
     # The off-device path (weights copied in per block, the module's own forward on the copies) gives the same.
     offloaded = AdalnTables(dit, weights="pinned")  # on the CPU both sides are the CPU; copies are made all the same
+    offloaded.offloaded = True  # and the tables copied out as on a GPU (into pageable memory here)
     again_tables = offloaded.for_steps(steps)
     assert all(
         torch.equal(a, b) for sa, sb in zip(tables, again_tables, strict=True) for a, b in zip(sa, sb, strict=True)

@@ -125,13 +125,32 @@ def test_the_loaded_budget_counts_mapped_weights_as_page_cache(engines):
     assert "page cache, evictable, not counted: adaln_weights (mapped)" in ours.table()
 
 
-def test_kept_schedules_are_the_least_recently_used(engines):
+def test_kept_schedules_are_counted_in_default_schedules_steps_least_recently_used_first(engines):
+    """cache_size=1 keeps 49 steps (one default schedule): short schedules share it, a longer one is not kept."""
     engine = engines("mapped")
-    tables = AdalnTables(engine.components.dit, weights="mapped", cache_size=1)
-    first = tables.for_steps(_steps(5))
-    assert tables.for_steps(_steps(5)) is first
-    tables.for_steps(_steps(4))  # another schedule: the first one's tables go
-    assert tables.for_steps(_steps(5)) is not first and len(tables._cache) == 1
+    tables = AdalnTables(engine.components.dit, weights="mapped", cache_size=1, mapped_load=True)
+    first = tables.for_steps(_steps(30))  # 29 steps
+    assert tables.for_steps(_steps(30)) is first
+    short = tables.for_steps(_steps(5))  # 4 more: 33 of 49, both kept
+    assert tables.for_steps(_steps(30)) is first and tables.for_steps(_steps(5)) is short
+    tables.for_steps(_steps(25))  # 24 more would be 57: the least recently used (the 29 steps) goes
+    assert len(tables._cache) == 2 and tables.for_steps(_steps(5)) is short
+    assert tables.for_steps(_steps(30)) is not first
+    long = tables.for_steps(_steps(60))  # 59 steps, more than is kept: made for its render, nothing kept beside it
+    assert len(long) == 59 and len(tables._cache) == 0
+
+
+def test_mapped_weights_need_a_mapped_load(engines):
+    """Mapped tables stream the file's weights (merging adapters as they come in): a DiT whose AdaLN weights were
+    loaded or built in memory (possibly merged already) is refused rather than streamed and merged again."""
+    from h3serve.model.tiny import tiny_components
+    from h3serve.pipeline.engine import Engine
+
+    assert engines("mapped").components.adaln_mapped and not engines("device").components.adaln_mapped
+    with pytest.raises(ValueError, match="AdaLN weights were not loaded mapped"):
+        AdalnTables(engines("device").components.dit, weights="mapped")
+    with pytest.raises(ValueError, match="AdaLN weights were not loaded mapped"):
+        Engine(tiny_components(), Profile(adaln_weights="mapped"))
 
 
 # ---- the settings ------------------------------------------------------------------------------------------------
@@ -160,9 +179,9 @@ def test_the_settings_of_the_adaln_weights(checkpoint, tmp_path):
     kept = load_settings(env=model | {"H3_ADALN_TABLES_KEPT": "2"}).profile()
     assert (kept.adaln_weights, kept.adaln_tables_kept) == ("device", 2)
     # The device defaults: a discrete GPU keeps a page-locked copy and 4 schedules; an integrated one maps the file
-    # and keeps one; the tiny model on CUDA is never mapped (settings.profile() asks CUDA which GPU it is).
+    # and keeps two; the tiny model on CUDA is never mapped (settings.profile() asks CUDA which GPU it is).
     discrete, integrated = Profile.for_device("cuda"), Profile.for_device("cuda", integrated=True)
     assert (discrete.adaln_weights, discrete.adaln_tables_kept) == ("pinned", 4)
-    assert (integrated.adaln_weights, integrated.adaln_tables_kept) == ("mapped", 1)
+    assert (integrated.adaln_weights, integrated.adaln_tables_kept) == ("mapped", 2)
     tiny = load_settings(env=out | {"H3_DEVICE": "cuda"}, check_profile=False)
     assert tiny._profile_values("cuda")["adaln_weights"] == "pinned"

@@ -302,11 +302,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
-        _, fp8 = _preflight(preflight.check_fp8, settings.profile())
+        profile, fp8 = _preflight(preflight.check_fp8, settings.profile())
         if fp8 is not None:
             print(fp8)
         if folder is not None:
-            print(_preflight(preflight.check_memory, settings, folder).table())
+            print(_preflight(preflight.check_memory, settings, folder, profile=profile).table())
             if settings.num_gpus > 1:
                 print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
                       f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
@@ -353,8 +353,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
     _preflight(preflight.check_output_dir, settings.output_dir)
     _preflight(preflight.check_port, settings.bind_host, settings.api_port)
+    profile, fp8 = _preflight(preflight.check_fp8, settings.profile())  # which FP8 GEMM runs: the plan counts it
+    if fp8 is not None:
+        log.info("%s", fp8)
     if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
-        log.info("memory budget before load:\n%s", _preflight(preflight.check_memory, settings, folder).table())
+        budget = _preflight(preflight.check_memory, settings, folder, profile=profile)
+        log.info("memory budget before load:\n%s", budget.table())
     adapters = _read_adapters(settings, folder)
     for adapter in adapters:
         log.info("adapter: %s", adapter.describe())
@@ -362,9 +366,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     page = WebPage.load()  # the page's packaged files, read before any weight loads: an install without them stops here
     start = time.perf_counter()
-    profile, fp8 = _preflight(preflight.check_fp8, settings.profile())  # before any weight loads
-    if fp8 is not None:
-        log.info("%s", fp8)
     engine = _load_engine(settings, folder, profile, settings.task_type, adapters)
     gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
     log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)

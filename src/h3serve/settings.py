@@ -132,7 +132,7 @@ class EngineSettings(BaseModel):
         ge=1,
         le=MAX_TABLES_KEPT,
         description="schedules whose AdaLN tables are kept (about 2.4 GiB each at 50 grid points, page-locked); "
-        "unset: 1 on an integrated GPU, else 4",
+        "unset: 2 on an integrated GPU, else 4",
     )
     fp8_scaling: Fp8Scaling | None = Field(
         None,

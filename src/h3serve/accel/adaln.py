@@ -27,6 +27,7 @@ import torch
 from torch.func import functional_call
 
 from h3serve.accel.profile import TABLES_KEPT, AdalnWeights
+from h3serve.config import DEFAULT_STEPS
 from h3serve.model.dit import H3DiT, is_fp32_name, pad_table
 
 Tables = list[list[torch.Tensor]]  # [step][block] -> (TABLE_ROWS, 6 * hidden)
@@ -66,6 +67,9 @@ class AdalnHostHook:
         pass
 
 
+DEFAULT_FORWARDS = DEFAULT_STEPS - 1  # the default schedule's steps (forwards): what one kept schedule holds
+
+
 class Merge(Protocol):
     """What a mapped block's weights pass through as they come in (`model.adapters.AdapterMerge`)."""
 
@@ -73,9 +77,11 @@ class Merge(Protocol):
 
 
 class AdalnTables:
-    """Each schedule's tables for one DiT, kept for the `cache_size` schedules used last. `weights`: where the blocks'
+    """Each schedule's tables for one DiT, kept for the schedules used last, up to `cache_size` default schedules'
+    worth of steps (a schedule longer than that is made for its render and not kept). `weights`: where the blocks'
     AdaLN weights live (see the module docstring); `merge`: with mapped weights, the adapters' merge applied to each
-    block's weights as they are streamed in (None: no adapters)."""
+    block's weights as they are streamed in (None: no adapters); `mapped_load`: whether the DiT was loaded with its
+    AdaLN weights mapped (`Components.adaln_mapped`), which mapped weights need."""
 
     def __init__(
         self,
@@ -84,6 +90,7 @@ class AdalnTables:
         weights: AdalnWeights | str = AdalnWeights.DEVICE,
         cache_size: int = TABLES_KEPT,
         merge: Merge | None = None,
+        mapped_load: bool = False,
     ):
         self.dit = dit
         self.device = dit.blocks[0].norm1.weight.device  # the compute device, whatever the AdaLN weights' is
@@ -94,12 +101,15 @@ class AdalnTables:
         # The tables wait in (pinned) host memory whenever the weights are off the compute device.
         self.offloaded = self.weights != AdalnWeights.DEVICE and self.device.type != "cpu"
         if self.weights == AdalnWeights.MAPPED:
+            if not mapped_load:  # the DiT's own tensors (built in memory, perhaps merged already) are not streamed
+                raise ValueError(
+                    "adaln_weights mapped: this DiT's AdaLN weights were not loaded mapped (a checkpoint load with "
+                    "`load_plan(profile)`'s dit_mapped leaves them views of its files): load it so, or use device or "
+                    "pinned"
+                )
             for name, p in self._adaln_parameters():
                 if p.device.type != "cpu":
-                    raise ValueError(
-                        f"{name} is on {p.device}: mapped AdaLN weights stay in the checkpoint's mapping (load the DiT "
-                        "with `load_plan(profile)`'s dit_mapped)"
-                    )
+                    raise ValueError(f"{name} is on {p.device}: mapped AdaLN weights stay views of their files")
         elif self.weights == AdalnWeights.PINNED and self.offloaded:
             pin = torch.cuda.is_available()
             for _, p in self._adaln_parameters():
@@ -139,7 +149,11 @@ class AdalnTables:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        while self._cache and len(self._cache) >= self.cache_size:  # room first: never one schedule more than kept
+        # Room first, counted in steps: `cache_size` schedules of the default length (what the memory plan counts),
+        # so a short schedule (the warmup's one step) does not push out a default one.
+        capacity = self.cache_size * DEFAULT_FORWARDS
+        keep = len(timesteps) <= capacity
+        while self._cache and (not keep or sum(map(len, self._cache.values())) + len(timesteps) > capacity):
             self._cache.popitem(last=False)
         dtype = self.dit.compute_dtype
         pin = self.offloaded and torch.cuda.is_available()
@@ -155,6 +169,6 @@ class AdalnTables:
                 tables[step].append(table)
             del params
         made = ScheduleTables(tables, self.device)
-        if self.cache_size > 0:
+        if keep:  # a schedule longer than what is kept is made for its render only
             self._cache[key] = made
         return made

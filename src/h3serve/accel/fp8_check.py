@@ -126,12 +126,14 @@ def resolve(profile: Profile) -> tuple[Profile, Fp8CheckResult | None]:
     scalings = (Fp8Scaling.ROWWISE, Fp8Scaling.EPILOGUE) if auto else (Fp8Scaling(profile.fp8_scaling.value),)
     result = self_test(profile.torch_device, scalings=scalings)
     if result.choice is None:
-        setting = "linear" if profile.linear == "CUTLASS" else "text_linear"
-        tried = "neither FP8 GEMM scaling" if auto else f"fp8_scaling {profile.fp8_scaling}"
+        dit = profile.linear == "CUTLASS"
+        tried = "neither FP8 GEMM scaling (ROWWISE, EPILOGUE)" if auto else f"fp8_scaling {profile.fp8_scaling}"
+        instead = ("linear BF16 or HUMMING" if dit else "") + (", " if dit and profile.text_linear == "CUTLASS" else "")
+        instead += "text_linear BF16" if profile.text_linear == "CUTLASS" else ""
         raise ProfileError(
-            "fp8_scaling" if not auto else setting,
-            f"CUTLASS: {tried} computes correctly on {profile.device} ({result.describe()}): use BF16 or HUMMING"
-            + ("" if auto else ", or leave fp8_scaling auto"),
+            "fp8_scaling" if not auto else "linear" if dit else "text_linear",
+            f"CUTLASS: {tried} computed correctly on {profile.device} ({result.describe()}): use {instead}"
+            + ("" if auto else ", or leave fp8_scaling auto to try both"),
         )
     return dataclasses.replace(profile, fp8_scaling=ProfileScaling(result.choice.value)), result
 

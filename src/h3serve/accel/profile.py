@@ -129,7 +129,7 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
 }
 # An integrated GPU (a DGX Spark's GB10) shares the host's memory: page-locked host copies take from the GPU's own
 # pool, so the AdaLN weights stay in the page cache and fewer schedules' tables are kept.
-INTEGRATED_DEFAULTS: dict[str, Any] = {"adaln_weights": AdalnWeights.MAPPED, "adaln_tables_kept": 1}
+INTEGRATED_DEFAULTS: dict[str, Any] = {"adaln_weights": AdalnWeights.MAPPED, "adaln_tables_kept": 2}
 TABLES_KEPT = 4  # schedules whose AdaLN tables are kept, elsewhere
 MAX_TABLES_KEPT = 64
 # What the CPU runs, whatever the dtype: everything else needs CUDA.
@@ -294,6 +294,9 @@ def is_integrated(device: str) -> bool:
 
     if not torch.cuda.is_available():
         return False
+    index = torch.device(device).index
+    if index is not None and index >= torch.cuda.device_count():
+        return False  # no such GPU: `check` refuses it, naming the count
     return bool(torch.cuda.get_device_properties(torch.device(device)).is_integrated)
 
 

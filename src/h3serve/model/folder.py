@@ -48,6 +48,7 @@ class Components:
     audio_vae: AudioVAE
     name: str
     ref_dit: H3DiT | None = None
+    adaln_mapped: bool = False  # the DiTs' block AdaLN weights are views of their checkpoint files, unread (`mapped`)
 
     @property
     def dits(self) -> dict[str, H3DiT]:
@@ -284,4 +285,5 @@ def load_components(
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
         name=str(folder.root),
         ref_dit=ref_dit,
+        adaln_mapped=dit_mapped is not None,
     )

@@ -3,9 +3,9 @@
 One counter (`count_bytes`), two sources:
 - `plan_budget(folder, profile, rules)`: from a checkpoint folder's configurations alone. The components are built on
   the meta device (nothing is read) and given the profile's own load-time transforms, the same code a load runs
-  (`accel.apply.load_plan`'s hooks, `prepare`, and `accel.vae.decoder_weights_to`); the hooks say which tensors wait
-  in host memory (`on_host`). `h3serve check --preflight` and `h3serve serve` compare it with the free memory before
-  any weight loads.
+  (`accel.apply.load_plan`'s hooks, `prepare`, and `accel.vae.decoder_weights_to`); the plan says where each tensor
+  is (`LoadPlan.where`: the device, page-locked host memory, or the checkpoint's mapping). `h3serve check
+  --preflight` and `h3serve serve` compare it with the free memory before any weight loads.
 - `loaded_budget(components, profile, rules)`: the same rows, counted from the tensors actually loaded.
 
 Activations: per packed row about 2 bytes x (3 hidden + 6 attention width + 3 ffn), what one block holds at once (its
@@ -42,8 +42,18 @@ OVERHEAD_GIB = 2.0
 PROCESS_HOST_GIB = 3.0
 
 
-def dit_activation_bytes(cfg: DiTConfig, rows: int) -> int:
-    return rows * 2 * (3 * cfg.hidden_size + 6 * cfg.inner_dim + 3 * cfg.ffn_hidden_size)
+# The CUTLASS GEMM's EPILOGUE scaling (`accel.linear.Fp8Scaling`) makes a float32 (M, N) output before it scales and
+# rounds it: per element of fc1's output (the widest GEMM, N = 2 ffn), bytes beyond the bf16 result the rows above
+# count. Compiled (the scaling fused): measured 4.7 at the default shape on the H200 (90.06 against 85.27 GiB,
+# bench/results/README.md); eager keeps the float32 products apart (not measured): three float32 temporaries.
+EPILOGUE_BYTES = {"compile": 6, "eager": 12}
+
+
+def dit_activation_bytes(cfg: DiTConfig, rows: int, epilogue: str | None = None) -> int:
+    """What one block holds at once for `rows` packed rows; `epilogue`: the execution mode ("compile" or "eager")
+    when the block linears run the EPILOGUE scaling, whose float32 GEMM outputs add to it."""
+    extra = 0 if epilogue is None else rows * 2 * cfg.ffn_hidden_size * EPILOGUE_BYTES[epilogue]
+    return rows * 2 * (3 * cfg.hidden_size + 6 * cfg.inner_dim + 3 * cfg.ffn_hidden_size) + extra
 
 
 PLANNED_TEXT_ROWS = 1024  # the prompt rows the memory plan allows for (a long prompt with two keyframes)
@@ -143,15 +153,24 @@ class Budget:
 
 def count_bytes(module: nn.Module, where: Callable[[str], str]) -> dict[str, int]:
     """Bytes of a module's parameters and buffers by where they are (`where(name)`: DEVICE, HOST or MAPPED), each
-    counted once at its dtype. The one counter of the plan (meta tensors) and of a load."""
+    counted once at its dtype; in page-locked host memory at the power of two the pinned allocator takes for it
+    (`pinned_bytes`). The one counter of the plan (meta tensors) and of a load."""
     out = {DEVICE: 0, HOST: 0, MAPPED: 0}
     seen: set[int] = set()
     for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        out[where(name)] += t.numel() * t.element_size()
+        place = where(name)
+        size = t.numel() * t.element_size()
+        out[place] += pinned_bytes(size) if place == HOST else size
     return out
+
+
+def pinned_bytes(size: int) -> int:
+    """What torch's page-locked host allocator takes for `size` bytes: the next power of two (a released block's
+    AdaLN weight of 496 MiB takes 512; a table of 756 KiB takes 1 MiB, as measured on the H200)."""
+    return 0 if size == 0 else 1 << (size - 1).bit_length()
 
 
 def _dit_name(kind: str) -> str:
@@ -166,6 +185,7 @@ def _budget(
     tables_label: str,
     tables_on_device: bool,
     shared: bool,
+    epilogue: str | None = None,
 ) -> Budget:
     """A budget from each component's bytes by place (`count_bytes`) and the kept tables' bytes (on the device, or
     in page-locked host memory when the AdaLN weights are off it)."""
@@ -178,11 +198,11 @@ def _budget(
     return Budget(
         device=device,
         host=host,
-        activations_reference=dit_activation_bytes(cfg, REFERENCE_ROWS) / GIB,
-        activations_largest=dit_activation_bytes(cfg, largest) / GIB,
+        activations_reference=dit_activation_bytes(cfg, REFERENCE_ROWS, epilogue) / GIB,
+        activations_largest=dit_activation_bytes(cfg, largest, epilogue) / GIB,
         largest_rows=largest,
         mapped={"adaln_weights (mapped)": mapped / GIB} if mapped else {},
-        activations_default=dit_activation_bytes(cfg, default) / GIB,
+        activations_default=dit_activation_bytes(cfg, default, epilogue) / GIB,
         default_rows=default,
         shared=shared,
     )
@@ -198,7 +218,7 @@ def _tables(cfg: DiTConfig, profile: Profile, dits: int) -> tuple[int, str]:
     steps = DualSchedule.build(DEFAULT_STEPS, VIDEO_SHIFT, AUDIO_SHIFT).num_steps  # the default schedule's forwards
     per_block = TABLE_ROWS * NUM_BLOCK_MODULATIONS * cfg.hidden_size * profile.torch_dtype.itemsize
     if profile.adaln_off_device:
-        per_block = 1 << (per_block - 1).bit_length()
+        per_block = pinned_bytes(per_block)
     kept = profile.adaln_tables_kept
     label = f"adaln_tables ({kept} schedule{'s' if kept > 1 else ''} of {steps} steps{' per DiT' if dits > 1 else ''})"
     return dits * kept * steps * cfg.num_layers * per_block, label
@@ -242,7 +262,17 @@ def plan_budget(
     sizes |= {"text_encoder": count_bytes(text, on_device)}
     sizes |= {"video_vae": count_bytes(video, on_device), "audio_vae": count_bytes(audio, on_device)}
     tables, label = _tables(folder.dit, profile, len(dits))
-    return _budget(sizes, folder.dit, rules, tables, label, not plan.off_device, shared)
+    return _budget(sizes, folder.dit, rules, tables, label, not plan.off_device, shared, _epilogue(profile))
+
+
+def _epilogue(profile: Profile) -> str | None:
+    """The execution mode when the DiT's block linears run the EPILOGUE scaling (chosen: `accel.fp8_check.resolve`;
+    auto, not yet self-tested, is planned as ROWWISE), else None."""
+    from h3serve.accel.profile import Fp8Scaling, Linear
+
+    if profile.linear != Linear.CUTLASS or profile.fp8_scaling != Fp8Scaling.EPILOGUE:
+        return None
+    return str(profile.execution)
 
 
 def loaded_budget(components: Components, profile: Profile, rules: RequestRules, shared: bool = False) -> Budget:
@@ -268,7 +298,7 @@ def loaded_budget(components: Components, profile: Profile, rules: RequestRules,
         module = getattr(components, name)
         sizes[name] = count_bytes(module, where(module, False))
     tables, label = _tables(components.dit_config, profile, len(components.dits))
-    return _budget(sizes, components.dit_config, rules, tables, label, not plan.off_device, shared)
+    return _budget(sizes, components.dit_config, rules, tables, label, not plan.off_device, shared, _epilogue(profile))
 
 
 def free_memory(device: torch.device) -> tuple[float, float, bool]:

@@ -31,7 +31,7 @@ from h3serve.accel import profile as profiles
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import apply, load_plan
 from h3serve.accel.compile import Compiler, GraphCounter
-from h3serve.accel.profile import AdalnWeights, Profile
+from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
 from h3serve.config import FPS
@@ -97,9 +97,10 @@ class Engine:
         # The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled.
         self.compiled: GraphCounter | None = apply(components, profile, compiler)
         # One AdaLN table cache per DiT (FL2VA, Ref2VA); mapped weights take the adapters' merge as they stream in.
-        merge = AdapterMerge(adapters) if adapters and profile.adaln_weights == AdalnWeights.MAPPED else None
+        merge = AdapterMerge(adapters) if adapters and components.adaln_mapped else None
         self.tables = {kind: AdalnTables(dit, weights=profile.adaln_weights, cache_size=profile.adaln_tables_kept,
-                                         merge=merge) for kind, dit in components.dits.items()}  # fmt: skip
+                                         merge=merge, mapped_load=components.adaln_mapped)
+                       for kind, dit in components.dits.items()}  # fmt: skip
         # Step caching (lossy, opt-in): the outer layer of each DiT's block stack (`accel.stepcache`).
         self.step_caches: dict[str, StepCache] = {}
         if step_cache is not None:
@@ -132,7 +133,7 @@ class Engine:
         (`model.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
         they load, before FP8 quantization and before any AdaLN table is made. The profile is checked against the
         machine before any weight loads."""
-        _check(profile, step_cache, tiny=model is None)
+        _check(profile, step_cache)
         check_adapter_kinds(adapters, task_type)
         if model is None:
             components = tiny_components(device=profile.torch_device, dtype=profile.torch_dtype, task_type=task_type)
@@ -284,10 +285,8 @@ class Engine:
         return time.perf_counter() - start
 
 
-def _check(profile: Profile, step_cache: StepCacheConfig | None, tiny: bool = False) -> None:
-    """What this machine, a step cache and the model allow of the profile (`accel.profile`), before anything loads."""
-    if tiny and profile.adaln_weights == AdalnWeights.MAPPED:
-        raise profiles.ProfileError("adaln_weights", "adaln_weights mapped needs a checkpoint; the tiny model has none")
+def _check(profile: Profile, step_cache: StepCacheConfig | None) -> None:
+    """What this machine and a step cache allow of the profile (`accel.profile`), before anything loads."""
     profiles.check(profile)
     if step_cache is not None:
         profiles.check_step_cache(profile.linear)

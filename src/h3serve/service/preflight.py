@@ -57,17 +57,18 @@ def check_port(host: str, port: int) -> None:
             ) from err
 
 
-def check_memory(settings, folder, free: tuple[float, float, bool] | list | None = None):
+def check_memory(settings, folder, free: tuple[float, float, bool] | list | None = None, profile=None):
     """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared, or one
     such tuple per GPU; read from the machine when None). With H3_NUM_GPUS > 1 on CUDA every GPU must hold the whole
     budget (each rank loads the whole model; the activations are counted whole, an upper bound) and the host every
-    rank's host part. Returns the budget; raises PreflightError naming what does not fit, and where."""
+    rank's host part. `profile`: the one that will run (the FP8 self-test's choice made: `check_fp8`); None: the
+    settings'. Returns the budget; raises PreflightError naming what does not fit, and where."""
     import torch
 
     from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
     from h3serve.pipeline.rules import RELEASED_RULES
 
-    profile = settings.profile()
+    profile = settings.profile() if profile is None else profile
     gpus = settings.num_gpus if profile.cuda else 1
     frees = free if isinstance(free, list) else [free] * gpus
     devices = [torch.device("cuda", rank) if gpus > 1 else profile.torch_device for rank in range(gpus)]
