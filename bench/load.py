@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import run_header
+from benchlib import evict, run_header
 from safetensors.torch import save_file
 
 from h3serve.accel.linear import Fp8LoadHook
@@ -128,17 +128,6 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def evict(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache (clean pages, no root needed)."""
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def resident_fraction(files: list[Path]) -> float:

@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from benchlib import run_header
+from benchlib import evict, run_header
 from full_size_smoke import fill_random
 
 from dit_fixtures import export_state_dict
@@ -175,16 +175,8 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def evict_page_cache(root: Path) -> None:
-    """Drop the files' pages from the page cache (written back first), so a start reads them from the disk."""
-    for path in root.rglob("*"):
-        if not path.is_file():
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """Drop the folder's files from the page cache, so a start reads them from the disk."""
+    evict(p for p in root.rglob("*") if p.is_file())
 
 
 # ---- one start ----------------------------------------------------------------------------------------------------
