@@ -124,7 +124,8 @@ class Budget:
         return self.device_weights + acts + OVERHEAD_GIB + self.host_need + PROCESS_HOST_GIB
 
     def table(self) -> str:
-        """Rows with a GPU and a host column (and the page cache apart); with one pool, its totals."""
+        """Rows with a device column and a page-locked host column (the page cache apart); with one pool, its
+        totals."""
         rows: list[tuple[str, float | None, float | None]] = [(k, v, None) for k, v in self.device.items()]
         rows += [(k, None, v) for k, v in self.host.items()]
         rows += [
@@ -138,14 +139,14 @@ class Budget:
         need_host = self.host_need + (PROCESS_HOST_GIB if self.shared else 0.0)
         rows.append(("need (weights + largest activations + overhead; host part)", self.device_need, need_host))
         width = max(len(name) for name, _, _ in rows)
-        cell = lambda v: f"{v:8.2f}" if v is not None else " " * 8  # noqa: E731
-        lines = [f"{'':<{width}}  {'GPU GiB':>8}  {'host GiB':>8}"]
+        cell = lambda v: f"{v:10.2f}" if v is not None else " " * 10  # noqa: E731
+        lines = [f"{'':<{width}}  {'device GiB':>10}  {'host GiB':>10}"]
         lines += [f"{name:<{width}}  {cell(d)}  {cell(h)}" for name, d, h in rows]
         for name, value in self.mapped.items():
             lines.append(f"page cache, evictable, not counted: {name} {value:.2f} GiB")
         if self.shared:
             lines.append(
-                f"one pool (integrated GPU): {self.pool_need():.2f} GiB at the largest request, "
+                f"one pool (the device's memory is the host's): {self.pool_need():.2f} GiB at the largest request, "
                 f"{self.pool_need(self.activations_default):.2f} GiB at the default request"
             )
         return "\n".join(lines)
