@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from h3serve.accel import attention, fused, humming, linear
@@ -17,13 +18,14 @@ from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.profile import AdalnWeights, Execution, Fp8Scaling, Linear, Profile, TextLinear
-from h3serve.accel.vae import decoder_weights_to
+from h3serve.accel.vae import decoder_cast_names, decoder_weights_to
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
 from h3serve.model.loading import chain
+from h3serve.model.video_vae import VideoVAE
 
 if TYPE_CHECKING:
-    from h3serve.model.folder import Components
+    from h3serve.model.folder import Components, ModelFolder
     from h3serve.model.loading import LoadHook
     from h3serve.model.ops import QkNormRopeKernel
 
@@ -43,11 +45,18 @@ class LoadPlan:
     text_hook: LoadHook | None
     adaln: AdalnWeights  # where the DiT blocks' AdaLN weights live after the load
     off_device: bool  # whether that is off the compute device
+    decoder_dtype: torch.dtype | None = None  # the video decoder's linears and convolutions, as read (autocast's)
 
-    def hooks(self) -> dict[str, object]:
-        """`load_components`' keyword arguments."""
+    def hooks(self, folder: ModelFolder | None = None) -> dict[str, object]:
+        """`load_components`' keyword arguments (with `folder`, the video decoder's dtypes as read)."""
         mapped = is_block_adaln if self.adaln == AdalnWeights.MAPPED else None
-        return {"dit_hook": self.dit_hook, "text_hook": self.text_hook, "dit_mapped": mapped}
+        out = {"dit_hook": self.dit_hook, "text_hook": self.text_hook, "dit_mapped": mapped}
+        if folder is not None and self.decoder_dtype is not None:
+            with torch.device("meta"):
+                names = decoder_cast_names(VideoVAE(folder.video_vae_config))
+            dtype = self.decoder_dtype
+            out["video_dtype_of"] = lambda name: dtype if name in names else torch.float32
+        return out
 
     def where(self, name: str) -> str:
         """Where the DiT tensor `name` is after a load under this plan: "device", "host" (page-locked host memory)
@@ -68,6 +77,7 @@ def load_plan(profile: Profile) -> LoadPlan:
         text_hook=text,
         adaln=profile.adaln_weights,
         off_device=profile.adaln_off_device,
+        decoder_dtype=profile.vae_autocast_dtype,
     )
 
 

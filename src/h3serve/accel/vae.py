@@ -32,3 +32,15 @@ def decoder_weights_to(vae: VideoVAE, dtype: torch.dtype) -> int:
                     saved += p.numel() * (p.element_size() - torch.finfo(dtype).bits // 8)
                     p.data = p.data.to(dtype)
     return saved
+
+
+def decoder_cast_names(vae: VideoVAE) -> frozenset[str]:
+    """The names of the tensors `decoder_weights_to` stores in the autocast dtype (on a meta-device model too), so a
+    load can convert them as it reads them (`load_video_vae(dtype_of=...)`): the decoder never exists in float32."""
+    names = []
+    for prefix, root in (("post_quant_conv", vae.post_quant_conv), ("decoder", vae.decoder)):
+        for name, module in root.named_modules():
+            if isinstance(module, CAST):
+                path = f"{prefix}.{name}" if name else prefix
+                names += [f"{path}.{leaf}" for leaf in ("weight", "bias") if getattr(module, leaf) is not None]
+    return frozenset(names)

@@ -256,11 +256,13 @@ def load_components(
     dit_hook: LoadHook | None = None,
     text_hook: LoadHook | None = None,
     dit_mapped: Callable[[str], bool] | None = None,
+    video_dtype_of: Callable[[str], torch.dtype] | None = None,
 ) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
     islands and both VAEs stay float32). `task_type`: which DiTs (`TASK_TYPES`), checked before anything loads.
     `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load.
-    `dit_mapped`: the DiT tensors left as their file's mapping, unread (`model.loading.assign_from_checkpoint`)."""
+    `dit_mapped`: the DiT tensors left as their file's mapping, unread (`model.loading.assign_from_checkpoint`).
+    `video_dtype_of`: the video VAE's tensors' dtypes as read (float32 unless told)."""
     folder.check_task_type(task_type)
     kinds = TASK_TYPES[task_type]
     dit = ref_dit = None
@@ -281,7 +283,9 @@ def load_components(
         text_encoder=load_text_encoder(
             folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype, hook=text_hook
         ),
-        video_vae=load_video_vae(folder.video_vae, device=device, config=folder.video_vae_config),
+        video_vae=load_video_vae(
+            folder.video_vae, device=device, config=folder.video_vae_config, dtype_of=video_dtype_of
+        ),
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
         name=str(folder.root),
         ref_dit=ref_dit,

@@ -139,10 +139,13 @@ def load_video_vae(
     device: torch.device | str = "cpu",
     config: VideoVAEConfig | None = None,
     layout: str | None = None,
+    dtype_of: Callable[[str], torch.dtype] | None = None,
 ) -> VideoVAE:
     """Load the video VAE from `FL2VA/video_vae/`, `FL2VA/video_vae/source/` or diffusers `vae/`.
 
     The key layout is detected from the weights; `config` overrides the config files. Weights must be float32.
+    `dtype_of`: each tensor's dtype as it is read (float32 unless told; the CUDA profile stores the decoder's linears
+    and convolutions in float16 as read: `accel.vae.decoder_cast_names`).
     """
     path = Path(path)
     found, weights = read_video_vae_config(path)
@@ -156,7 +159,7 @@ def load_video_vae(
         ckpt,
         video_vae_plan(model, layout),
         device=device,
-        dtype_of=lambda _: torch.float32,
+        dtype_of=dtype_of or (lambda _: torch.float32),
         ckpt_dtype_of=lambda _: torch.float32,
     )
     log.info("loaded H3 video VAE from %s (layout %s, %s)", path, layout, device)

@@ -144,7 +144,7 @@ class Engine:
             return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged)
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
-        hooks = load_plan(profile).hooks()
+        hooks = load_plan(profile).hooks(folder)  # with the video decoder's float16 weights converted as read
         merge = AdapterMerge(adapters) if adapters else None
         hooks["dit_hook"] = chain(merge, hooks["dit_hook"])  # merged in BF16, then quantized and placed
         components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype,
