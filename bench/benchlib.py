@@ -99,3 +99,45 @@ def evict(files) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+STATUS_FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")  # torch's pinned memory shows as RssShmem
+
+
+def proc_status() -> dict[str, int]:
+    """This process's resident-memory fields of /proc/self/status (`STATUS_FIELDS`), in bytes."""
+    from pathlib import Path
+
+    lines = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(lines[k].split()[0]) * 1024 for k in STATUS_FIELDS if k in lines}
+
+
+class StatusPeaks:
+    """The peaks of `proc_status()` over a `with` block (bytes), sampled every `interval` seconds by a thread and
+    once more at the end."""
+
+    def __init__(self, interval: float = 0.005):
+        import threading
+
+        self.interval = interval
+        self.peak: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for k, v in proc_status().items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> StatusPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()

@@ -23,13 +23,12 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import evict, run_header
+from benchlib import StatusPeaks, evict, proc_status, run_header
 from safetensors.torch import save_file
 
 from h3serve.accel.linear import Fp8LoadHook
@@ -160,11 +159,6 @@ def resident_fraction(files: list[Path]) -> float:
     return resident / max(total, 1)
 
 
-def proc_status() -> dict[str, int]:
-    lines = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    return {k: int(lines[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile") if k in lines}
-
-
 def reset_peak_rss() -> bool:
     """VmHWM back to the current RSS (Linux clear_refs 5), so that it reads this load's peak."""
     try:
@@ -172,30 +166,6 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
-
-
-class RssSampler:
-    """Peaks of RssAnon and RssFile over a `with` block, sampled every `interval` seconds by a thread."""
-
-    def __init__(self, interval: float = 0.005):
-        self.interval = interval
-        self.peak: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for k, v in proc_status().items():
-                self.peak[k] = max(self.peak.get(k, 0), v)
-            self._stop.wait(self.interval)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def sync(device: torch.device) -> None:
@@ -236,7 +206,7 @@ def measure(
     base = proc_status()
     stats: list[LoadStats] = []
     hook = Fp8LoadHook() if mode == "fp8" else None
-    with RssSampler() as sampler:
+    with StatusPeaks() as sampler:
         sync(device)
         start = time.perf_counter()
         model = load_dit(folder, device=device, dtype=torch.bfloat16, hook=hook, threads=threads, on_stats=stats.append)

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from benchlib import run_header
+from benchlib import StatusPeaks, proc_status, run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.adaln import is_block_adaln
@@ -42,42 +41,10 @@ from h3serve.pipeline.budget import GIB, PROCESS_HOST_GIB, plan_budget
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.rules import RELEASED_RULES
 
-FIELDS = ("RssAnon", "RssFile", "RssShmem", "VmRSS")
 
-
-class HostSampler:
-    """Peaks of /proc/self/status's resident-memory fields (GiB), sampled every `period` s in a thread."""
-
-    def __init__(self, period: float = 0.02):
-        self.period = period
-        self.peak = dict.fromkeys(FIELDS, 0.0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> dict[str, float]:
-        out = {}
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in FIELDS:
-                out[key] = int(value.split()[0]) * 1024 / GIB
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for key, value in self.now().items():
-                self.peak[key] = max(self.peak[key], value)
-            time.sleep(self.period)
-
-    def __enter__(self) -> HostSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        for key, value in self.now().items():
-            self.peak[key] = max(self.peak[key], value)
+def gib(status: dict[str, int]) -> dict[str, float]:
+    """`benchlib.proc_status`-style bytes as GiB, rounded."""
+    return {k: round(v / GIB, 3) for k, v in status.items()}
 
 
 def pinned_gib() -> float:
@@ -121,7 +88,7 @@ def plan_rows(profile: Profile) -> dict:
 
 def measured_render(engine: Engine, request) -> dict:
     torch.cuda.reset_peak_memory_stats()
-    with HostSampler() as host:
+    with StatusPeaks(0.02) as host:
         start = time.perf_counter()
         result = engine.render(request)
         seconds = time.perf_counter() - start
@@ -130,7 +97,7 @@ def measured_render(engine: Engine, request) -> dict:
         "timings_s": {k: round(v, 3) for k, v in result.timings.items()},
         "gpu_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / GIB, 3),
         "gpu_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 3),
-        "host_peak_gib": {k: round(v, 3) for k, v in host.peak.items()},
+        "host_peak_gib": gib(host.peak),
         "pinned_gib": round(pinned_gib(), 3),
     }
     return entry
@@ -145,7 +112,7 @@ def main() -> None:
     parser.add_argument("--profiles", default="BF16,CUTLASS,CUTLASS+text", help="comma-separated")
     args = parser.parse_args()
     record: dict = {**run_header(), "runs": {}}
-    record["host_before_build_gib"] = HostSampler.now()
+    record["host_before_build_gib"] = gib(proc_status())
     start = time.perf_counter()
     components = build(torch.device("cuda"))
     record["build_s"] = round(time.perf_counter() - start, 1)
@@ -153,7 +120,7 @@ def main() -> None:
     record["adaln_written_gib"] = round(map_adaln(components.dit, args.dir), 2)
     components.adaln_mapped = True  # what a mapped load records
     record["adaln_write_s"] = round(time.perf_counter() - start, 1)
-    record["host_after_map_gib"] = HostSampler.now()
+    record["host_after_map_gib"] = gib(proc_status())
     record["pinned_after_map_gib"] = pinned_gib()
     wanted = args.profiles.split(",")
     base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN", execution="compile")
@@ -172,9 +139,9 @@ def main() -> None:
             engine = Engine(components, profile)
             torch.cuda.empty_cache()
             entry["resident_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
-            with HostSampler() as host:
+            with StatusPeaks(0.02) as host:
                 entry["default_tables_s"] = round(engine.prepare_tables(), 2)  # streamed from the mapped files
-            entry["host_after_tables_gib"] = {k: round(v, 3) for k, v in host.peak.items()}
+            entry["host_after_tables_gib"] = gib(host.peak)
             entry["pinned_after_tables_gib"] = round(pinned_gib(), 3)
             reference = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
             engine.render(reference)  # warm-up: the compile
