@@ -281,6 +281,17 @@ def _preflight(check, *args, **kwargs):
         raise CliError(str(err)) from err
 
 
+def _fp8_profile(profile, say):
+    """`profile` with the FP8 GEMM's scaling chosen by its self-test on the device (CUTLASS on CUDA;
+    `service.preflight.check_fp8`), before any weight loads; the test's line goes to `say`."""
+    from h3serve.service import preflight
+
+    chosen, line = _preflight(preflight.check_fp8, profile)
+    if line is not None:
+        say(line)
+    return chosen
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     import json
 
@@ -302,9 +313,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.preflight:
         _preflight(preflight.check_output_dir, settings.output_dir)
         _preflight(preflight.check_port, settings.bind_host, settings.api_port)
-        profile, fp8 = _preflight(preflight.check_fp8, settings.profile())
-        if fp8 is not None:
-            print(fp8)
+        profile = _fp8_profile(settings.profile(), print)
         if folder is not None:
             print(_preflight(preflight.check_memory, settings, folder, profile=profile).table())
             if settings.num_gpus > 1:
@@ -353,9 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
     _preflight(preflight.check_output_dir, settings.output_dir)
     _preflight(preflight.check_port, settings.bind_host, settings.api_port)
-    profile, fp8 = _preflight(preflight.check_fp8, settings.profile())  # which FP8 GEMM runs: the plan counts it
-    if fp8 is not None:
-        log.info("%s", fp8)
+    profile = _fp8_profile(settings.profile(), log.info)  # which FP8 GEMM runs: the memory plan counts it
     if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
         budget = _preflight(preflight.check_memory, settings, folder, profile=profile)
         log.info("memory budget before load:\n%s", budget.table())
@@ -630,14 +637,11 @@ def cmd_render(args: argparse.Namespace) -> int:
 def _run_render(args: argparse.Namespace) -> int:
     from h3serve.media.mp4 import write_mp4
     from h3serve.pipeline.engine import STAGES
-    from h3serve.service import preflight
 
     # 1. Everything the user gave, checked before any weight loads.
     plan = _plan_render(args)
     request, settings = plan.request, plan.settings
-    profile, fp8 = _preflight(preflight.check_fp8, plan.profile)  # the FP8 GEMM's self-test (CUTLASS on CUDA)
-    if fp8 is not None:
-        print(f"h3serve: {fp8}", file=sys.stderr)
+    profile = _fp8_profile(plan.profile, lambda line: print(f"h3serve: {line}", file=sys.stderr))
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"

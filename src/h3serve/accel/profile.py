@@ -197,7 +197,7 @@ class Profile:
                 f"linear HUMMING runs eager only (it is the deterministic profile): set execution eager, got "
                 f"{self.execution}",
             )
-        if self.fp8_scaling != Fp8Scaling.AUTO and Linear.CUTLASS not in (self.linear, self.text_linear):
+        if self.fp8_scaling != Fp8Scaling.AUTO and not self.fp8_gemm:
             raise ProfileError(
                 "fp8_scaling",
                 f"fp8_scaling {self.fp8_scaling} applies to CUTLASS linears, and this profile has none (linear "

@@ -97,15 +97,12 @@ class Checkpoint:
     def dtype(self, key: str) -> torch.dtype:
         """The stored dtype, read from the header without touching the data."""
         name = self._handle(self._files[key]).get_slice(key).get_dtype()
-        return _SAFETENSORS_DTYPES.get(name, name)
+        return DTYPES.get(name, name)
 
     def _handle(self, file: Path):
         if file not in self._handles:
             self._handles[file] = _open(file)
         return self._handles[file]
-
-
-_SAFETENSORS_DTYPES = DTYPES
 
 
 def _open(file: Path):
@@ -299,9 +296,7 @@ def assign_from_checkpoint(
                 continue
             tensors = []
             for key in src.keys:
-                got, want = ckpt.dtype(key), ckpt_dtype_of(key)
-                if got != want:
-                    raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+                _check_dtype(ckpt, key, ckpt_dtype_of)
                 tensors.append(next(stream))
                 read_bytes += tensors[-1].nbytes
             target = expected[name]
@@ -342,6 +337,13 @@ def assign_from_checkpoint(
     )
 
 
+def _check_dtype(ckpt: Checkpoint, key: str, ckpt_dtype_of: Callable[[str], torch.dtype]) -> None:
+    """The stored dtype of `key` (from the header) must be the one expected."""
+    got, want = ckpt.dtype(key), ckpt_dtype_of(key)
+    if got != want:
+        raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+
+
 def _mapped(
     ckpt: Checkpoint, name: str, src: Source, target: torch.Tensor, ckpt_dtype_of: Callable[[str], torch.dtype]
 ) -> torch.Tensor:
@@ -349,9 +351,7 @@ def _mapped(
     if len(src.keys) != 1 or src.build is not _identity:
         raise RuntimeError(f"{name}: only a tensor stored as is can stay mapped, this one is built from {src.keys}")
     (key,) = src.keys
-    got, want = ckpt.dtype(key), ckpt_dtype_of(key)
-    if got != want:
-        raise CheckpointError(f"{ckpt.file_of(key)}: key {key!r} has dtype {got}, expected {want}")
+    _check_dtype(ckpt, key, ckpt_dtype_of)
     view = ckpt.get(key)
     if view.shape != target.shape:
         shapes = f"{list(view.shape)}: wrong shape, expected {list(target.shape)} for {name}"
