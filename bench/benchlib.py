@@ -45,6 +45,19 @@ def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> list[float]:
     return times
 
 
+def gpu_used_mib() -> list[int]:
+    """Each visible GPU's used memory as nvidia-smi reports it (every process's, MiB); [] without nvidia-smi. For
+    engines whose memory is in worker processes."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
 def call_peer(peer, x: dict):
     """One forward of diffusers' MiniMaxH3Transformer3DModel on packed inputs named as our scripts name them."""
     return peer(

@@ -51,6 +51,7 @@ so that one run times both and records each one's whole-forward error against th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -645,6 +646,48 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+# --num-gpus: the profiles a split serves (HUMMING and FP8 attention run on one GPU only) and their order.
+SPLIT_PROFILES = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+eager+CUTLASS",
+                  "CUDNN_ATTN+compile+CUTLASS")  # fmt: skip
+
+
+def run_split(args) -> None:
+    """`--num-gpus`: for each count, the forward split over that many ranks (`splitlib`), then the scaling table
+    against one GPU (measured first in the same run when 1 is among the counts)."""
+    from splitlib import Job, environment, run_group, scaling
+
+    profiles = tuple(args.only) if args.only else SPLIT_PROFILES
+    if args.tiny and not args.only:  # the CPU has no cuDNN
+        profiles = tuple(p.replace("CUDNN_ATTN", "TORCH_SDPA") for p in profiles)
+    shape = SHAPES[args.shape][1 if args.tiny else 0]
+    job = Job("tiny" if args.tiny else "full", shape, profiles, blocks=args.blocks, warmup=args.warmup,
+              iters=args.iters, cuda=not args.tiny)  # fmt: skip
+    rec = Record(args.out)
+    rec.data |= {"shape": {"name": args.shape + (" (tiny)" if args.tiny else ""), **shape}, "blocks": args.blocks,
+                 "warmup": args.warmup, "iters": args.iters, "environment": environment(), "groups": {}}  # fmt: skip
+    groups = {}
+    for n in sorted(set(args.num_gpus)):
+        start = time.perf_counter()
+        try:
+            groups[n] = run_group(n, dataclasses.replace(job, split=n > 1))
+        except Exception as err:  # recorded: the other counts still run
+            rec.data["groups"][str(n)] = {"error": f"{type(err).__name__}: {err}"[-4000:]}
+            rec.save()
+            continue
+        first = groups[n][0]
+        rec.data["sequence_length"] = first["rows"]
+        rec.data["groups"][str(n)] = {
+            "wall_s": round(time.perf_counter() - start, 1),
+            "per_rank": [{k: r[k] for k in ("rank", "weights_gib", "profiles")} for r in groups[n]],
+        }
+        rec.data["scaling"] = scaling(groups)
+        rec.save()
+        print(n, "GPU(s):", json.dumps({k: {c: {f: v[f] for f in ("ms_median", "speedup_vs_1") if f in v}
+                                            for c, v in row.items()} for k, row in rec.data["scaling"].items()}),
+              flush=True)  # fmt: skip
+    print(json.dumps(rec.data.get("scaling"), indent=1, default=str))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -672,10 +715,19 @@ def main() -> None:
         help=f"every profile's hidden state after each block against {EXACT}'s (run it first), on a row subset",
     )
     parser.add_argument("--block-rows", type=int, default=2048, help="rows kept per block for --block-errors")
+    parser.add_argument(
+        "--num-gpus",
+        type=lambda v: [int(n) for n in v.split(",")],
+        help="comma-separated GPU counts, e.g. 1,2,4,8: the forward split over each (1: the plain one-GPU forward), "
+        f"in spawned processes; `--only` picks the profiles (default {','.join(SPLIT_PROFILES)}); no peer",
+    )
+    parser.add_argument("--blocks", type=int, help="with --num-gpus: the first BLOCKS main blocks only")
     args = parser.parse_args()
     warmup, iters = TIMING[args.shape]
     args.warmup = warmup if args.warmup is None else args.warmup
     args.iters = iters if args.iters is None else args.iters
+    if args.num_gpus:
+        return run_split(args)
     rec = Record(args.out)
     outputs, handoff = run_ours(rec, args)
     run_peer(rec, args, handoff, outputs)

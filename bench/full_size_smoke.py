@@ -11,6 +11,7 @@ at once, and how long each stage takes with plain eager PyTorch. Not a benchmark
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import time
@@ -55,9 +56,12 @@ def fill_random(module: torch.nn.Module, *, skip: tuple[str, ...] = ()) -> None:
             t.normal_(0.0, t[0].numel() ** -0.5)
 
 
-def build_dit(device: torch.device) -> H3DiT:
-    """The DiT at the released configuration, bf16 with its fp32 islands, random weights."""
+def build_dit(device: torch.device, blocks: int | None = None) -> H3DiT:
+    """The DiT at the released configuration (`blocks` main blocks when given), bf16 with its fp32 islands, random
+    weights."""
     dit_cfg = DiTConfig.from_json(REFERENCE / "transformer" / "config.json")
+    if blocks is not None:
+        dit_cfg = dataclasses.replace(dit_cfg, num_layers=blocks)
     with torch.device("meta"):
         dit = H3DiT(dit_cfg)
     for name, t in dit.state_dict(keep_vars=True).items():  # dtypes set on meta: no fp32 copy of 33 B parameters
@@ -94,6 +98,13 @@ def build(device: torch.device) -> Components:
     for part in (dit, text, video, audio):
         part.eval().requires_grad_(False)
     return Components(dit=dit, text_encoder=text, video_vae=video, audio_vae=audio, name="full-size random")
+
+
+def seeded_engine(profile: Profile) -> Engine:
+    """The full-size model with random weights from seed 0 on the profile's device: every process of a split builds
+    its own (a `WorkerSpec.build`), and all of them hold the same numbers as a one-GPU engine built the same way."""
+    torch.manual_seed(0)
+    return Engine(build(profile.torch_device), profile)
 
 
 def t2va_prompt() -> str:

@@ -1,12 +1,21 @@
-"""A whole render through the engine at the reference shape with full-size random weights, per profile: T2VA
-768x448, 56 frames, 20 grid points (19 forwards), seed 42, the prompt guide's T2VA case prompt. For each profile one
-render to warm up (compile happens there), then one timed: per-stage times, total, resident peak.
+"""A whole render through the engine with full-size random weights, per profile: by default T2VA 768x448, 56 frames,
+20 grid points (19 forwards), seed 42, the prompt guide's T2VA case prompt; `--shape default` is the released default
+request (1344x768, 124 frames) at 50 points unless `--steps` says otherwise. For each profile one render to warm up
+(compile happens there), then one timed: per-stage times, total, peak GPU memory.
 
     PYTHONPATH=src python bench/render.py --out bench/results/render.json
+    PYTHONPATH=src python bench/render.py --num-gpus 8 --shape default --profiles compile,compile+CUTLASS \
+        --warmup-steps 2 --out bench/results/render_8gpu.json
 
 Profiles in order: eager BF16, compile BF16 (cuDNN attention both), then compile with CUTLASS FP8 block linears
 (the BF16 block weights are dropped as they are quantized, so it runs after the BF16 ones), then the same with the
-text encoder's decoder layers in FP8 too (quantized in place, so last).
+text encoder's decoder layers in FP8 too (quantized in place, so last). `--profiles` picks some by name.
+
+With `--num-gpus N` (N > 1) each profile's renders run split over N spawned workers (`ParallelEngine`, every worker
+drawing the same weights from seed 0, `full_size_smoke.seeded_engine`); the default schedule's AdaLN tables are made
+first, as the service does at start. `--warmup-steps K` warms up with a K-point render of the same shape instead of
+a whole one (the compile is the same; the timed render is then compared with nothing). `--split` takes the workers'
+path on one GPU too (what a split costs, and a check of the script on a one-GPU machine).
 """
 
 from __future__ import annotations
@@ -14,50 +23,110 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header, timed_render
-from full_size_smoke import build, t2va_prompt
+from benchlib import run_header
+from full_size_smoke import build, seeded_engine, t2va_prompt
 
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
+from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.engine import Engine
+
+PROFILES = {
+    "eager": ("eager", "BF16", "BF16"),
+    "compile": ("compile", "BF16", "BF16"),
+    "compile+CUTLASS": ("compile", "CUTLASS", "BF16"),
+    "compile+CUTLASS+text CUTLASS": ("compile", "CUTLASS", "CUTLASS"),
+}
+SHAPES = {"reference": (dict(width=768, height=448, num_frames=56), 20), "default": ({}, 50)}  # shape, steps
+
+
+def timed(engine, request, warmup_steps: int | None) -> dict:
+    """A warmup render (the same request, or `warmup_steps` points of it), then a timed one: its stage times, per
+    forward, rank 0's peak, whether it is byte-identical to the warmup; an error instead, as text."""
+    entry: dict = {"steps": request.steps, "forwards": request.forwards}
+    try:
+        if isinstance(engine, ParallelEngine):
+            entry["default_tables_s"] = round(engine.prepare_tables(), 2)
+        warm = request if warmup_steps is None else engine.validate(request.prompt, width=request.width,
+                                                                    height=request.height,
+                                                                    num_frames=request.num_frames,
+                                                                    steps=warmup_steps, seed=request.seed)  # fmt: skip
+        start = time.perf_counter()
+        first = engine.render(warm)
+        entry["warmup_render_s"] = round(time.perf_counter() - start, 2)
+        entry["warmup_steps"] = warm.steps
+        start = time.perf_counter()
+        second = engine.render(request)
+        entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
+        entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
+        entry["per_forward_s"] = round(second.timings["denoise"] / request.forwards, 4)
+        entry["peak_gib"] = round(second.peak_memory_mb / 1024, 2)
+        if warm is request:
+            entry["identical_to_first"] = bool((first.frames == second.frames).all() and
+                                               (first.audio == second.audio).all())  # fmt: skip
+        compiled = getattr(engine, "compiled", None)  # a split engine's compile is in its workers
+        if compiled is not None:
+            entry["graphs"], entry["recompiles"] = compiled.graphs, compiled.recompiles
+        if second.split:
+            entry["rows_per_gpu"] = list(second.split)
+    except Exception as err:  # recorded, so that the other runs of the script still run
+        entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+    return entry
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--shape", choices=SHAPES, default="reference")
+    parser.add_argument("--steps", type=int, help="grid points (default 20 at the reference shape, 50 at default)")
+    parser.add_argument("--num-gpus", type=int, default=1, help="split each render over this many GPUs (workers)")
+    parser.add_argument("--profiles", type=lambda v: v.split(","), default=list(PROFILES),
+                        help=f"comma-separated, from {', '.join(PROFILES)}")  # fmt: skip
+    parser.add_argument("--warmup-steps", type=int, help="warm up with a render of this many points")
+    parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
     args = parser.parse_args()
-    components = build(torch.device("cuda"))
-    record: dict = {
-        **run_header(),
-        "weights_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
-        "runs": {},
-    }
+    unknown = [p for p in args.profiles if p not in PROFILES]
+    if unknown:
+        parser.error(f"--profiles: unknown {', '.join(unknown)} (allowed: {', '.join(PROFILES)})")
+    shape, steps = SHAPES[args.shape]
+    steps = args.steps or steps
+    split = args.num_gpus > 1 or args.split
+    components = None if split else build(torch.device("cuda"))
+    record: dict = {**run_header(), "num_gpus": args.num_gpus, "shape": args.shape, "runs": {}}
+    if components is not None:
+        record["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN")
-    for name, execution, linear, text_linear in (
-        ("eager", "eager", "BF16", "BF16"),
-        ("compile", "compile", "BF16", "BF16"),
-        ("compile+CUTLASS", "compile", "CUTLASS", "BF16"),
-        ("compile+CUTLASS+text CUTLASS", "compile", "CUTLASS", "CUTLASS"),
-    ):
-        uncompile_repeated_blocks(components.dit)
-        torch._dynamo.reset()
-        # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a checkpoint
-        # load quantizes them as they are read instead); FP8 is what stays resident.
+    for name in (p for p in PROFILES if p in args.profiles):
+        execution, linear, text_linear = PROFILES[name]
         profile = Profile(**base | {"execution": execution, "linear": linear, "text_linear": text_linear})
-        engine = Engine(components, profile)
-        torch.cuda.empty_cache()
-        request = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
-        entry: dict = {"resident_gib": round(torch.cuda.memory_allocated() / 2**30, 2)}
-        entry["budget_gib"] = engine.memory_budget()
-        entry |= timed_render(engine, request)
+        start = time.perf_counter()
+        if split:
+            engine = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=seeded_engine))
+        else:
+            uncompile_repeated_blocks(components.dit)
+            torch._dynamo.reset()
+            # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a
+            # checkpoint load quantizes them as they are read instead); FP8 is what stays resident.
+            engine = Engine(components, profile)
+            torch.cuda.empty_cache()
+        entry: dict = {"engine_start_s": round(time.perf_counter() - start, 1)}
+        try:
+            request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
+            if not split:
+                entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+            entry["budget_gib"] = engine.memory_budget()
+            entry |= timed(engine, request, args.warmup_steps)
+        finally:
+            if split:
+                engine.close()
         record["runs"][name] = entry
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")
         print(name, entry, flush=True)
 
 

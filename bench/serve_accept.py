@@ -9,8 +9,10 @@ real ones cannot reach the GPU machine), served over loopback with a key, then c
 4. A running 50-step async job cancelled by DELETE: time until it stopped, and GPU memory back to the idle level.
 
 Random weights say nothing about picture quality; this measures the service path and its timings, not the model.
+With `--num-gpus N` (N > 1, or `--split` on one GPU) the served engine is a `ParallelEngine` of N workers, each
+drawing the same weights (`full_size_smoke.seeded_engine`), and memory is each GPU's as nvidia-smi reports it.
 
-    PYTHONPATH=src python bench/serve_accept.py --out bench/results/serve_accept.json
+    PYTHONPATH=src python bench/serve_accept.py --out bench/results/serve_accept.json [--num-gpus N]
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import torch
 import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build
+from benchlib import gpu_used_mib, run_header
+from full_size_smoke import build, seeded_engine
 
 from h3serve.accel.profile import Profile
 from h3serve.accept import AcceptPlan, run_accept
 from h3serve.media.mp4 import decode_frames
+from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.engine import Engine
 from h3serve.service.app import create_app
 from h3serve.settings import Settings
@@ -47,14 +50,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script with the tiny model on the CPU")
+    parser.add_argument("--num-gpus", type=int, default=1, help="serve a render split over this many GPUs")
+    parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
     args = parser.parse_args()
     work = args.out.parent / "serve_accept"
     device = torch.device("cpu" if args.tiny else "cuda")
+    split = args.num_gpus > 1 or args.split
     t0 = time.perf_counter()
-    engine = Engine.load(None, Profile()) if args.tiny else Engine(build(device), Profile.for_device("cuda"))
+    if split:
+        profile = Profile.for_device(device.type)
+        spec = WorkerSpec(None, profile, args.num_gpus, build=None if args.tiny else seeded_engine, cpu_threads=1)
+        engine = ParallelEngine(spec)
+    else:
+        engine = Engine.load(None, Profile()) if args.tiny else Engine(build(device), Profile.for_device("cuda"))
     shape = dict(width=224, height=128, duration=0.9, steps=3) if args.tiny else {}
     build_s = time.perf_counter() - t0
     idle_mib = _allocated_mib(device)
+    idle_per_gpu = gpu_used_mib() if split and not args.tiny else []
     settings = Settings(served_model_name=MODEL_ID, api_key=KEY, output_dir=work / "output")
 
     sock = socket.socket()
@@ -68,6 +80,8 @@ def main() -> None:
     result: dict = {
         **run_header(device),
         "profile": engine.profile.__dict__,
+        "num_gpus": args.num_gpus,
+        "split": split,
         "build_random_weights_s": round(build_s, 2),
         "idle_allocated_gib": round(idle_mib / 1024, 2),
     }
@@ -112,9 +126,14 @@ def main() -> None:
             "allocated_after_gib": round(_allocated_mib(device) / 1024, 2),
             "idle_allocated_gib": round(idle_mib / 1024, 2),
         }
+        if idle_per_gpu:  # a split engine's memory is in its workers: each GPU's use, idle and after the cancel
+            time.sleep(1.0)  # the workers' caches are emptied as the cancel ends; nvidia-smi samples
+            result["cancel"] |= {"used_mib_per_gpu_idle": idle_per_gpu, "used_mib_per_gpu_after": gpu_used_mib()}
         result["metrics_tail"] = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("h3serve_")][-12:]
     server.should_exit = True
     thread.join(60)
+    if split:
+        engine.close()
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({k: result[k] for k in ("ready_after_s", "warmup", "cancel")}, indent=2, default=str))
     print("accept passed:", passed, "| async frames equal to sync:", same)

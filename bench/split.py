@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
-from full_size_smoke import build, t2va_prompt
+from full_size_smoke import seeded_engine, t2va_prompt
 
 from h3serve.accel.attention import cudnn_sdpa
 from h3serve.accel.profile import Profile
@@ -39,12 +39,6 @@ from h3serve.pipeline.engine import Engine
 
 DEFAULT_ROWS = 38_247  # the released default request's packed rows (1344x768, 124 frames)
 VIDEO_ROWS = 37_152  # its video rows, the last of the packed sequence
-
-
-def seeded_engine(profile: Profile) -> Engine:
-    """The full-size model with random weights from seed 0 on the profile's device (each worker builds its own)."""
-    torch.manual_seed(0)
-    return Engine(build(profile.torch_device), profile)
 
 
 def tiny_engine(profile: Profile) -> Engine:

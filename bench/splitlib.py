@@ -1,0 +1,358 @@
+"""DiT forwards split over N processes (Ulysses sequence parallelism, `h3serve.parallel`) at one packed shape, for
+`dit_step.py --num-gpus` and the multi-GPU tests: N spawned processes (rank r on cuda:r over NCCL, or gloo
+processes on the CPU), each building the same DiT from seed 0, each running the engine's per-step callable for the
+shape (`Ranks.bind`, or the one-GPU `sampling.bind_model` for a plain group of one) under every profile asked for.
+
+Per profile and rank: the first call's time (compile happens there), the median of `iters` forwards after `warmup`
+(CUDA events, the ranks lined up by a barrier before each), peak memory, and with `comm` one forward under
+torch.profiler: the kernel time in NCCL collectives by kind, and the GPU's idle time in the forward (its span minus
+the union of its kernels). Compiled profiles run one more forward at a second text length (`other_text` rows), which
+must not recompile. Rank 0 returns the forward's outputs (float32 NumPy arrays), so that the caller can compare
+them with a group of one's.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+COLLECTIVES = (("all_to_all", ("SendRecv", "AllToAll", "alltoall")), ("all_gather", ("AllGather", "allgather")),
+               ("all_reduce", ("AllReduce", "allreduce")), ("broadcast", ("Broadcast", "broadcast")),
+               ("other_nccl", ("nccl",)))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank runs (picklable: it travels to the spawned processes).
+
+    model: "full" (the released DiT, `blocks` of its blocks when given) or "tiny" (the built-in tiny DiT).
+    shape: height, width, frames, text (rows) and other_text (the second length), as dit_step's SHAPES.
+    profiles: names as dit_step's, ATTENTION+execution+LINEAR; run grouped by linear, BF16 first.
+    split: run the split path (`Ranks`) even for a group of one; False is the plain one-GPU forward (one rank)."""
+
+    model: str
+    shape: dict
+    profiles: tuple[str, ...]
+    blocks: int | None = None
+    warmup: int = 1
+    iters: int = 3
+    comm: bool = True
+    split: bool = True
+    cuda: bool = True
+    timeout_s: float = 900.0
+
+
+def run_group(n: int, job: Job) -> list[dict]:
+    """Run `job` on `n` spawned ranks; each rank's result in rank order. A rank that fails raises RuntimeError with
+    its traceback, and every rank is stopped."""
+    from h3serve.parallel.group import free_port
+
+    if not job.split and n != 1:
+        raise ValueError(f"the plain forward runs on one rank, not {n}")
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    port = free_port()
+    procs = [spawn.Process(target=_rank, args=(r, n, port, job, results), name=f"split-rank{r}") for r in range(n)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    deadline = time.monotonic() + job.timeout_s * max(1, len(job.profiles))
+    try:
+        while len(out) < n:
+            try:
+                kind, rank, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0][0]} exited with {dead[0][1]}") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the group of {n} did not finish in time") from None
+                continue
+            if kind == "failed":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(30 if len(out) == n else 1)
+            if p.exitcode is None:
+                p.kill()
+                p.join(5)
+    return [out[r] for r in range(n)]
+
+
+def _rank(rank: int, n: int, port: int, job: Job, results) -> None:
+    try:
+        results.put(("done", rank, _run(rank, n, port, job)))
+    except BaseException:
+        results.put(("failed", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _run(rank: int, n: int, port: int, job: Job) -> dict:
+    import dit_step
+
+    from h3serve.accel import attention
+    from h3serve.accel.adaln import AdalnTables
+    from h3serve.parallel.group import Group
+    from h3serve.parallel.ranks import Ranks
+    from h3serve.pipeline.spread import ONE_DEVICE
+
+    if job.cuda:
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)  # a CPU GEMM over threads can round a row differently with the row count
+    ranks = Ranks(Group.join(rank, n, port, device, job.timeout_s)) if job.split else None
+    spread = ranks if ranks is not None else ONE_DEVICE
+    torch.manual_seed(0)
+    dit = dit_step.tiny_dit() if job.model == "tiny" else build_blocks(device, job.blocks)
+    dit = dit.to(device)
+    out: dict = {"rank": rank, "weights_gib": round(_allocated(device) / 2**30, 2), "profiles": {}, "outputs": {}}
+    runs = {}
+    for key, text in (("main", job.shape["text"]), ("other", job.shape["other_text"])):
+        layout, timesteps, t_index = _layout(job.shape, text)
+        cfg = dit.config
+        runs[key] = SimpleNamespace(
+            layout=layout,
+            text=dit_step.text_states(text, cfg.text_dim, 0),
+            video=torch.randn(layout.num_video_rows, cfg.video_patch_dim,
+                              generator=torch.Generator().manual_seed(100)).to(device),
+            audio=torch.randn(layout.num_audio_rows, cfg.audio_latents_dim,
+                              generator=torch.Generator().manual_seed(200)).to(device),
+            timesteps=timesteps.to(device),
+            t_index=t_index.to(device),
+        )  # fmt: skip
+    out["rows"] = int(runs["main"].layout.token_tags.shape[0])
+    tables = AdalnTables(dit, weights="device")
+    for r in runs.values():
+        r.tables = tables.for_steps([r.timesteps.cpu()])
+    dev = "cuda" if job.cuda else "cpu"
+    for linear in dict.fromkeys(name.split("+")[2] for name in sorted(job.profiles, key=_linear_order)):
+        replaced = dit_step.swap_linears(dit, linear)
+        for name in (p for p in job.profiles if p.split("+")[2] == linear):
+            attn, execution, _ = name.split("+")
+            dit_step.uncompile_repeated_blocks(dit)
+            torch._dynamo.reset()
+            counter = dit_step.configure(dit, attn, execution, linear, dev)
+            if ranks is not None:
+                ranks.install(SimpleNamespace(components=SimpleNamespace(dits={"dit": dit}), step_caches={}))
+            entry, outputs = _measure(spread, dit, runs, job, ranks, device, counter)
+            out["profiles"][name] = entry
+            if rank == 0:
+                out["outputs"][name] = outputs
+            print(f"rank {rank}/{n} {name}", {k: v for k, v in entry.items() if k != "ms"}, flush=True)
+        dit_step.uncompile_repeated_blocks(dit)
+        if replaced is not None:
+            dit_step.restore(dit, replaced)
+    attention.set_kernel(dit, "TORCH_SDPA")
+    return out
+
+
+def _linear_order(name: str) -> int:
+    return 0 if name.endswith("+BF16") else 1  # the BF16 weights first: a swap quantizes a copy, restored after
+
+
+def _layout(shape: dict, text: int):
+    from h3serve.config import Modality
+    from h3serve.pipeline.layout import MediaGeometry, build_layout
+
+    geometry = MediaGeometry.from_pixels(shape["height"], shape["width"], shape["frames"])
+    layout = build_layout([int(Modality.TEXT)] * text, geometry, ())
+    timesteps, t_index = layout.timestep_plan(0.6, 0.3)
+    return layout, timesteps, t_index
+
+
+def build_blocks(device: torch.device, blocks: int | None):
+    """The released DiT with random weights (seed 0), only its first `blocks` main blocks when given."""
+    from full_size_smoke import build_dit
+
+    return build_dit(device, blocks=blocks)
+
+
+def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) -> tuple[dict, tuple]:
+    main = runs["main"]
+    fn = spread.bind(dit, main.layout, main.text, main.tables)
+
+    def forward():
+        return fn(main.video, main.audio, main.timesteps, main.t_index, 0)
+
+    def barrier():
+        if ranks is not None:
+            ranks.group.agree(False)
+
+    entry: dict = {}
+    _reset_peak(device)
+    start = time.perf_counter()
+    forward()
+    _sync(device)
+    entry["first_call_s"] = round(time.perf_counter() - start, 2)
+    for _ in range(job.warmup):
+        forward()
+    ms = []
+    for _ in range(job.iters):
+        barrier()
+        ms.append(_timed(forward, device))
+    entry["ms"] = [round(m, 2) for m in ms]
+    entry["ms_median"] = round(statistics.median(ms), 2)
+    v, a = forward()
+    entry["peak_gib"] = round(_peak(device) / 2**30, 2)
+    if job.comm:
+        barrier()
+        entry["comm"] = comm_profile(forward, device)
+    if counter is not None:
+        other = runs["other"]
+        spread.bind(dit, other.layout, other.text, other.tables)(other.video, other.audio, other.timesteps,
+                                                                 other.t_index, 0)  # fmt: skip
+        entry["graphs"], entry["recompiles"] = counter.graphs, counter.recompiles
+    return entry, (v.float().cpu().numpy(), a.float().cpu().numpy())
+
+
+def comm_profile(forward, device: torch.device) -> dict:
+    """One `forward()` under torch.profiler: its span, the kernel time per collective kind (ms), every kernel's busy
+    time (the union of their intervals) and the idle time in the span; on a CPU the collectives' op time alone."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        forward()
+        _sync(device)
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind and e.time_range.end > e.time_range.start]
+    per_kind = {k: 0.0 for k, _ in COLLECTIVES}
+    for e in events:
+        k = _collective(e.name)
+        if k is not None and not any(_collective(p.name) for p in _ancestors(e)):  # CPU ops nest: count the outer
+            per_kind[k] += (e.time_range.end - e.time_range.start) / 1e3
+    if not cuda:
+        events = [e for e in events if e.cpu_parent is None]  # top-level ops for the busy time
+    entry = {"collectives_ms": {k: round(v, 3) for k, v in per_kind.items()}}
+    if events:
+        span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
+        busy = _union_ms([(e.time_range.start, e.time_range.end) for e in events])
+        entry |= {"span_ms": round(span, 3), "busy_ms": round(busy, 3), "idle_ms": round(span - busy, 3)}
+    return entry
+
+
+def _collective(name: str) -> str | None:
+    return next((k for k, marks in COLLECTIVES if any(m in name for m in marks)), None)
+
+
+def _ancestors(event):
+    while (event := event.cpu_parent) is not None:
+        yield event
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total / 1e3
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def scaling(groups: dict[int, list[dict]]) -> dict:
+    """Per GPU count and profile, from `run_group`'s results: the forward's time (the slowest rank's median), the
+    speed-up and efficiency against one GPU, peak memory per GPU, rank 0's and the worst rank's collectives and
+    idle time, graphs and recompiles, and rank 0's outputs against one GPU's (bit for bit, relative error)."""
+    import numpy as np
+
+    base = groups.get(1, [None])[0]
+    table: dict = {}
+    for n, ranks in sorted(groups.items()):
+        for name, first in ranks[0]["profiles"].items():
+            entries = [r["profiles"][name] for r in ranks]
+            ms = max(e["ms_median"] for e in entries)
+            row: dict = {
+                "ms_median": ms,
+                "ms_median_per_rank": [e["ms_median"] for e in entries],
+                "first_call_s": max(e["first_call_s"] for e in entries),
+                "peak_gib_per_gpu": [e["peak_gib"] for e in entries],
+                "weights_gib_per_gpu": [r["weights_gib"] for r in ranks],
+            }
+            if "comm" in first:
+                row["comm_rank0"] = first["comm"]
+                row["all_to_all_ms_max"] = max(e["comm"]["collectives_ms"]["all_to_all"] for e in entries)
+                if "idle_ms" in first["comm"]:
+                    row["idle_ms_max"] = max(e["comm"]["idle_ms"] for e in entries)
+            if "recompiles" in first:
+                row["graphs"] = max(e["graphs"] for e in entries)
+                row["recompiles"] = max(e["recompiles"] for e in entries)
+            one = base["profiles"].get(name) if base is not None else None
+            if one is not None:
+                row["speedup_vs_1"] = round(one["ms_median"] / ms, 3)
+                row["efficiency"] = round(one["ms_median"] / ms / n, 3)
+                if n > 1:
+                    mine, theirs = ranks[0]["outputs"][name], base["outputs"][name]
+                    row["bitwise_equal_to_1"] = all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True))
+                    row["rel_err_vs_1"] = [_rel(a, b) for a, b in zip(mine, theirs, strict=True)]
+            table.setdefault(name, {})[str(n)] = row
+    return table
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def environment() -> dict:
+    """What the run's NCCL saw: the visible GPUs and the NCCL variables set (for the record)."""
+    return {
+        "visible_gpus": torch.cuda.device_count(),
+        "nccl_env": {k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None,
+    }
