@@ -661,10 +661,11 @@ def run_split(args) -> None:
         profiles = tuple(p.replace("CUDNN_ATTN", "TORCH_SDPA") for p in profiles)
     shape = SHAPES[args.shape][1 if args.tiny else 0]
     job = Job("tiny" if args.tiny else "full", shape, profiles, blocks=args.blocks, warmup=args.warmup,
-              iters=args.iters, cuda=not args.tiny)  # fmt: skip
+              iters=args.iters, cuda=not args.tiny, simulate=args.simulate)  # fmt: skip
     rec = Record(args.out)
     rec.data |= {"shape": {"name": args.shape + (" (tiny)" if args.tiny else ""), **shape}, "blocks": args.blocks,
-                 "warmup": args.warmup, "iters": args.iters, "environment": environment(), "groups": {}}  # fmt: skip
+                 "warmup": args.warmup, "iters": args.iters, "environment": environment(), "groups": {},
+                 "simulated": args.simulate}  # fmt: skip
     groups = {}
     for n in sorted(set(args.num_gpus)):
         start = time.perf_counter()
@@ -680,7 +681,7 @@ def run_split(args) -> None:
             "wall_s": round(time.perf_counter() - start, 1),
             "per_rank": [{k: r[k] for k in ("rank", "weights_gib", "profiles")} for r in groups[n]],
         }
-        rec.data["scaling"] = scaling(groups)
+        rec.data["scaling"] = scaling(groups, compare=not args.simulate)
         rec.save()
         print(n, "GPU(s):", json.dumps({k: {c: {f: v[f] for f in ("ms_median", "speedup_vs_1") if f in v}
                                             for c, v in row.items()} for k, row in rec.data["scaling"].items()}),
@@ -722,6 +723,12 @@ def main() -> None:
         f"in spawned processes; `--only` picks the profiles (default {','.join(SPLIT_PROFILES)}); no peer",
     )
     parser.add_argument("--blocks", type=int, help="with --num-gpus: the first BLOCKS main blocks only")
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="with --num-gpus: rank 0's part of each split alone on one GPU, its peers' messages zeros (a projection "
+        "of a rank's compute at each count, no interconnect)",
+    )
     args = parser.parse_args()
     warmup, iters = TIMING[args.shape]
     args.warmup = warmup if args.warmup is None else args.warmup

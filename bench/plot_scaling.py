@@ -19,8 +19,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
-# Published, not measured here (h3/PARALLEL.md): SGLang 8xH200 0.75 s and 4xH200 1.46 s per forward at 1344x768x124
-# (50 steps, BF16); vLLM-Omni 3.83x on denoise from 2 to 8 H20-3e GPUs.
+# Published, not measured here (docs/parallel.md names the sources): SGLang 8xH200 0.75 s and 4xH200 1.46 s per
+# forward at 1344x768x124 (50 steps, BF16); vLLM-Omni 3.83x on denoise from 2 to 8 H20-3e GPUs.
 PUBLISHED = {"SGLang BF16 (published)": {4: 1.46, 8: 0.75}}
 PUBLISHED_NOTES = ("vLLM-Omni (published): 3.83x from 2 to 8 GPUs on denoise (H20-3e)",)
 COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75))
@@ -37,9 +37,10 @@ def merge(files: list[Path]) -> tuple[dict, str]:
         if "scaling" not in data:
             raise ValueError(f"{f}: no 'scaling' table (not a dit_step.py --num-gpus result)")
         shapes.add(data["shape"]["name"])
+        suffix = " (simulated: one rank's compute)" if data.get("simulated") else ""
         for profile, rows in data["scaling"].items():
             for n, row in rows.items():
-                table.setdefault(profile, {})[int(n)] = row
+                table.setdefault(profile + suffix, {})[int(n)] = row
     if len(shapes) != 1:
         raise ValueError(f"the results are at different shapes: {sorted(shapes)}")
     return table, shapes.pop()

@@ -42,7 +42,9 @@ class Job:
     model: "full" (the released DiT, `blocks` of its blocks when given) or "tiny" (the built-in tiny DiT).
     shape: height, width, frames, text (rows) and other_text (the second length), as dit_step's SHAPES.
     profiles: names as dit_step's, ATTENTION+execution+LINEAR; run grouped by linear, BF16 first.
-    split: run the split path (`Ranks`) even for a group of one; False is the plain one-GPU forward (one rank)."""
+    split: run the split path (`Ranks`) even for a group of one; False is the plain one-GPU forward (one rank).
+    simulate: one process runs rank 0's part of a split over `n` (`StandIn`: its peers' messages are zeros), so one
+    GPU shows a rank's own work at that count: a projection of the compute, with no interconnect in it."""
 
     model: str
     shape: dict
@@ -54,6 +56,7 @@ class Job:
     split: bool = True
     cuda: bool = True
     timeout_s: float = 900.0
+    simulate: bool = False
 
 
 def run_group(n: int, job: Job) -> list[dict]:
@@ -66,13 +69,14 @@ def run_group(n: int, job: Job) -> list[dict]:
     spawn = mp.get_context("spawn")
     results = spawn.Queue()
     port = free_port()
-    procs = [spawn.Process(target=_rank, args=(r, n, port, job, results), name=f"split-rank{r}") for r in range(n)]
+    ranks = 1 if job.simulate and job.split else n
+    procs = [spawn.Process(target=_rank, args=(r, n, port, job, results), name=f"split-rank{r}") for r in range(ranks)]
     for p in procs:
         p.start()
     out: dict[int, dict] = {}
     deadline = time.monotonic() + job.timeout_s * max(1, len(job.profiles))
     try:
-        while len(out) < n:
+        while len(out) < ranks:
             try:
                 kind, rank, payload = results.get(timeout=1.0)
             except queue.Empty:
@@ -87,11 +91,11 @@ def run_group(n: int, job: Job) -> list[dict]:
             out[rank] = payload
     finally:
         for p in procs:
-            p.join(30 if len(out) == n else 1)
+            p.join(30 if len(out) == ranks else 1)
             if p.exitcode is None:
                 p.kill()
                 p.join(5)
-    return [out[r] for r in range(n)]
+    return [out[r] for r in range(ranks)]
 
 
 def _rank(rank: int, n: int, port: int, job: Job, results) -> None:
@@ -120,7 +124,11 @@ def _run(rank: int, n: int, port: int, job: Job) -> dict:
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)  # a CPU GEMM over threads can round a row differently with the row count
-    ranks = Ranks(Group.join(rank, n, port, device, job.timeout_s)) if job.split else None
+    ranks = None
+    if job.split and job.simulate:
+        ranks = Ranks(StandIn(0, n, device))
+    elif job.split:
+        ranks = Ranks(Group.join(rank, n, port, device, job.timeout_s))
     spread = ranks if ranks is not None else ONE_DEVICE
     torch.manual_seed(0)
     dit = dit_step.tiny_dit() if job.model == "tiny" else build_blocks(device, job.blocks)
@@ -164,6 +172,34 @@ def _run(rank: int, n: int, port: int, job: Job) -> dict:
             dit_step.restore(dit, replaced)
     attention.set_kernel(dit, "TORCH_SDPA")
     return out
+
+
+class StandIn:
+    """Rank 0 of a group of `size` with no peers (`Job.simulate`): the collectives move this rank's bytes and fill
+    the peers' parts with zeros, so every tensor has its split shape and the kernels their split sizes."""
+
+    def __init__(self, rank: int, size: int, device: torch.device):
+        self.rank, self.size, self.device, self.calls = rank, size, device, 0
+
+    @property
+    def lead(self) -> bool:
+        return True
+
+    def agree(self, flag: bool) -> bool:
+        return flag
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> None:
+        out.zero_()
+        out[: out_sizes[0]].copy_(inp[: in_sizes[0]])
+
+    def all_gather(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        return [flat.clone(), *(flat.new_zeros(n) for n in sizes[1:])]
 
 
 def _linear_order(name: str) -> int:
@@ -303,10 +339,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def scaling(groups: dict[int, list[dict]]) -> dict:
+def scaling(groups: dict[int, list[dict]], compare: bool = True) -> dict:
     """Per GPU count and profile, from `run_group`'s results: the forward's time (the slowest rank's median), the
     speed-up and efficiency against one GPU, peak memory per GPU, rank 0's and the worst rank's collectives and
-    idle time, graphs and recompiles, and rank 0's outputs against one GPU's (bit for bit, relative error)."""
+    idle time, graphs and recompiles, and rank 0's outputs against one GPU's (bit for bit, relative error; not where
+    `compare` is off: a simulated split's outputs are not a render's)."""
     import numpy as np
 
     base = groups.get(1, [None])[0]
@@ -334,7 +371,7 @@ def scaling(groups: dict[int, list[dict]]) -> dict:
             if one is not None:
                 row["speedup_vs_1"] = round(one["ms_median"] / ms, 3)
                 row["efficiency"] = round(one["ms_median"] / ms / n, 3)
-                if n > 1:
+                if n > 1 and compare:
                     mine, theirs = ranks[0]["outputs"][name], base["outputs"][name]
                     row["bitwise_equal_to_1"] = all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True))
                     row["rel_err_vs_1"] = [_rel(a, b) for a, b in zip(mine, theirs, strict=True)]
