@@ -654,11 +654,21 @@ SPLIT_PROFILES = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+BF16", "CUDNN_ATT
 def run_split(args) -> None:
     """`--num-gpus`: for each count, the forward split over that many ranks (`splitlib`), then the scaling table
     against one GPU (measured first in the same run when 1 is among the counts)."""
+    from full_size_smoke import released_dit_config
     from splitlib import Job, environment, run_group, scaling
+
+    from h3serve.model.tiny import TINY_DIT
+    from h3serve.parallel.plan import check_heads, split_refusals
 
     profiles = tuple(args.only) if args.only else SPLIT_PROFILES
     if args.tiny and not args.only:  # the CPU has no cuDNN
         profiles = tuple(p.replace("CUDNN_ATTN", "TORCH_SDPA") for p in profiles)
+    for n in args.num_gpus:  # what a split refuses, before any rank builds the model
+        check_heads(TINY_DIT if args.tiny else released_dit_config(), n)
+        for name in profiles:
+            attn, _, linear = name.split("+")
+            if refused := split_refusals(profile_linear(linear), None, n, attn):
+                raise SystemExit(f"--num-gpus {n}, {name}: {refused[0]}")
     shape = SHAPES[args.shape][1 if args.tiny else 0]
     job = Job("tiny" if args.tiny else "full", shape, profiles, blocks=args.blocks, warmup=args.warmup,
               iters=args.iters, cuda=not args.tiny, simulate=args.simulate)  # fmt: skip
@@ -726,8 +736,8 @@ def main() -> None:
     parser.add_argument(
         "--simulate",
         action="store_true",
-        help="with --num-gpus: rank 0's part of each split alone on one GPU, its peers' messages zeros (a projection "
-        "of a rank's compute at each count, no interconnect)",
+        help="with --num-gpus: rank 0's part of each split alone on one GPU, its peers' messages copies of its own (a "
+        "projection of a rank's compute at each count, no interconnect)",
     )
     args = parser.parse_args()
     warmup, iters = TIMING[args.shape]

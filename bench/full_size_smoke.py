@@ -56,10 +56,15 @@ def fill_random(module: torch.nn.Module, *, skip: tuple[str, ...] = ()) -> None:
             t.normal_(0.0, t[0].numel() ** -0.5)
 
 
+def released_dit_config() -> DiTConfig:
+    """The released DiT's config (the reference checkpoint's transformer/config.json)."""
+    return DiTConfig.from_json(REFERENCE / "transformer" / "config.json")
+
+
 def build_dit(device: torch.device, blocks: int | None = None) -> H3DiT:
     """The DiT at the released configuration (`blocks` main blocks when given), bf16 with its fp32 islands, random
     weights."""
-    dit_cfg = DiTConfig.from_json(REFERENCE / "transformer" / "config.json")
+    dit_cfg = released_dit_config()
     if blocks is not None:
         dit_cfg = dataclasses.replace(dit_cfg, num_layers=blocks)
     with torch.device("meta"):

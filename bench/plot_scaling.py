@@ -6,7 +6,7 @@ Drawn with Pillow (no plotting package), on the CPU.
     python bench/plot_scaling.py --out bench/results/scaling.png bench/results/<date>-h200-dit-step-split-*.json
 
 Several result files are merged by GPU count (a later file's count replaces an earlier one's); each must be at the
-same shape.
+same shape and block count, and the speed-ups are against the merged one-GPU row.
 """
 
 from __future__ import annotations
@@ -29,25 +29,32 @@ SIZE = (1400, 620)
 
 
 def merge(files: list[Path]) -> tuple[dict, str]:
-    """Per profile, per GPU count (int): the scaling rows of every file; and the shape's name (all must match)."""
+    """Per profile, per GPU count (int): the scaling rows of every file, each row's speed-up recomputed against the
+    merged one-GPU row (none without one); and what was run (every file at one shape and block count)."""
     table: dict = {}
-    shapes = set()
+    runs = set()
     for f in files:
         data = json.loads(f.read_text())
         if "scaling" not in data:
             raise ValueError(f"{f}: no 'scaling' table (not a dit_step.py --num-gpus result)")
-        shapes.add(data["shape"]["name"])
+        blocks = data.get("blocks")
+        runs.add(data["shape"]["name"] + ("" if blocks is None else f", first {blocks} blocks"))
         suffix = " (simulated: one rank's compute)" if data.get("simulated") else ""
         for profile, rows in data["scaling"].items():
             for n, row in rows.items():
-                table.setdefault(profile + suffix, {})[int(n)] = row
-    if len(shapes) != 1:
-        raise ValueError(f"the results are at different shapes: {sorted(shapes)}")
-    return table, shapes.pop()
+                table.setdefault(profile + suffix, {})[int(n)] = dict(row)
+    if len(runs) != 1:
+        raise ValueError(f"the results are of different runs: {sorted(runs)}")
+    for rows in table.values():
+        for row in rows.values():
+            row.pop("speedup_vs_1", None)
+            if 1 in rows:
+                row["speedup_vs_1"] = rows[1]["ms_median"] / row["ms_median"]
+    return table, runs.pop()
 
 
 def plot(table: dict, shape: str, out: Path) -> None:
-    published = PUBLISHED if shape == "default" else {}  # the peers' points are at the released default request
+    published = PUBLISHED if shape == "default" else {}  # the peers' points: the whole model, the default request
     img = Image.new("RGB", SIZE, "white")
     draw = ImageDraw.Draw(img)
     font = ImageFont.load_default()

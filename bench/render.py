@@ -12,10 +12,11 @@ Profiles in order: eager BF16, compile BF16 (cuDNN attention both), then compile
 text encoder's decoder layers in FP8 too (quantized in place, so last). `--profiles` picks some by name.
 
 With `--num-gpus N` (N > 1) each profile's renders run split over N spawned workers (`ParallelEngine`, every worker
-drawing the same weights from seed 0, `full_size_smoke.seeded_engine`); the default schedule's AdaLN tables are made
-first, as the service does at start. `--warmup-steps K` warms up with a K-point render of the same shape instead of
-a whole one (the compile is the same; the timed render is then compared with nothing). `--split` takes the workers'
-path on one GPU too (what a split costs, and a check of the script on a one-GPU machine).
+drawing the same weights from seed 0, `full_size_smoke.seeded_engine`). Every engine makes the default schedule's
+AdaLN tables first, as the service does at start, so a default-schedule render is timed without making them.
+`--warmup-steps K` warms up with a K-point render of the same shape instead of a whole one (the compile is the same;
+the timed render is then compared with nothing). `--split` takes the workers' path on one GPU too (what a split
+costs, and a check of the script on a one-GPU machine).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
-from full_size_smoke import build, seeded_engine, t2va_prompt
+from full_size_smoke import build, released_dit_config, seeded_engine, t2va_prompt
 
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
@@ -51,8 +52,7 @@ def timed(engine, request, warmup_steps: int | None) -> dict:
     forward, rank 0's peak, whether it is byte-identical to the warmup; an error instead, as text."""
     entry: dict = {"steps": request.steps, "forwards": request.forwards}
     try:
-        if isinstance(engine, ParallelEngine):
-            entry["default_tables_s"] = round(engine.prepare_tables(), 2)
+        entry["default_tables_s"] = round(engine.prepare_tables(), 2)  # as the service does at start
         warm = request if warmup_steps is None else engine.validate(request.prompt, width=request.width,
                                                                     height=request.height,
                                                                     num_frames=request.num_frames,
@@ -70,7 +70,7 @@ def timed(engine, request, warmup_steps: int | None) -> dict:
         if warm is request:
             entry["identical_to_first"] = bool((first.frames == second.frames).all() and
                                                (first.audio == second.audio).all())  # fmt: skip
-        compiled = getattr(engine, "compiled", None)  # a split engine's compile is in its workers
+        compiled = getattr(engine, "compiled", None)  # a split engine's compile is in its workers: not seen here
         if compiled is not None:
             entry["graphs"], entry["recompiles"] = compiled.graphs, compiled.recompiles
         if second.split:
@@ -106,24 +106,29 @@ def main() -> None:
         execution, linear, text_linear = PROFILES[name]
         profile = Profile(**base | {"execution": execution, "linear": linear, "text_linear": text_linear})
         start = time.perf_counter()
-        if split:
-            engine = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=seeded_engine))
-        else:
-            uncompile_repeated_blocks(components.dit)
-            torch._dynamo.reset()
-            # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a
-            # checkpoint load quantizes them as they are read instead); FP8 is what stays resident.
-            engine = Engine(components, profile)
-            torch.cuda.empty_cache()
-        entry: dict = {"engine_start_s": round(time.perf_counter() - start, 1)}
+        entry: dict = {}
+        engine = None
         try:
+            if split:
+                spec = WorkerSpec(None, profile, args.num_gpus, build=seeded_engine, build_config=released_dit_config())
+                engine = ParallelEngine(spec)
+            else:
+                uncompile_repeated_blocks(components.dit)
+                torch._dynamo.reset()
+                # CUTLASS: the engine quantizes the loaded block linears one by one, dropping each BF16 weight (a
+                # checkpoint load quantizes them as they are read instead); FP8 is what stays resident.
+                engine = Engine(components, profile)
+                torch.cuda.empty_cache()
+            entry["engine_start_s"] = round(time.perf_counter() - start, 1)
             request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
             if not split:
                 entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             entry["budget_gib"] = engine.memory_budget()
             entry |= timed(engine, request, args.warmup_steps)
+        except Exception as err:  # a split's workers that failed to start: recorded, the next profile still runs
+            entry["error"] = f"{type(err).__name__}: {err}"[:2000]
         finally:
-            if split:
+            if split and engine is not None:
                 engine.close()
         record["runs"][name] = entry
         args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_header
-from full_size_smoke import seeded_engine, t2va_prompt
+from full_size_smoke import released_dit_config, seeded_engine, t2va_prompt
 
 from h3serve.accel.attention import cudnn_sdpa
 from h3serve.accel.profile import Profile
@@ -140,7 +140,8 @@ def main() -> None:
     if args.tiny:
         profiles, make = [("tiny cpu", Profile.for_device("cpu"))], tiny_engine
     for name, profile in profiles:
-        split = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=make, cpu_threads=1))
+        config = None if args.tiny else released_dit_config()
+        split = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=make, build_config=config, cpu_threads=1))
         try:
             split_entry, split_result = timed(split, args.steps, args.tiny, args.shape)
         finally:

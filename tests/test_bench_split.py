@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from dit_step import TINY_SHAPE
 from plot_scaling import merge, plot
-from splitlib import Job, run_group, scaling
+from splitlib import Job, collective, run_group, scaling
 
 PROFILE = "TORCH_SDPA+eager+BF16"
 
@@ -54,5 +54,21 @@ def test_the_plot_draws_every_profile_from_the_result_files(groups, tmp_path):
     assert (31, 119, 180) in colours and (120, 120, 120) in colours  # ours, and the published points at this shape
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"shape": {"name": "reference"}, "scaling": {}}))
-    with pytest.raises(ValueError, match="different shapes"):
+    with pytest.raises(ValueError, match="different runs"):
         merge([result, other])
+
+
+def test_collectives_are_told_by_nccl_kernel_names_and_not_by_a_gemm_that_says_broadcast():
+    kernels = {
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "all_to_all",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_gather",
+        "ncclDevKernel_AllReduce_Sum_i32_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
+        "ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)": "other_nccl",
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::epilogue::fusion::"
+        "Sm90RowBroadcast<0, cute::tuple<int, int, int>, float>>>(Params)": None,
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": None,
+    }
+    for name, kind in kernels.items():
+        assert collective(name, cuda=True) == kind, name
+    assert collective("c10d::alltoall_base_", cuda=False) == "all_to_all"
+    assert collective("aten::mm", cuda=False) is None

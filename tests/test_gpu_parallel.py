@@ -2,10 +2,12 @@
 
 1. The tiny model through `ParallelEngine` (its 4 heads divide by 2 and 4): eager BF16 and eager CUTLASS give the
    one-GPU frames and audio bit for bit; compiled BF16 and CUTLASS stay within their parity bound (the split adds
-   no more than a tenth of what compiling itself changes against eager).
+   no more than a tenth of what compiling itself changes against eager, or 1e-3, whichever is larger).
 2. The released DiT's full width (56 heads of 128) with its first two blocks, one forward at the reference shape,
    split over 2, 4 and 8 GPUs where that many are visible (`bench/splitlib.py`): the same bit-for-bit and parity
    rules, and the compiled profiles do not recompile at a second text length.
+
+Not yet run on several GPUs: no multi-GPU machine has been lent (each split starts its own workers).
 
 Marked `gpu` and skipped with fewer than two CUDA devices (the CPU machines, CI, a one-GPU machine); the gloo tests
 (test_parallel.py) run the same code on the CPU.
@@ -34,8 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 VISIBLE = torch.cuda.device_count()
 PROMPT = "a red fox runs through fresh snow"
 REQUEST = dict(num_frames=39, steps=6, seed=42)
-# The split's own change to a compiled render, as a share of what compiling changes against eager on one GPU.
+# The split's own change to a compiled render, at most a tenth of what compiling changes against eager on one GPU,
+# and never less than PARITY_FLOOR (compile can equal eager bit for bit, or nearly, on the tiny model's outputs).
 PARITY_SHARE = 0.1
+PARITY_FLOOR = 1e-3
 COUNTS_TINY = [n for n in (2, 4) if n <= VISIBLE]
 COUNTS_FULL = [n for n in (2, 4, 8) if n <= VISIBLE]
 
@@ -49,13 +53,25 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def one_gpu(p: Profile):
-    torch._dynamo.reset()
-    engine = Engine.load(None, p)
-    result = engine.render(engine.validate(PROMPT, **REQUEST))
-    del engine
-    torch.cuda.empty_cache()
-    return result
+def parity_bound(one: np.ndarray, exact: np.ndarray) -> float:
+    return max(PARITY_SHARE * rel(one, exact), PARITY_FLOOR)
+
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    """The one-GPU render per (execution, linear), each made once."""
+    made = {}
+
+    def get(execution: str, linear: str):
+        if (execution, linear) not in made:
+            torch._dynamo.reset()
+            engine = Engine.load(None, profile(execution, linear))
+            made[execution, linear] = engine.render(engine.validate(PROMPT, **REQUEST))
+            del engine
+            torch.cuda.empty_cache()
+        return made[execution, linear]
+
+    return get
 
 
 def split(p: Profile, n: int):
@@ -68,8 +84,8 @@ def split(p: Profile, n: int):
 
 @pytest.mark.parametrize("n", COUNTS_TINY)
 @pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
-def test_an_eager_split_render_is_the_one_gpu_render_bit_for_bit(linear, n):
-    reference = one_gpu(profile("eager", linear))
+def test_an_eager_split_render_is_the_one_gpu_render_bit_for_bit(one_gpu, linear, n):
+    reference = one_gpu("eager", linear)
     result = split(profile("eager", linear), n)
     assert len(result.split) == n and len(set(result.split)) > 1, result.split  # uneven rows per rank
     np.testing.assert_array_equal(result.frames, reference.frames)
@@ -78,13 +94,12 @@ def test_an_eager_split_render_is_the_one_gpu_render_bit_for_bit(linear, n):
 
 @pytest.mark.parametrize("n", COUNTS_TINY)
 @pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
-def test_a_compiled_split_render_is_within_the_parity_bound(linear, n):
-    eager = one_gpu(profile("eager", linear))
-    compiled = one_gpu(profile("compile", linear))
+def test_a_compiled_split_render_is_within_the_parity_bound(one_gpu, linear, n):
+    eager, compiled = one_gpu("eager", linear), one_gpu("compile", linear)
     result = split(profile("compile", linear), n)
     for name in ("audio", "frames"):
         ours, one, exact = (getattr(r, name) for r in (result, compiled, eager))
-        bound = PARITY_SHARE * rel(one, exact)
+        bound = parity_bound(one, exact)
         print(
             f"{linear} {n} GPUs {name}: split vs one GPU {rel(ours, one):.3e}, compile vs eager {rel(one, exact):.3e}"
         )
@@ -93,28 +108,38 @@ def test_a_compiled_split_render_is_within_the_parity_bound(linear, n):
 
 @pytest.fixture(scope="module")
 def full_width():
-    """Per GPU count (1: the plain one-GPU forward), `splitlib.run_group`'s results for every profile."""
+    """`splitlib.run_group`'s results per GPU count (1: the plain one-GPU forward), every profile, each count run
+    once (a count that fails fails its own tests only)."""
     from dit_step import SHAPE
     from splitlib import Job, run_group
 
     profiles = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+eager+CUTLASS",
                 "CUDNN_ATTN+compile+CUTLASS")  # fmt: skip
-    job = Job("full", SHAPE, profiles, blocks=2, warmup=0, iters=1, comm=False, split=False)
-    out = {1: run_group(1, job)}
-    for n in COUNTS_FULL:
-        out[n] = run_group(n, Job("full", SHAPE, profiles, blocks=2, warmup=0, iters=1, comm=False))
-    return out
+    made: dict = {}
+
+    def get(n: int):
+        if n not in made:
+            job = Job("full", SHAPE, profiles, blocks=2, warmup=0, iters=1, comm=False, split=n > 1, timeout_s=120)
+            try:
+                made[n] = run_group(n, job)
+            except RuntimeError as err:
+                made[n] = err
+        if isinstance(made[n], RuntimeError):
+            raise made[n]
+        return made[n]
+
+    return get
 
 
 @pytest.mark.parametrize("n", COUNTS_FULL)
 @pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
 def test_the_full_width_dit_split_gives_the_one_gpu_bits_eager_and_stays_in_bound_compiled(full_width, linear, n):
-    outputs = {k: v[0]["outputs"] for k, v in full_width.items()}
+    one, split_n = full_width(1)[0]["outputs"], full_width(n)
     eager, compiled = f"CUDNN_ATTN+eager+{linear}", f"CUDNN_ATTN+compile+{linear}"
-    for ours, one in zip(outputs[n][eager], outputs[1][eager], strict=True):
-        np.testing.assert_array_equal(ours, one)
-    for ours, one, exact in zip(outputs[n][compiled], outputs[1][compiled], outputs[1][eager], strict=True):
-        assert rel(ours, one) <= PARITY_SHARE * rel(one, exact), (rel(ours, one), rel(one, exact))
-    for rank in full_width[n]:
+    for ours, theirs in zip(split_n[0]["outputs"][eager], one[eager], strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+    for ours, theirs, exact in zip(split_n[0]["outputs"][compiled], one[compiled], one[eager], strict=True):
+        assert rel(ours, theirs) <= parity_bound(theirs, exact), (rel(ours, theirs), rel(theirs, exact))
+    for rank in split_n:
         entry = rank["profiles"][compiled]
         assert entry["recompiles"] == 0 and entry["graphs"] >= 1, entry

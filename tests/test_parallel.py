@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,6 +174,15 @@ def test_a_gpu_count_the_heads_do_not_divide_by_is_refused_with_the_allowed_coun
         ValueError, match=r"H3_NUM_GPUS \(--num-gpus\) 3: the DiT's 4 attention heads .*allowed: 1, 2, 4"
     ):
         check_split(TINY_DIT, CPU, 3)
+
+
+def test_a_built_engine_is_checked_against_the_config_it_builds_not_the_tiny_one():
+    from h3serve.config import DiTConfig
+
+    wide = DiTConfig.from_json(Path(__file__).parent / "data" / "reference" / "FL2VA" / "transformer" / "config.json")
+    with pytest.raises(ValueError, match="56 attention heads do not divide by it") as err:
+        ParallelEngine(WorkerSpec(None, CPU, 3, build=Engine.load, build_config=wide))
+    assert "1, 2, 4, 7, 8, 14, 28, 56" in str(err.value)
 
 
 def test_more_gpus_than_visible_is_refused():

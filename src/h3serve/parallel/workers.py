@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import StepCacheConfig
+from h3serve.config import DiTConfig
 from h3serve.model.adapters import Adapter
 from h3serve.model.folder import ModelFolder
 from h3serve.parallel.group import Group, free_port
@@ -81,8 +82,10 @@ class WorkerSpec:
     # differently with the row count, so the CPU renders are the one-process render's bits at one thread each.
     cpu_threads: int | None = None
     setup: Callable[[Engine, int], None] | None = None  # run in each worker after its load (tests inject faults)
-    # Builds the engine instead of a load from `model` (benchmarks: full-size random weights drawn on each GPU).
+    # Builds the engine instead of a load from `model` (benchmarks: full-size random weights drawn on each GPU), and
+    # the config of the DiT it builds, which the split is checked against (without it: the tiny model's).
     build: Callable[[Profile], Engine] | None = None
+    build_config: DiTConfig | None = None
 
 
 def load_engine(
@@ -111,7 +114,8 @@ class ParallelEngine:
     def __init__(self, spec: WorkerSpec):
         from h3serve.model.tiny import TINY_DIT
 
-        check_split(spec.model.dit if spec.model is not None else TINY_DIT, spec.profile, spec.num_gpus)
+        config = spec.model.dit if spec.model is not None else spec.build_config or TINY_DIT
+        check_split(config, spec.profile, spec.num_gpus)
         check_visible(spec.profile, spec.num_gpus)
         self.spec = spec
         self.num_gpus = spec.num_gpus
