@@ -25,7 +25,7 @@ PUBLISHED = {"SGLang BF16 (published)": {4: 1.46, 8: 0.75}}
 PUBLISHED_NOTES = ("vLLM-Omni (published): 3.83x from 2 to 8 GPUs on denoise (H20-3e)",)
 COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (140, 86, 75))
 GREY = (120, 120, 120)
-SIZE = (1400, 620)
+SIZE = (1400, 660)
 
 
 def merge(files: list[Path]) -> tuple[dict, str]:
@@ -66,7 +66,7 @@ def plot(table: dict, shape: str, out: Path) -> None:
     top = max(counts)
     right = Panel(draw, font, (770, 60, 1380, 540), counts, "speed-up against 1 GPU", log_y=False,
                   y_values=[1.0, float(top)])  # fmt: skip
-    right.line([(1, 1.0), (top, float(top))], GREY, dashed=True)
+    right.line([(n, float(n)) for n in counts], GREY, dashed=True)  # through n at each count (x is log2)
     right.label((top, float(top)), "ideal", GREY)
     legend = []
     for i, (profile, rows) in enumerate(sorted(table.items())):
@@ -76,18 +76,18 @@ def plot(table: dict, shape: str, out: Path) -> None:
         speed = sorted((n, r["speedup_vs_1"]) for n, r in rows.items() if "speedup_vs_1" in r)
         right.line(speed, colour)
         for n, s in speed:
-            right.label((n, s), f"{s:.2f}x", colour)
+            right.label((n, s), f"{s:.2f}x", colour, row=i)
         legend.append((f"ours, {profile}", colour, False))
     for name, points in published.items():
         left.points(sorted(points.items()), GREY)
         legend.append((name, GREY, True))
-    y = 560
+    y = 584
     for text, colour, hollow in legend:
         draw.rectangle((70, y + 2, 82, y + 12), outline=colour, fill=None if hollow else colour)
         draw.text((90, y), text, fill="black", font=font)
         y += 16
     for i, note in enumerate(PUBLISHED_NOTES if published else ()):
-        draw.text((770, 580 + 16 * i), note, fill=GREY, font=font)
+        draw.text((770, 584 + 16 * i), note, fill=GREY, font=font)
     out.parent.mkdir(parents=True, exist_ok=True)
     img.save(out)
 
@@ -155,9 +155,9 @@ class Panel:
         for x, y in (self.at(p) for p in points):
             self.draw.rectangle((x - 6, y - 6, x + 6, y + 6), outline=colour, width=2)
 
-    def label(self, point, text: str, colour) -> None:
-        x, y = self.at(point)
-        self.draw.text((x + 6, y - 16), text, fill=colour, font=self.font)
+    def label(self, point, text: str, colour, row: int = 0) -> None:
+        x, y = self.at(point)  # `row`: the n-th label at this point, drawn below the one before
+        self.draw.text((x + 6, y - 16 + 12 * row), text, fill=colour, font=self.font)
 
 
 def main() -> None:

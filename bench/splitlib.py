@@ -13,6 +13,7 @@ them with a group of one's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import statistics
@@ -192,6 +193,26 @@ class StandIn:
 
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank, self.size, self.device, self.calls = rank, size, device, 0
+        self._spans: list = []  # (start, end) CUDA events around each message's copies, until `take_ms`
+
+    def take_ms(self) -> float:
+        """The GPU time of the copies standing in for messages since the last call (0 on a CPU)."""
+        if self._spans:
+            torch.cuda.synchronize(self.device)
+        ms = sum(start.elapsed_time(end) for start, end in self._spans)
+        self._spans = []
+        return ms
+
+    @contextlib.contextmanager
+    def _span(self):
+        if self.device.type != "cuda":
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._spans.append((start, end))
 
     @property
     def lead(self) -> bool:
@@ -207,12 +228,14 @@ class StandIn:
         return obj
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> None:
-        own = inp[: in_sizes[0]]
-        for part in out.split(out_sizes):
-            _fill(part, own)
+        with self._span():
+            own = inp[: in_sizes[0]]
+            for part in out.split(out_sizes):
+                _fill(part, own)
 
     def all_gather(self, flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-        return [flat.clone(), *(_fill(flat.new_empty(n), flat) for n in sizes[1:])]
+        with self._span():
+            return [flat.clone(), *(_fill(flat.new_empty(n), flat) for n in sizes[1:])]
 
 
 def _fill(part: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -275,7 +298,8 @@ def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) 
     entry["peak_gib"] = round(_peak(device) / 2**30, 2)
     if job.comm:
         barrier()
-        entry["comm"] = comm_profile(forward, device)
+        stand_in = ranks.group if ranks is not None and isinstance(ranks.group, StandIn) else None
+        entry["comm"] = comm_profile(forward, device, stand_in)
     if counter is not None:
         other = runs["other"]
         spread.bind(dit, other.layout, other.text, other.tables)(other.video, other.audio, other.timesteps,
@@ -284,13 +308,21 @@ def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) 
     return entry, (v.float().cpu().numpy(), a.float().cpu().numpy())
 
 
-def comm_profile(forward, device: torch.device) -> dict:
+TOP_KERNELS = 25  # kept per profiled forward, by time
+
+
+def comm_profile(forward, device: torch.device, stand_in: StandIn | None = None) -> dict:
     """One `forward()` under torch.profiler: its span, the kernel time per collective kind (ms), every kernel's busy
-    time (the union of their intervals) and the idle time in the span; on a CPU the collectives' op time alone."""
+    time (the union of their intervals), the idle time in the span, and the other kernels' time per category
+    (`dit_step.breakdown`: GEMM, attention, element-wise, other); on a CPU the collectives' op time alone and the
+    top-level ops by category. With a `stand_in` (a simulated split), the time its copies took in the forward."""
+    import dit_step
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
+    if stand_in is not None:
+        stand_in.take_ms()
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         forward()
         _sync(device)
@@ -305,10 +337,23 @@ def comm_profile(forward, device: torch.device) -> dict:
     if not cuda:
         events = [e for e in events if e.cpu_parent is None]  # top-level ops for the busy time
     entry = {"collectives_ms": {k: round(v, 3) for k, v in per_kind.items()}}
+    if stand_in is not None:
+        entry["stand_in_ms"] = round(stand_in.take_ms(), 3)
     if events:
         span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
         busy = _union_ms([(e.time_range.start, e.time_range.end) for e in events])
         entry |= {"span_ms": round(span, 3), "busy_ms": round(busy, 3), "idle_ms": round(span - busy, 3)}
+    kernels: dict[str, list] = {}
+    for e in events:
+        if collective(e.name, cuda) is None:
+            calls_ms = kernels.setdefault(e.name, [0, 0.0])
+            calls_ms[0] += 1
+            calls_ms[1] += (e.time_range.end - e.time_range.start) / 1e3
+    table = dit_step.breakdown([(k, c, ms) for k, (c, ms) in kernels.items()], "kernels other than collectives"
+                               if cuda else "top-level CPU ops other than collectives (dry run)")  # fmt: skip
+    entry["kernels"] = {cat: v["ms"] for cat, v in table["categories"].items()} | {"total": table["total_ms"]}
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    entry["top_kernels"] = [{"name": k[:160], "calls": c, "ms": round(ms, 3)} for k, (c, ms) in top]
     return entry
 
 

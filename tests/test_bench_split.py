@@ -41,6 +41,19 @@ def test_the_split_forward_over_two_gloo_ranks_is_the_plain_forward_bit_for_bit(
     assert table["2"]["comm_rank0"]["collectives_ms"]["all_to_all"] > 0  # two per block, in the split only
     assert table["1"]["comm_rank0"]["collectives_ms"]["all_to_all"] == 0
     assert len(table["2"]["ms_median_per_rank"]) == 2
+    for n in ("1", "2"):  # where the rest of the forward went, by kind of op
+        kernels = table[n]["comm_rank0"]["kernels"]
+        assert kernels["total"] > 0 and set(kernels) == {"gemm", "attention", "elementwise", "other", "total"}
+        assert sum(v for k, v in kernels.items() if k != "total") == pytest.approx(kernels["total"], abs=0.01)
+
+
+def test_a_simulated_split_runs_rank_0s_part_alone_with_no_collectives():
+    job = Job("tiny", TINY_SHAPE, (PROFILE,), warmup=0, iters=1, cuda=False, simulate=True)
+    (alone,) = run_group(2, job)  # one process: rank 0 of two, its peer stood in for
+    entry = alone["profiles"][PROFILE]
+    assert entry["comm"]["collectives_ms"]["all_to_all"] == 0 and entry["comm"]["stand_in_ms"] == 0.0  # on a CPU
+    video, audio = alone["outputs"][PROFILE]
+    assert video.shape[0] > 0 and np.isfinite(video).all() and np.isfinite(audio).all()
 
 
 def test_the_plot_draws_every_profile_from_the_result_files(groups, tmp_path):

@@ -213,7 +213,7 @@ def test_the_split_attention_is_one_opaque_call_in_a_compiled_graph():
 
     from h3serve.model import ops
     from h3serve.parallel.group import Group, free_port
-    from h3serve.parallel.ranks import UlyssesAttention
+    from h3serve.parallel.ranks import UlyssesAttention, _fake_ulysses
 
     group = Group.join(0, 1, free_port(), torch.device("cpu"), 30)
     try:
@@ -230,6 +230,9 @@ def test_the_split_attention_is_one_opaque_call_in_a_compiled_graph():
             sizes[0] = rows
             x = torch.randn(1, 4, rows, 16)
             assert torch.equal(block(x), ops.sdpa(x * 2, x * 2 + 1, x * 2 - 1, False) + 1)
+            eager = split(x, x + 1, x - 1, False)  # compiled code is laid out by the fake: the same strides
+            assert eager.stride() == _fake_ulysses(x, x, x, False).stride() and eager.shape == x.shape
+            assert eager.transpose(1, 2).is_contiguous()  # rows first, as the out projection reads it
         assert counter.frame_count == 1
     finally:
         group.leave()

@@ -183,7 +183,7 @@ class UlyssesAttention:
         self.inner, self.group, self.sizes = inner, group, sizes
         name = f"h3serve_parallel::ulysses_attention_{id(self):x}"  # one op per instance (per DiT, per process)
         self.op = torch.library.custom_op(name, self._run, mutates_args=(), schema=SCHEMA)
-        self.op.register_fake(lambda q, k, v, causal: q.new_empty(q.shape))
+        self.op.register_fake(_fake_ulysses)
 
     def _run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         return _ulysses(q, k, v, causal, self.inner, self.group, self.sizes)
@@ -196,20 +196,33 @@ SCHEMA = "(Tensor q, Tensor k, Tensor v, bool causal) -> Tensor"
 
 
 def _ulysses(q, k, v, causal: bool, inner: AttentionKernel, group: Group, sizes: list[int]) -> torch.Tensor:
-    # q, k, v: (1, H, s, D), this rank's s rows. One all-to-all carries all three.
+    # q, k, v: (1, H, s, D), this rank's s rows, any strides. The wire is row-major, as the kernel reads it: rank j
+    # is sent (s, 3, hn, D) (this rank's rows; Q, K and V of j's heads), so what arrives from the ranks in order is
+    # (S, 3, hn, D) with no copy, and Q, K and V are strided views of it, (S, hn, D) rows as in the one-GPU call
+    # (whose Q, K and V are views of the QKV projection). The output comes back the same way, row-major.
     n = group.size
     _, heads, s, d = q.shape
     hn = heads // n
-    send = torch.stack((q[0], k[0], v[0])).unflatten(1, (n, hn)).transpose(0, 1).contiguous()  # (n, 3, hn, s, D)
-    counts = [3 * hn * m * d for m in sizes]
+    send = q.new_empty(n, s, 3, hn, d)
+    for i, t in enumerate((q, k, v)):  # (H, s, D) -> (n, s, hn, D): one pass each, D-contiguous runs of hn * D
+        send[:, :, i].copy_(t[0].unflatten(0, (n, hn)).permute(0, 2, 1, 3))
+    counts = [m * 3 * hn * d for m in sizes]
     recv = send.new_empty(sum(counts))
-    group.all_to_all(recv, send.flatten(), counts, [3 * hn * s * d] * n)
-    qkv = torch.cat([p.view(3, hn, m, d) for p, m in zip(recv.split(counts), sizes, strict=True)], dim=2)
+    group.all_to_all(recv, send.flatten(), counts, [s * 3 * hn * d] * n)
+    qkv = recv.view(-1, 3, hn, d).permute(1, 2, 0, 3)  # (3, hn, S, D), rows of every rank in rank order
     out = inner(qkv[0:1], qkv[1:2], qkv[2:3], causal)[0]  # (hn, S, D): every row, this rank's heads
-    back = torch.cat([p.flatten() for p in out.split(sizes, dim=1)])  # each rank's rows, in rank order
-    mine = out.new_empty(n * hn * s * d)
-    group.all_to_all(mine, back, [hn * s * d] * n, [hn * m * d for m in sizes])
-    return mine.view(heads, s, d)[None]  # (1, H, s, D): rank j's part holds heads j*hn..(j+1)*hn
+    back = out.transpose(0, 1).contiguous()  # (S, hn, D): no copy where the kernel wrote rows first (cuDNN, flash)
+    mine = back.new_empty(n * s * hn * d)
+    group.all_to_all(mine, back.flatten(), [s * hn * d] * n, [m * hn * d for m in sizes])
+    res = mine.new_empty(s, n, hn, d)  # rows first, as the one-GPU kernel's output: the out projection reads it
+    res.copy_(mine.view(n, s, hn, d).transpose(0, 1))  # rank j's part holds heads j*hn..(j+1)*hn
+    return res.view(s, heads, d).transpose(0, 1)[None]  # (1, H, s, D)
+
+
+def _fake_ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The op's output as compiled code sees it: `_ulysses`'s shape and strides, (1, H, s, D) over rows-first memory."""
+    _, heads, s, d = q.shape
+    return q.new_empty(s, heads, d).transpose(0, 1)[None]
 
 
 class LeadFailed(RuntimeError):
