@@ -247,7 +247,7 @@ def test_a_signal_during_the_render_leaves_nothing(tmp_path, sig, code, line):
     assert_stopped(proc, err, code, line, tmp_path)
 
 
-@pytest.mark.parametrize("delay", [0.05, 0.3, 1.0])
+@pytest.mark.parametrize("delay", [0.05, 0.3, 0.7, 1.0, 1.5])
 def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, delay):
     """From the moment h3serve.cli is imported (before that, no code of ours runs): in the parsers' imports, in the
     settings, in torch's import."""
@@ -272,6 +272,24 @@ def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, delay):
         proc.kill()
     assert_stopped(proc, err, 130, "h3serve: interrupted", tmp_path)
     assert err.count("h3serve: interrupted") == 1, err
+
+
+def test_a_ctrl_c_while_a_native_module_imports_is_held_then_delivered():
+    """Triton's native import calls back into Python; a KeyboardInterrupt raised in that callback aborts the process
+    (exit -6) where it lands (seen in CI at 1 s after start). `_signals_held` keeps the signal pending until the body
+    ends, then Ctrl-C raises there as usual."""
+    code = (
+        "import os, signal, sys\nfrom h3serve.cli import _signals_held\n"
+        "try:\n    with _signals_held():\n        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        sum(range(10**6))\n        print('body ended', flush=True)\n"
+        "    print('not interrupted', flush=True)\n"
+        "except KeyboardInterrupt:\n    print('interrupted after', flush=True)\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env(),
+                          preexec_fn=default_signals)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["body ended", "interrupted after", "True"]  # and Python's handler back
 
 
 def test_render_puts_the_sigterm_handler_back(tmp_path, capsys, monkeypatch):

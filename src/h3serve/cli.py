@@ -71,6 +71,41 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held for the body (noted, not acted on), then delivered to their own handlers as it ends.
+    For the import of a native module that calls back into Python while it initialises: Triton's does, and a
+    KeyboardInterrupt raised inside that callback aborts the process (exit -6, a C++ terminate) instead of
+    unwinding. A signal mask would not do: torch's threads, which do not share it, take the signal. Off the main
+    thread, where no handler can be set, the body runs as it is; a signal ignored or not handled from Python is left
+    alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) not in (signal.SIG_IGN, None)]
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(caught):  # Ctrl-C raises KeyboardInterrupt here, on the way out
+            signal.raise_signal(sig)
+
+
+def _import_held(*modules: str) -> None:
+    """Import `modules` with signals held (`_signals_held`): a command's heavy imports (torch, Triton, transformers,
+    PyAV) in one go, so that a Ctrl-C in their seconds ends the command after them, as one line. Landing inside
+    third-party import code, a KeyboardInterrupt can abort the process (Triton's native init) or be swallowed
+    and leave a half-imported module that fails later (transformers' lazy import of accelerate)."""
+    import importlib
+
+    with _signals_held():
+        for name in modules:
+            importlib.import_module(name)
+
+
 def _render_parser(sub: argparse._SubParsersAction) -> None:
     from h3serve.settings import EngineSettings, add_flags
 
@@ -345,6 +380,7 @@ def cmd_ready(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import json
 
+    _import_held("uvicorn", "h3serve.service.app")
     import uvicorn
 
     from h3serve.service import preflight
@@ -635,6 +671,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def _run_render(args: argparse.Namespace) -> int:
+    _import_held("h3serve.pipeline.engine", "h3serve.media.mp4")
     from h3serve.media.mp4 import write_mp4
     from h3serve.pipeline.engine import STAGES
 
