@@ -16,6 +16,11 @@ mkdir -p "$OUT"
 COUNTS=$(for n in 1 2 4 8; do [ "$n" -le "$N" ] && printf '%s,' "$n"; done)
 COUNTS=${COUNTS%,}
 PROFILES=CUDNN_ATTN+compile+BF16,CUDNN_ATTN+compile+CUTLASS
+# The host, once per call: GPUs and their links (NVLink or PCIe sets the all-to-all's speed), and /dev/shm, through
+# which a split render's frames come back to the parent (~0.4 GB at the default request; Docker's default is 64 MB).
+{ nvidia-smi --query-gpu=index,name,memory.total,power.limit --format=csv; nvidia-smi topo -m; df -h /dev/shm; } \
+  > "$OUT/host.txt" 2>&1
+echo "== host: $(grep -c H200 "$OUT/host.txt") H200 line(s); /dev/shm: $(df -h --output=avail /dev/shm | tail -1)"
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 seconds=$2
   shift 2
