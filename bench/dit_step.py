@@ -341,9 +341,14 @@ def kernel_table(fn, top: int = 30) -> tuple[list[dict], dict]:
     events = [
         (e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3) for e in prof.key_averages()
     ]
-    events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
-    rows = [{"name": name[:160], "calls": calls, "ms": round(ms, 3)} for name, calls, ms in events[:top]]
-    return rows, breakdown(events, "CUDA kernels" if cuda else "CPU ops, self time (dry run)")
+    events = [e for e in events if e[2] > 0]
+    return top_kernels(events, top), breakdown(events, "CUDA kernels" if cuda else "CPU ops, self time (dry run)")
+
+
+def top_kernels(events: list[tuple[str, int, float]], top: int) -> list[dict]:
+    """The `top` (name, calls, ms) entries by time, as rows."""
+    ranked = sorted(events, key=lambda e: -e[2])[:top]
+    return [{"name": name[:160], "calls": calls, "ms": round(ms, 3)} for name, calls, ms in ranked]
 
 
 # Kernel categories, tried in this order (Triton first: Inductor names a kernel after the ops it fused, which can

@@ -193,19 +193,22 @@ class StandIn:
 
     def __init__(self, rank: int, size: int, device: torch.device):
         self.rank, self.size, self.device, self.calls = rank, size, device, 0
-        self._spans: list = []  # (start, end) CUDA events around each message's copies, until `take_ms`
+        self._spans: list | None = None  # (start, end) CUDA events around each message's copies, while timed
+
+    def time_copies(self) -> None:
+        """From now until `take_ms`, time the copies standing in for messages (the timed forwards are left alone)."""
+        self._spans = []
 
     def take_ms(self) -> float:
-        """The GPU time of the copies standing in for messages since the last call (0 on a CPU)."""
-        if self._spans:
+        """The GPU time of those copies since `time_copies` (0 on a CPU), and timing off."""
+        spans, self._spans = self._spans or [], None
+        if spans:
             torch.cuda.synchronize(self.device)
-        ms = sum(start.elapsed_time(end) for start, end in self._spans)
-        self._spans = []
-        return ms
+        return sum(start.elapsed_time(end) for start, end in spans)
 
     @contextlib.contextmanager
     def _span(self):
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self._spans is None:
             yield
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -322,7 +325,7 @@ def comm_profile(forward, device: torch.device, stand_in: StandIn | None = None)
 
     cuda = device.type == "cuda"
     if stand_in is not None:
-        stand_in.take_ms()
+        stand_in.time_copies()
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         forward()
         _sync(device)
@@ -349,11 +352,11 @@ def comm_profile(forward, device: torch.device, stand_in: StandIn | None = None)
             calls_ms = kernels.setdefault(e.name, [0, 0.0])
             calls_ms[0] += 1
             calls_ms[1] += (e.time_range.end - e.time_range.start) / 1e3
-    table = dit_step.breakdown([(k, c, ms) for k, (c, ms) in kernels.items()], "kernels other than collectives"
-                               if cuda else "top-level CPU ops other than collectives (dry run)")  # fmt: skip
+    rows = [(k, c, ms) for k, (c, ms) in kernels.items()]
+    table = dit_step.breakdown(rows, "kernels other than collectives" if cuda
+                               else "top-level CPU ops other than collectives (dry run)")  # fmt: skip
     entry["kernels"] = {cat: v["ms"] for cat, v in table["categories"].items()} | {"total": table["total_ms"]}
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-    entry["top_kernels"] = [{"name": k[:160], "calls": c, "ms": round(ms, 3)} for k, (c, ms) in top]
+    entry["top_kernels"] = dit_step.top_kernels(rows, TOP_KERNELS)
     return entry
 
 
