@@ -47,9 +47,9 @@ from h3serve.accel.profile import (
     is_integrated,
 )
 from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
+from h3serve.errors import ENV_PREFIX, NO_FLAG, SettingError, env_name, flag_name, label
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
-ENV_PREFIX = "H3_"
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
 NOT_SETTINGS = frozenset({"H3_REQUIRE_ORACLE", "H3_REQUIRE_BROWSER", "H3_TEST_ARTIFACTS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -314,25 +314,17 @@ class SettingsError(ValueError):
         return [getattr(v, "setting", None) for v in self.violations]
 
 
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
 def refusal(field: str, message: str) -> Violation:
     """A violation of `field`, shown under its environment name and flag."""
-    return Violation(f"{_label(field)}: {message}", field)
+    return Violation(f"{label(field)}: {message}", field)
 
 
-def _label(field: str) -> str:
-    return f"{env_name(field)} ({flag_name(field)})" if field in CLI_FIELDS else env_name(field)
+def violation(err: SettingError) -> Violation:
+    """A SettingError as one line of a SettingsError."""
+    return Violation(str(err), err.setting)
 
 
-# The key is never a flag: a command line is visible to every user of the host (ps).
-CLI_FIELDS = tuple(f for f in Settings.model_fields if f != "api_key")
+CLI_FIELDS = tuple(f for f in Settings.model_fields if f not in NO_FLAG)
 ENGINE_FIELDS = tuple(EngineSettings.model_fields)
 
 
@@ -587,7 +579,7 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
         if s.api_key is not None and s.api_key_file is not None:
             out.append(
                 Violation(
-                    f"{env_name('api_key')} and {_label('api_key_file')}: give the key one way, not both",
+                    f"{env_name('api_key')} and {label('api_key_file')}: give the key one way, not both",
                     "api_key_file",
                 )
             )
