@@ -209,30 +209,30 @@ def test_preflight_refuses_a_key_file_others_can_read(tmp_path, capsys, monkeypa
 
 
 def test_preflight_refuses_too_little_memory_with_the_budget(checkpoint, tmp_path):
-    from h3serve.service.preflight import PreflightError, check_memory
     from h3serve.settings import load_settings
+    from h3serve.startup import StartupError, check_memory
 
     settings = load_settings(env={"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path)})
     assert check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True)).device_weights > 0
-    with pytest.raises(PreflightError) as err:
+    with pytest.raises(StartupError) as err:
         check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
     message = str(err.value)
     assert message.startswith("not enough memory for profile BF16/BF16 on cpu: needs ") and "need (weights" in message
 
 
 def test_preflight_with_several_gpus_checks_each_gpu_and_every_ranks_host_part(checkpoint, tmp_path):
-    from h3serve.service.preflight import PreflightError, check_memory
     from h3serve.settings import load_settings
+    from h3serve.startup import StartupError, check_memory
 
     env = {"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path), "H3_DEVICE": "cuda", "H3_NUM_GPUS": "2"}
     settings = load_settings(env=env, check_profile=False)  # the profile is a value; no GPU is asked here
     budget = check_memory(settings, _folder(checkpoint), free=[(64.0, 64.0, False)] * 2)
     assert budget.host_need > 0  # the AdaLN weights wait in host memory on CUDA: one copy per rank
-    with pytest.raises(PreflightError) as err:  # the second GPU is full
+    with pytest.raises(StartupError) as err:  # the second GPU is full
         check_memory(settings, _folder(checkpoint), free=[(64.0, 64.0, False), (1e-4, 64.0, False)])
     assert "cuda:1: needs " in str(err.value) and "cuda:0" not in str(err.value).split("\n")[0]
     room = 1.5 * budget.host_need  # room for one rank's host part, not two
-    with pytest.raises(PreflightError) as err:
+    with pytest.raises(StartupError) as err:
         check_memory(settings, _folder(checkpoint), free=[(64.0, room, False)] * 2)
     line = str(err.value).split("\n")[0]
     assert f"needs {2 * budget.host_need:.1f} GiB of host memory (2 ranks x {budget.host_need:.1f})" in line

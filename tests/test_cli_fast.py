@@ -239,7 +239,7 @@ def test_a_signal_during_the_render_leaves_nothing(tmp_path, sig, code, line):
         while not header.startswith("h3serve: "):
             header = proc.stderr.readline()
             assert header, "ended before its header"
-        assert "2 grid points (1 DiT forwards)" in header, header
+        assert "2 grid points (1 DiT forward)" in header, header
         proc.send_signal(sig)
         err = header + proc.communicate(timeout=120)[1]
     finally:
@@ -304,7 +304,7 @@ def test_render_puts_the_sigterm_handler_back(tmp_path, capsys, monkeypatch):
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         assert main(["render", "a fox", "-o", str(tmp_path / "fox.mp4"), "--steps", "2", "--no-progress"]) == 0
-        assert "2 grid points (1 DiT forwards)" in capsys.readouterr().err
+        assert "2 grid points (1 DiT forward)" in capsys.readouterr().err
         after = signal.getsignal(signal.SIGTERM)
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to on_sigterm, not turned into Terminated
     finally:

@@ -102,6 +102,7 @@ LAYERS = (
     ("h3serve.pipeline",),
     ("h3serve.parallel",),
     ("h3serve.settings",),
+    ("h3serve.startup",),
     ("h3serve.service", "h3serve.accept"),
     ("h3serve.cli",),
 )
@@ -255,7 +256,7 @@ def test_render_reads_the_h3_environment_and_says_so_in_its_header(tmp_path, cap
     out = tmp_path / "fox.mp4"
     assert main(["render", PROMPT, "-o", str(out), "--steps", "2", "--no-progress"]) == 0
     header = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("h3serve: "))
-    assert "dtype=bfloat16" in header and "2 grid points (1 DiT forwards)" in header, header
+    assert "dtype=bfloat16" in header and "2 grid points (1 DiT forward)" in header, header
 
 
 def test_render_refuses_an_unknown_h3_variable_and_a_bad_value_before_loading(tmp_path, capsys, monkeypatch):

@@ -21,7 +21,7 @@ from h3serve.media.mp4 import encode_mp4
 from h3serve.model.tiny import TINY_DIT
 from h3serve.parallel.group import row_ranges
 from h3serve.parallel.plan import check_split
-from h3serve.parallel.workers import ParallelEngine, WorkerError, WorkerSpec, check_visible
+from h3serve.parallel.workers import ParallelEngine, WorkerError, WorkerSpec
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
 from h3serve.settings import SettingsError, load_settings
@@ -118,21 +118,29 @@ def test_a_cancel_reaches_every_rank_and_the_next_render_works(one, two):
     np.testing.assert_array_equal(again.frames, one.render(one.validate(PROMPT, **REQUESTS["t2va"])).frames)
 
 
+def test_the_split_engine_has_every_member_of_the_render_engine_interface(two):
+    from h3serve.pipeline.engine import RenderEngine
+    from test_startup import interface
+
+    assert [m for m in sorted(interface(RenderEngine)) if not hasattr(two, m)] == []
+    assert two.num_gpus == 2 and two.problem is None
+
+
 def test_a_render_failing_on_every_rank_alike_fails_and_the_workers_stay(two):
-    pids = [p.pid for p in two._procs]
+    pids = [p.pid for p in two.pool.procs]
     with pytest.raises(WorkerError, match="injected fault on rank"):
         two.render(two.validate(FAULT_ALL, steps=4, seed=1))
-    assert two.problem is None and [p.pid for p in two._procs] == pids
+    assert two.problem is None and [p.pid for p in two.pool.procs] == pids
     assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
 
 
 def test_a_failure_in_a_stage_only_rank_0_runs_ends_it_on_every_rank_and_the_workers_stay(two):
-    pids = [p.pid for p in two._procs]
+    pids = [p.pid for p in two.pool.procs]
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 0: RuntimeError: injected text-encoder fault on rank 0"):
         two.render(two.validate(FAULT_TEXT, steps=4, seed=1))
     assert time.monotonic() - start < 5  # no grace period waited out: the other rank was told
-    assert two.problem is None and [p.pid for p in two._procs] == pids
+    assert two.problem is None and [p.pid for p in two.pool.procs] == pids
     assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
 
 
@@ -149,14 +157,14 @@ def test_a_rank_failing_alone_fails_the_render_with_its_message_and_the_workers_
 
 
 def test_a_killed_worker_makes_the_engine_unusable_with_the_reason_then_it_restarts(two):
-    victim = two._procs[1]
+    victim = two.pool.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while two.problem is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert two.problem is not None and "rank 1" in two.problem and "SIGKILL" in two.problem, two.problem
     wait_usable(two)
-    assert two._procs[1].pid != victim.pid
+    assert two.pool.procs[1].pid != victim.pid
     assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
 
 
@@ -186,8 +194,11 @@ def test_a_built_engine_is_checked_against_the_config_it_builds_not_the_tiny_one
 
 
 def test_more_gpus_than_visible_is_refused():
-    with pytest.raises(ValueError, match=r"only \d+ CUDA device\(s\) are visible"):
-        check_visible(Profile.for_device("cuda"), max(2, torch.cuda.device_count() + 1))
+    many = str(max(2, torch.cuda.device_count() + 1))
+    with pytest.raises(
+        SettingsError, match=r"H3_NUM_GPUS \(--num-gpus\): \d+ GPUs: only \d+ CUDA device\(s\) are visible"
+    ):
+        load_settings(env={"H3_NUM_GPUS": many, "H3_DEVICE": "cuda"})
     with pytest.raises(ValueError, match="set device cuda"):
         check_split(TINY_DIT, Profile.for_device("cuda:1"), 2)
 

@@ -13,8 +13,8 @@ import time
 import pytest
 from PIL import Image
 
-from h3serve.service import preflight
-from h3serve.service.preflight import PreflightError
+from h3serve import startup
+from h3serve.errors import SettingError
 from service_fixtures import live_server, png_bytes, settings, wait_status
 
 KEY = "k" * 40
@@ -180,12 +180,12 @@ def test_the_port_probe_binds_as_uvicorn_does():
     port = listener.getsockname()[1]
     client = socket.create_connection(("127.0.0.1", port))
     accepted, _ = listener.accept()
-    with pytest.raises(PreflightError, match="cannot listen"):
-        preflight.check_port("127.0.0.1", port)
+    with pytest.raises(SettingError, match="cannot listen"):
+        startup.check_port("127.0.0.1", port)
     accepted.close()  # the server side closes first, as a killed server's kernel does; the client keeps its end
     listener.close()
     try:
-        preflight.check_port("127.0.0.1", port)
+        startup.check_port("127.0.0.1", port)
     finally:
         client.close()
 

@@ -60,7 +60,7 @@ def test_a_split_server_renders_the_one_process_bytes_and_says_how_many_gpus(tmp
 
 def test_a_killed_worker_turns_the_server_not_ready_with_the_reason_until_the_workers_are_back(tmp_path, split):
     with live_server(settings(tmp_path), split) as server, server.client() as c:
-        os.kill(split._procs[0].pid, signal.SIGKILL)
+        os.kill(split.pool.procs[0].pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while (health := c.get("/health").json())["ready"]:
             assert time.monotonic() < deadline, health

@@ -22,19 +22,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3serve import __version__
-from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, SAMPLE_RATE, VIDEO_SHIFT
-from h3serve.vocab import SMOKE_REQUEST, Task, dit_kind, seconds_to_frames
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
+from h3serve.errors import SettingError
+from h3serve.vocab import SMOKE_REQUEST, Task, dit_kind, seconds_to_frames, snap_up
 
 if TYPE_CHECKING:
-    from h3serve.accel.profile import Profile
-    from h3serve.model.folder import ModelFolder
-    from h3serve.pipeline.request import RenderRequest
-    from h3serve.settings import EngineSettings
+    pass
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, a shell's status for a command ended by Ctrl-C
@@ -290,74 +287,39 @@ def _load_settings(args: argparse.Namespace, check_profile: bool = True, engine_
         raise CliError(f"{len(err.violations)} setting(s) refused:\n{lines}") from err
 
 
-def _read_adapters(settings, folder) -> tuple:
-    """The H3_LORA adapter files, each recognised and checked against the DiT's config (headers and factors only;
-    nothing merges yet); CliError naming the file, the key and the shapes otherwise."""
-    files = settings.adapter_files()
-    if not files:
-        return ()
-    from h3serve.model.adapters import AdapterError, read_adapter
-    from h3serve.model.tiny import TINY_DIT
-
-    config = folder.dit if folder is not None else TINY_DIT
-    try:
-        return tuple(read_adapter(path, scale, config=config) for path, scale in files)
-    except (AdapterError, OSError) as err:
-        raise CliError(f"H3_LORA (--lora): {err}") from err
-
-
-def _preflight(check, *args, **kwargs):
-    """A `service.preflight` check, its refusal as one CLI error line."""
-    from h3serve.service.preflight import PreflightError
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """A start-up refusal (`h3serve.startup`: a SettingError naming its setting, or a StartupError) as one CLI error
+    line; every command's start goes through the same checks, so each says the same words."""
+    from h3serve.startup import StartupError
 
     try:
-        return check(*args, **kwargs)
-    except PreflightError as err:
+        yield
+    except (SettingError, StartupError) as err:
         raise CliError(str(err)) from err
 
 
-def _fp8_profile(profile, say):
-    """`profile` with the FP8 GEMM's scaling chosen by its self-test on the device (CUTLASS on CUDA;
-    `service.preflight.check_fp8`), before any weight loads; the test's line goes to `say`."""
-    from h3serve.service import preflight
-
-    chosen, line = _preflight(preflight.check_fp8, profile)
-    if line is not None:
-        say(line)
-    return chosen
-
-
 def cmd_check(args: argparse.Namespace) -> int:
-    import json
-
-    from h3serve.service import preflight
+    from h3serve import startup
 
     # The hardware (which initialises CUDA, and takes seconds to import torch for) only with --preflight.
     settings = _load_settings(args, check_profile=args.preflight)
-    folder = _preflight(preflight.check_model, settings)
-    print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
-    for adapter in _read_adapters(settings, folder):
-        print(f"adapter: {adapter.describe()}", file=sys.stderr)
-    if folder is not None:  # the heads from the folder's config (the tiny model's: at render and serve)
-        from h3serve.parallel.plan import check_heads
-
-        try:
-            check_heads(folder.dit, settings.num_gpus)
-        except ValueError as err:
-            raise CliError(str(err)) from err
-    if args.preflight:
-        _preflight(preflight.check_output_dir, settings.output_dir)
-        _preflight(preflight.check_port, settings.bind_host, settings.api_port)
-        profile = _fp8_profile(settings.profile(), print)
-        if folder is not None:
-            print(_preflight(preflight.check_memory, settings, folder, profile=profile).table())
-            if settings.num_gpus > 1:
-                print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
-                      f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
-        checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, port, memory"
-        print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
-        return 0
-    print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
+    with _refusals():
+        plan = startup.plan(settings, settings.task_type)
+        print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
+        for adapter in plan.adapters:
+            print(f"adapter: {adapter.describe()}", file=sys.stderr)
+        if not args.preflight:
+            print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
+            return 0
+        plan = startup.preflight(plan, service=True, say=print)
+    if plan.budget is not None:
+        print(plan.budget.table())
+        if settings.num_gpus > 1:
+            print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
+                  f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
+    checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, port, memory"
+    print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
     return 0
 
 
@@ -378,53 +340,45 @@ def cmd_ready(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import json
-
     _import_held("uvicorn", "h3serve.service.app")
     import uvicorn
 
-    from h3serve.service import preflight
+    from h3serve import startup
     from h3serve.service.app import create_app
+    from h3serve.service.page import WebPage
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
     log = logging.getLogger("h3serve.serve")
-    # Everything is checked before any weight loads: settings, the model folder, the output folder, the port.
+    # Everything is checked before any weight loads: settings, the model folder, adapters, the output folder, the
+    # port, the FP8 GEMM and the memory plan (the seed's free-memory gate: a start that cannot fit stops here).
     settings = _load_settings(args)
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
-    folder = _preflight(preflight.check_model, settings)
-    if settings.cache_dir is not None:
-        from h3serve.accel.caches import use_cache_dir
-
-        log.info("kernel caches: %s", use_cache_dir(settings.cache_dir))
-    _preflight(preflight.check_output_dir, settings.output_dir)
-    _preflight(preflight.check_port, settings.bind_host, settings.api_port)
-    profile = _fp8_profile(settings.profile(), log.info)  # which FP8 GEMM runs: the memory plan counts it
-    if folder is not None:  # the seed's free-memory gate, from the configs: a start that cannot fit stops here
-        budget = _preflight(preflight.check_memory, settings, folder, profile=profile)
-        log.info("memory budget before load:\n%s", budget.table())
-    adapters = _read_adapters(settings, folder)
-    for adapter in adapters:
+    with _refusals():
+        plan = startup.preflight(startup.plan(settings, settings.task_type), service=True, say=log.info)
+    if plan.budget is not None:
+        log.info("memory budget before load:\n%s", plan.budget.table())
+    for adapter in plan.adapters:
         log.info("adapter: %s", adapter.describe())
-    from h3serve.service.page import WebPage
-
     page = WebPage.load()  # the page's packaged files, read before any weight loads: an install without them stops here
     start = time.perf_counter()
-    engine = _load_engine(settings, folder, profile, settings.task_type, adapters)
-    gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
-    log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)
-    if adapters:
-        log.info(
-            "adapters merged in %.2f s; default sampler: %s", engine.merge_seconds, engine.admission.sampler.describe()
-        )
-    log.info("memory held after load:\n%s", engine.memory_budget().table())
-    app = create_app(settings, engine, page)
+    with _refusals():
+        engine = startup.launch(plan)
     try:
+        gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
+        log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)
+        if plan.adapters:
+            log.info(
+                "adapters merged in %.2f s; default sampler: %s",
+                engine.merge_seconds,
+                engine.admission.sampler.describe(),
+            )
+        log.info("memory held after load:\n%s", engine.memory_budget().table())
+        app = create_app(settings, engine, page)
         uvicorn.run(
             app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30
         )
     finally:
-        if engine.num_gpus > 1:
-            engine.close()
+        engine.close()
     return 0
 
 
@@ -525,125 +479,46 @@ def _check_output(path: Path) -> None:
 
 
 def _num_frames(args: argparse.Namespace) -> int | None:
-    """The requested frame count, or None for the model's default."""
+    """The frame count asked for by --frames or --seconds, snapped up to the 17n+5 grid here, with a note naming the
+    flag the user typed; None for the model's default."""
     if args.seconds is not None:
         if not (math.isfinite(args.seconds) and args.seconds > 0):
             raise CliError(f"--seconds must be a finite number > 0, got {args.seconds}")
-        return seconds_to_frames(args.seconds)
-    return args.frames
+        frames = seconds_to_frames(args.seconds)
+        given = f"--seconds {args.seconds:g} is {frames} frames at {FPS} fps,"
+    elif args.frames is not None:
+        frames, given = args.frames, f"--frames {args.frames}"
+    else:
+        return None
+    if frames < 1:
+        return frames  # refused with the allowed range by the request's rules
+    snapped = snap_up(frames)
+    if snapped != frames:
+        print(f"note: {given} snapped up to {snapped} (17n+5)", file=sys.stderr)
+    return snapped
 
 
-@dataclass(frozen=True)
-class _RenderPlan:
-    """Everything `render` was asked to do, checked, before any weight loads."""
-
-    request: RenderRequest
-    profile: Profile
-    folder: ModelFolder | None  # None: the built-in tiny model
-    settings: EngineSettings
-    adapters: tuple = ()  # model.adapters.Adapter, read and checked
-
-
-def _plan_render(args: argparse.Namespace) -> _RenderPlan:
-    from h3serve.media.mp4 import DEFAULT_CRF, check_settings
-    from h3serve.model.adapters import check_adapter_kinds
-    from h3serve.model.folder import resolve_model_folder
-    from h3serve.model.tiny import TINY_DIT
-    from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
-    from h3serve.pipeline.request import validate_request
-    from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
-
-    settings = _load_settings(args, engine_only=True)  # the profile, checked against this machine
-    prompt = _read_prompt(args)
-    references = _read_references(args)
-    task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
-    _check_output(args.output)
-    try:
-        check_settings(FPS, SAMPLE_RATE, DEFAULT_CRF, settings.encoder_threads)
-    except ValueError as err:
-        raise CliError(f"H3_ENCODER_THREADS (--encoder-threads): {err}") from err
-    tiny = settings.model is None
-    if tiny and settings.qkv_layout is not None:
-        raise CliError(
-            "H3_QKV_LAYOUT (--qkv-layout) applies to a --model whose DiT is a single file; the built-in tiny model "
-            "has none"
-        )
-    try:
-        # Every config read and cross-checked, every weight header opened; no weights yet.
-        folder = None if tiny else resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
-        if folder is not None:
-            folder.check_task_type(dit_kind(task))
-    except (ValueError, FileNotFoundError) as err:
-        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
-    adapters = _read_adapters(settings, folder)
-    try:
-        check_adapter_kinds(adapters, dit_kind(task))
-    except ValueError as err:
-        raise CliError(str(err)) from err
-    admission = Admission(
-        tasks=tuple(Task),
-        task_type=dit_kind(task),
-        rules=TINY_RULES if tiny else RELEASED_RULES,
-        dit_config=folder.dit if folder is not None else TINY_DIT,
-        step_cache=settings.cache_backend != "none",
-        sampler=Sampler.for_adapters(adapters),
-        trained_tasks=trained_tasks(adapters),
-    )
-    try:
-        admission.check_trained_task(task)
-        fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
-        request = validate_request(
-            prompt,
-            task=task,
-            width=args.width,
-            height=args.height,
-            num_frames=_num_frames(args),
-            seed=args.seed,
-            keyframes=keyframes,
-            references=references,
-            mute_references=args.mute_ref,
-            rules=admission.rules,
-            **admission.sampler.fill(fields),
-        )
-    except ValueError as err:
-        raise CliError(_request_error(err, args)) from err
-    return _RenderPlan(request, settings.profile(), folder, settings, adapters)
+# A request field's flag, where `render` has one (the prompt is an argument or --prompt-file).
+REQUEST_FLAGS = {"steps": "--steps", "video_shift": "--video-shift", "audio_shift": "--audio-shift", "seed": "--seed"}
 
 
 def _request_error(err: ValueError, args: argparse.Namespace) -> str:
-    """A request error in the command's terms: the flag, and the file the user gave for a reference."""
+    """A request error in the command's terms: the flag the user typed and its value, and the file the user gave
+    for a reference."""
     field, index = getattr(err, "field", None), getattr(err, "index", None)
     if field == "references" and index is not None:  # name the file the user gave, not our list position
         return f"--ref {args.ref[index]}: {err}"
     if field == "mute_references":
         return err.describe({"mute_references": "--mute-ref"})
+    if field in ("width", "height"):
+        given = " ".join(f"--{name} {getattr(args, name)}" for name in ("width", "height") if getattr(args, name))
+        return f"{given}: {err}" if given else str(err)
+    if field == "num_frames":
+        flag = f"--seconds {args.seconds:g}" if args.seconds is not None else f"--frames {args.frames}"
+        return f"{flag}: {err}"
+    if field in REQUEST_FLAGS and getattr(args, field, None) is not None:
+        return f"{REQUEST_FLAGS[field]} {getattr(args, field)}: {err}"
     return str(err)
-
-
-def _load_engine(settings, folder, profile, task_type: str, adapters):
-    """The engine of these settings: one process, or H3_NUM_GPUS workers (`parallel.workers.load_engine`); what the
-    split needs is checked before any weight loads."""
-    from h3serve.model.tiny import TINY_DIT
-    from h3serve.parallel.plan import check_split
-    from h3serve.parallel.workers import WorkerError, check_visible, load_engine
-
-    try:
-        check_split(folder.dit if folder is not None else TINY_DIT, profile, settings.num_gpus)
-        check_visible(profile, settings.num_gpus)
-    except ValueError as err:
-        raise CliError(str(err)) from err
-    try:
-        return load_engine(folder, profile, task_type=task_type, step_cache=settings.step_cache(), adapters=adapters,
-                           num_gpus=settings.num_gpus)  # fmt: skip
-    except WorkerError as err:  # what a worker could not load is the model's; the rest is the GPUs'
-        setting = (
-            f"H3_MODEL (--model) {settings.model}"
-            if err.input_error
-            else f"H3_NUM_GPUS (--num-gpus) {settings.num_gpus}"
-        )
-        raise CliError(f"{setting}: {err}") from err
-    except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
-        raise CliError(f"H3_MODEL (--model) {settings.model}: {err}") from err
 
 
 def _render(engine, request, progress: bool):
@@ -672,41 +547,63 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def _run_render(args: argparse.Namespace) -> int:
     _import_held("h3serve.pipeline.engine", "h3serve.media.mp4")
+    from h3serve import startup
     from h3serve.media.mp4 import write_mp4
     from h3serve.pipeline.engine import STAGES
 
-    # 1. Everything the user gave, checked before any weight loads.
-    plan = _plan_render(args)
-    request, settings = plan.request, plan.settings
-    profile = _fp8_profile(plan.profile, lambda line: print(f"h3serve: {line}", file=sys.stderr))
+    # 1. Everything the user gave, checked before any weight loads: the settings, the inputs, the start (the same
+    # checks as `serve`'s, for the DiT the task runs on), then the request under the engine's own admission.
+    settings = _load_settings(args, engine_only=True)  # the profile, checked against this machine
+    prompt = _read_prompt(args)
+    references = _read_references(args)
+    task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
+    _check_output(args.output)
+    say = lambda line: print(f"h3serve: {line}", file=sys.stderr)  # noqa: E731
+    with _refusals():
+        plan = startup.plan(settings, dit_kind(task))
+    try:
+        fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
+        request = plan.admission.validate(
+            prompt,
+            task=task,
+            width=args.width,
+            height=args.height,
+            num_frames=_num_frames(args),
+            seed=args.seed,
+            keyframes=keyframes,
+            references=references,
+            mute_references=args.mute_ref,
+            **fields,
+        )
+    except ValueError as err:
+        raise CliError(_request_error(err, args)) from err
+    with _refusals():
+        plan = startup.preflight(plan, service=False, say=say)
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
     for adapter in plan.adapters:
         print(f"adapter: {adapter.describe()}", file=sys.stderr)
     shifts = f"shifts {request.video_shift:g}/{request.audio_shift:g}"
+    forwards = f"{request.forwards} DiT forward{'s' if request.forwards != 1 else ''}"
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
-        f"grid points ({request.forwards} DiT forwards), {shifts}, seed {request.seed} | {model_name} | "
-        f"{profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
+        f"grid points ({forwards}), {shifts}, seed {request.seed} | {model_name} | "
+        f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
         file=sys.stderr,
     )
 
     # 2. Load and render.
-    if settings.cache_dir is not None:
-        from h3serve.accel.caches import use_cache_dir
-
-        use_cache_dir(settings.cache_dir)  # checked by the settings' rules
     start = time.perf_counter()
-    engine = _load_engine(settings, plan.folder, profile, dit_kind(request.task), plan.adapters)
+    with _refusals():
+        engine = startup.launch(plan)
     load_s = time.perf_counter() - start
     if plan.adapters:
         print(f"adapters merged in {engine.merge_seconds:.2f}s (part of the load)", file=sys.stderr)
     try:
         result = _render(engine, request, progress=not args.no_progress)
     finally:
-        if engine.num_gpus > 1:
-            engine.close()
+        engine.close()
 
     # 3. Encode (atomically: a temporary name renamed when complete).
     encode_start = time.perf_counter()
@@ -739,12 +636,22 @@ def _run_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; an unknown flag is refused by its subcommand's parser, so the usage printed is the
+    subcommand's (`h3serve render --bogus` shows render's flags, not the list of subcommands)."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     command, verbose = "h3serve", False
     # The parse is inside: building the parsers imports the settings (pydantic), where a Ctrl-C may land too.
     # argparse's own exits (--help, --version, a usage error) are SystemExit and pass through.
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(build_parser(), argv)
         command, verbose = args.command, args.verbose
         # A server's log needs times; a one-shot command's does not.
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if command == "serve" else "%(levelname)s %(message)s"

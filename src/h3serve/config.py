@@ -192,3 +192,29 @@ class DiTConfig:
         out = asdict(self)
         out["patch_size"] = list(self.patch_size)
         return out
+
+
+# The built-in tiny model's DiT (`model.tiny` builds it): here, beside the released config, so that the start-up
+# checks (the split's heads, an adapter's shapes) read it without importing torch.
+TINY_VIDEO_LATENT_CHANNELS = 8
+TINY_AUDIO_LATENT_CHANNELS = 8
+TINY_HIDDEN_SIZE = 48
+
+TINY_DIT = DiTConfig(
+    hidden_size=TINY_HIDDEN_SIZE,
+    num_layers=2,
+    token_refiner_num_layers=2,
+    num_attention_heads=4,  # divides by 2 and 4: the split renders' tests run on this model
+    attention_head_dim=16,  # attention width 64 != hidden 48
+    ffn_hidden_size=80,
+    latents_dim=TINY_VIDEO_LATENT_CHANNELS,
+    audio_latents_dim=TINY_AUDIO_LATENT_CHANNELS,
+    patch_size=(1, 2, 2),
+    text_dim=32,  # the tiny Qwen3-VL's hidden size
+    timestep_input_dim=32,
+    time_embed_hidden_size=56,
+    time_embed_dim=24,
+    adaln_out_features=NUM_BLOCK_MODULATIONS * NUM_MODALITIES * TINY_HIDDEN_SIZE,
+    final_adaln_out_features=2 * TINY_HIDDEN_SIZE,  # shift and scale of the final norm
+    rope_inv_freq_len=2,  # 12 of 16 head dims rotate
+)

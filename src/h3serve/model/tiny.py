@@ -16,7 +16,12 @@ import torch
 from torch import nn
 from transformers import Qwen3VLConfig, Qwen3VLModel
 
-from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, SAMPLE_RATE, DiTConfig
+from h3serve.config import (
+    SAMPLE_RATE,
+    TINY_AUDIO_LATENT_CHANNELS,
+    TINY_DIT,
+    TINY_VIDEO_LATENT_CHANNELS,
+)
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
 from h3serve.model.folder import Components
@@ -31,29 +36,6 @@ from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
 from h3serve.vocab import TASK_TYPES, TINY_MODEL_NAME, DiTKind, TaskType
 
 TINY_SEED = 20261130
-
-TINY_VIDEO_LATENT_CHANNELS = 8
-TINY_AUDIO_LATENT_CHANNELS = 8
-TINY_HIDDEN_SIZE = 48
-
-TINY_DIT = DiTConfig(
-    hidden_size=TINY_HIDDEN_SIZE,
-    num_layers=2,
-    token_refiner_num_layers=2,
-    num_attention_heads=4,  # divides by 2 and 4: the split renders' tests run on this model
-    attention_head_dim=16,  # attention width 64 != hidden 48
-    ffn_hidden_size=80,
-    latents_dim=TINY_VIDEO_LATENT_CHANNELS,
-    audio_latents_dim=TINY_AUDIO_LATENT_CHANNELS,
-    patch_size=(1, 2, 2),
-    text_dim=32,  # the tiny Qwen3-VL's hidden size
-    timestep_input_dim=32,
-    time_embed_hidden_size=56,
-    time_embed_dim=24,
-    adaln_out_features=NUM_BLOCK_MODULATIONS * NUM_MODALITIES * TINY_HIDDEN_SIZE,
-    final_adaln_out_features=2 * TINY_HIDDEN_SIZE,  # shift and scale of the final norm
-    rope_inv_freq_len=2,  # 12 of 16 head dims rotate
-)
 
 TINY_VIDEO_VAE = VideoVAEConfig(
     latent_channels=TINY_VIDEO_LATENT_CHANNELS,

@@ -1,20 +1,19 @@
-"""What a split over N GPUs needs of the model and the profile, checked from configs alone (no torch): `h3serve
-check` runs it without touching the hardware; the visible device count is `workers.check_visible`'s."""
+"""What a split over N GPUs needs of the model and the profile, checked from configs alone (no torch): every command's
+start checks it (`h3serve.startup`, the settings' rules) without touching the hardware; how many GPUs are visible is
+the settings' rule."""
 
 from __future__ import annotations
 
 from h3serve.accel.profile import Attention, Linear, Profile
 from h3serve.config import DiTConfig
-
-SETTING = "H3_NUM_GPUS (--num-gpus)"
+from h3serve.errors import SettingError
 
 
 def check_split(config: DiTConfig, profile: Profile, num_gpus: int) -> None:
-    """ValueError naming H3_NUM_GPUS and what is allowed: heads that do not divide, HUMMING, CUDNN_FP8, one named
-    GPU."""
+    """SettingError("num_gpus") saying what is allowed: heads that do not divide, HUMMING, CUDNN_FP8, one named GPU."""
     check_heads(config, num_gpus)
     for message in split_refusals(profile.linear, profile.device, num_gpus, profile.attention):
-        raise ValueError(f"{SETTING} {num_gpus}: {message}")
+        raise SettingError("num_gpus", f"{num_gpus} GPUs: {message}")
 
 
 def split_refusals(linear: str | None, device: str | None, num_gpus: int, attention: str | None = None) -> list[str]:
@@ -33,12 +32,13 @@ def split_refusals(linear: str | None, device: str | None, num_gpus: int, attent
 
 
 def check_heads(config: DiTConfig, num_gpus: int) -> None:
-    """The DiT's attention heads divide by `num_gpus` (each rank attends over its own heads)."""
+    """SettingError("num_gpus") unless the DiT's attention heads divide by `num_gpus` (each rank attends over its
+    own heads)."""
     if num_gpus < 1:
-        raise ValueError(f"{SETTING} must be at least 1, got {num_gpus}")
+        raise SettingError("num_gpus", f"must be at least 1, got {num_gpus}")
     heads = config.num_attention_heads
     if heads % num_gpus:
         allowed = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
-        raise ValueError(
-            f"{SETTING} {num_gpus}: the DiT's {heads} attention heads do not divide by it (allowed: {allowed})"
+        raise SettingError(
+            "num_gpus", f"{num_gpus}: the DiT's {heads} attention heads do not divide by it (allowed: {allowed})"
         )

@@ -1,5 +1,5 @@
 """The processes of a render split over N GPUs: N spawned workers (rank r on cuda:r, or N gloo processes on the
-CPU), and `ParallelEngine`, which the CLI and the service use in the parent exactly as they use `Engine`.
+CPU), kept by a `WorkerPool`, and `ParallelEngine`, the `RenderEngine` the CLI and the service use in the parent.
 
 The parent owns the request: it validates it (with rank 0's admission), sends it to every rank, forwards rank 0's
 progress, sets the shared cancel flag the ranks agree on, and gets the result from rank 0 (frames and audio through
@@ -38,9 +38,12 @@ from h3serve.model.folder import ModelFolder
 from h3serve.parallel.group import Group, free_port
 from h3serve.parallel.plan import check_split
 from h3serve.parallel.ranks import AgreedContext, Ranks
+from h3serve.pipeline.admission import Admission
+from h3serve.pipeline.budget import Budget
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine, RenderResult
 from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.rules import RequestRules
 from h3serve.vocab import TaskType
 
 log = logging.getLogger(__name__)
@@ -57,14 +60,6 @@ class WorkerError(RuntimeError):
         super().__init__(f"GPU worker rank {rank}: {message}")
         self.rank = rank
         self.input_error = input_error
-
-
-def check_visible(profile: Profile, num_gpus: int) -> None:
-    """Enough CUDA devices for `num_gpus` workers (ValueError naming H3_NUM_GPUS); the CPU runs any count."""
-    if profile.cuda and num_gpus > 1:
-        visible = torch.cuda.device_count()
-        if num_gpus > visible:
-            raise ValueError(f"H3_NUM_GPUS (--num-gpus) {num_gpus}: only {visible} CUDA device(s) are visible")
 
 
 @dataclass(frozen=True)
@@ -109,31 +104,46 @@ def load_engine(
 
 
 class ParallelEngine:
-    """An engine whose renders run split over `spec.num_gpus` worker processes. One render at a time (a lock)."""
+    """A `RenderEngine` whose renders run split over `spec.num_gpus` worker processes (`WorkerPool`); what it tells
+    of itself (name, tasks, admission, memory) is rank 0's engine's, as it described itself at start."""
 
     def __init__(self, spec: WorkerSpec):
         from h3serve.model.tiny import TINY_DIT
 
-        config = spec.model.dit if spec.model is not None else spec.build_config or TINY_DIT
-        check_split(config, spec.profile, spec.num_gpus)
-        check_visible(spec.profile, spec.num_gpus)
+        check_split(spec.model.dit if spec.model is not None else spec.build_config or TINY_DIT, spec.profile,
+                    spec.num_gpus)  # fmt: skip
         self.spec = spec
-        self.num_gpus = spec.num_gpus
         self.profile = spec.profile
-        self.lock = threading.Lock()
-        self.problem: str | None = None
-        self._seq = 0
-        self._closed = False
-        self._procs: list[Any] = []
-        self._start()
-        self._monitor = threading.Thread(target=self._watch, name="h3serve-gpu-workers", daemon=True)
-        self._monitor.start()
-        atexit.register(self.close)
+        self.pool = WorkerPool(spec)
 
-    # ---- what the CLI and the service read (rank 0's engine, as described at start) ------------------------------
+    @property
+    def num_gpus(self) -> int:
+        return self.spec.num_gpus
+
+    @property
+    def problem(self) -> str | None:
+        """Why renders cannot run now (a worker lost, the workers restarting), or None."""
+        return self.pool.problem
+
     @property
     def name(self) -> str:
-        return self._info["name"]
+        return self.pool.info["name"]
+
+    @property
+    def admission(self) -> Admission:
+        return self.pool.info["admission"]
+
+    @property
+    def rules(self) -> RequestRules:
+        return self.pool.info["rules"]
+
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        return self.pool.info["adapters"]
+
+    @property
+    def merge_seconds(self) -> float:
+        return self.pool.info["merge_seconds"]
 
     @property
     def tasks(self) -> tuple[str, ...]:
@@ -142,11 +152,10 @@ class ParallelEngine:
     def validate(self, prompt: str, **fields: Any) -> RenderRequest:
         return self.admission.validate(prompt, **fields)
 
-    def memory_budget(self):
+    def memory_budget(self) -> Budget:
         """Rank 0's memory as the plan counts it: what each GPU holds."""
-        return self._info["budget"]
+        return self.pool.info["budget"]
 
-    # ---- work ---------------------------------------------------------------------------------------------------
     def render(
         self,
         request: RenderRequest,
@@ -155,12 +164,7 @@ class ParallelEngine:
     ) -> RenderResult:
         """`Engine.render` over the workers: progress and `on_step` from rank 0, a cancel reaches every rank at its
         next check point; a failed rank's message is raised as WorkerError."""
-        ctx = ctx or RenderContext()
-        self._usable()  # at once while the workers restart (the restart holds the lock)
-        with self.lock:
-            self._usable()
-            results = self._run("render", request, ctx, on_step)
-        payload = results[0]
+        payload = self.pool.run("render", request, ctx or RenderContext(), on_step)[0]
         return RenderResult(
             frames=payload["frames"].numpy(),
             audio=payload["audio"].numpy(),
@@ -174,10 +178,38 @@ class ParallelEngine:
         )
 
     def prepare_tables(self) -> float:
+        return self.pool.run("tables", None, RenderContext(), None)[0]
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class WorkerPool:
+    """The worker processes of a split: spawned (rank r on cuda:r, or gloo processes on the CPU), watched, and
+    started again after a failure that may have left them out of step. One command at a time (a lock), whoever
+    calls."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.num_gpus = spec.num_gpus
+        self.lock = threading.Lock()
+        self.problem: str | None = None
+        self.info: dict[str, Any] = {}  # rank 0's engine as it described itself at its last start
+        self.procs: list[Any] = []
+        self._seq = 0
+        self._closed = False
+        self._start()
+        self._monitor = threading.Thread(target=self._watch, name="h3serve-gpu-workers", daemon=True)
+        self._monitor.start()
+        atexit.register(self.close)
+
+    def run(self, kind: str, payload: Any, ctx: RenderContext, on_step) -> dict[int, Any]:
+        """Send a command to every rank and wait for every rank's outcome; each rank's result by rank. At once while
+        the workers restart (the restart holds the lock)."""
         self._usable()
         with self.lock:
             self._usable()
-            return self._run("tables", None, RenderContext(), None)[0]
+            return self._run(kind, payload, ctx, on_step)
 
     def close(self) -> None:
         """Stop every worker: a render in progress is cancelled at its next check point; they are killed after a
@@ -190,7 +222,6 @@ class ParallelEngine:
             commands.put(("stop", 0, None))
         self._stop_workers(wait=10.0)
 
-    # ---- the processes ------------------------------------------------------------------------------------------
     def _start(self) -> None:
         spawn = mp.get_context("spawn")
         port = free_port()
@@ -204,7 +235,7 @@ class ParallelEngine:
         ]  # fmt: skip
         for proc in procs:
             proc.start()
-        self._procs = procs  # all started: the watcher and `_next_event` may look at them
+        self.procs = procs  # all started: the watcher and `_next_event` may look at them
         ready: set[int] = set()
         try:
             while len(ready) < self.num_gpus:
@@ -218,15 +249,11 @@ class ParallelEngine:
                 if kind == "ready":
                     ready.add(rank)
                     if rank == 0:
-                        self._info = payload
+                        self.info = payload
         except BaseException:  # one failed or died (or Ctrl-C): none may be left running
             self._stop_workers(wait=2.0)
             raise
-        self.admission = self._info["admission"]
-        self.rules = self._info["rules"]
-        self.adapters = self._info["adapters"]
-        self.merge_seconds = self._info["merge_seconds"]
-        log.info("%d GPU workers ready (pids %s)", self.num_gpus, ", ".join(str(p.pid) for p in self._procs))
+        log.info("%d GPU workers ready (pids %s)", self.num_gpus, ", ".join(str(p.pid) for p in self.procs))
 
     def _next_event(self) -> tuple | None:
         """The next event from the workers; None after POLL_S without one. A dead worker raises WorkerError."""
@@ -234,7 +261,7 @@ class ParallelEngine:
             return self._events.get(timeout=POLL_S)
         except queue.Empty:
             pass
-        for rank, proc in enumerate(self._procs):
+        for rank, proc in enumerate(self.procs):
             if proc.exitcode is not None:
                 raise WorkerError(rank, f"the process (pid {proc.pid}) exited with {_exit_text(proc.exitcode)}")
         return None
@@ -321,13 +348,13 @@ class ParallelEngine:
     def _watch(self) -> None:
         """Notice a worker that dies while no render runs (a render notices it itself)."""
         while not self._closed:
-            sentinels = [p.sentinel for p in self._procs]
+            sentinels = [p.sentinel for p in self.procs]
             multiprocessing.connection.wait(sentinels, timeout=1.0)
             if self._closed or self.problem is not None or not self.lock.acquire(blocking=False):
                 time.sleep(POLL_S)
                 continue
             try:
-                for rank, proc in enumerate(self._procs):
+                for rank, proc in enumerate(self.procs):
                     if proc.exitcode is not None and self.problem is None:
                         self._restart(f"rank {rank} (pid {proc.pid}) exited with {_exit_text(proc.exitcode)}")
             finally:
@@ -337,9 +364,9 @@ class ParallelEngine:
         for q in (self._events, *self._commands):  # unread messages must not hold up this process's exit
             q.cancel_join_thread()
         deadline = time.monotonic() + wait
-        for proc in self._procs:
+        for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
+        for proc in self.procs:
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(5.0)

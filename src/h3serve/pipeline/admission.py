@@ -7,6 +7,7 @@ few-step adapter."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
 from h3serve.pipeline.request import RenderRequest, validate_request
 from h3serve.pipeline.rules import RequestError, RequestRules
-from h3serve.vocab import TASK_ANCHORS, Task
+from h3serve.vocab import TASK_ANCHORS, TASK_TYPES, Task, dit_kind
 
 REF2VA = Task.REF2VA
 SAMPLER_FIELDS = ("steps", "video_shift", "audio_shift")
@@ -80,6 +81,23 @@ class Admission:
     step_cache: bool  # whether a step cache is attached (quality=high needs one)
     sampler: Sampler = Sampler()
     trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
+
+    @classmethod
+    def build(
+        cls, task_type: str, rules: RequestRules, dit_config: DiTConfig, step_cache: bool, adapters: Sequence = ()
+    ) -> Admission:
+        """What an engine that loads the DiTs of `task_type` (with `adapters` merged, and a step cache or not)
+        accepts: the one constructor, used by the engine and by the start-up plan before any weight loads."""
+        kinds = TASK_TYPES[task_type]
+        return cls(
+            tasks=tuple(t for t in Task if dit_kind(t) in kinds),
+            task_type=task_type,
+            rules=rules,
+            dit_config=dit_config,
+            step_cache=step_cache,
+            sampler=Sampler.for_adapters(adapters),
+            trained_tasks=trained_tasks(adapters),
+        )
 
     def check_task(self, task: str) -> None:
         """RequestError("task") for a task whose DiT this engine did not load, saying how to start one that does."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from h3serve.model.adapters import Adapter, AdapterMerge, check_adapter_kinds, m
 from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
 from h3serve.model.loading import chain
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
+from h3serve.pipeline.admission import Admission
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
@@ -50,7 +50,7 @@ from h3serve.pipeline.sampling import denoise, draw_layout_noise, initial_rows, 
 from h3serve.pipeline.schedule import DualSchedule
 from h3serve.pipeline.spread import ONE_DEVICE, Spread
 from h3serve.pipeline.variants import clock_layouts, encode_conditions, encode_prompt
-from h3serve.vocab import Task, TaskType, dit_kind
+from h3serve.vocab import TaskType, dit_kind
 
 # The render's stages in order, each with its share of a job's progress (percent; denoise is spread over its
 # forwards, video over its decode windows).
@@ -68,6 +68,51 @@ class RenderResult:
     peak_memory_mb: float = 0.0  # CUDA: peak allocated during this render; CPU: the process's peak RSS so far
     step_cache: StepCacheReport | None = None  # which forwards reused cached blocks (None: no step cache attached)
     split: tuple[int, ...] = ()  # packed rows per GPU, when several shared the render (`h3serve.parallel`)
+
+
+class RenderEngine(Protocol):
+    """What the CLI, the service and the warmup use of an engine. `Engine` renders in this process;
+    `parallel.workers.ParallelEngine` splits each render over worker processes, one per GPU, and answers for rank 0's
+    engine."""
+
+    profile: Profile
+    rules: RequestRules
+    admission: Admission  # what a request may ask (`pipeline.admission`)
+    adapters: tuple[Adapter, ...]  # few-step adapters merged at load
+    merge_seconds: float  # what merging them took, part of the load
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def tasks(self) -> tuple[str, ...]: ...
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs one render runs on."""
+        ...
+
+    @property
+    def problem(self) -> str | None:
+        """Why renders cannot run now (a GPU worker lost, the workers restarting), or None."""
+        ...
+
+    def validate(self, prompt: str, **fields: Any) -> RenderRequest: ...
+
+    def memory_budget(self) -> Budget: ...
+
+    def render(
+        self,
+        request: RenderRequest,
+        ctx: RenderContext | None = None,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> RenderResult: ...
+
+    def prepare_tables(self) -> float: ...
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (worker processes); the engine is not used after."""
+        ...
 
 
 class Engine:
@@ -108,14 +153,8 @@ class Engine:
         # Few-step adapters, already merged into the DiT's weights (`load`): their trained sampler is the default.
         self.adapters = tuple(adapters)
         self.merge_seconds = merge_seconds
-        self.admission = Admission(
-            tasks=tuple(t for t in Task if dit_kind(t) in components.dits),
-            task_type=components.task_type,
-            rules=rules,
-            dit_config=components.dit_config,
-            step_cache=bool(self.step_caches),
-            sampler=Sampler.for_adapters(self.adapters),
-            trained_tasks=trained_tasks(self.adapters),
+        self.admission = Admission.build(
+            components.task_type, rules, components.dit_config, bool(self.step_caches), self.adapters
         )
 
     @classmethod
@@ -155,8 +194,12 @@ class Engine:
         processing = video_processing or RELEASED_VIDEO_PROCESSING
         return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged)
 
-    num_gpus = 1  # GPUs one render runs on (`h3serve.parallel.ParallelEngine` splits it over several)
-    problem: str | None = None  # why renders cannot run now (a GPU worker lost); never set for one process
+    # The RenderEngine interface: one process renders on one device, and has no workers to lose or stop.
+    num_gpus = 1
+    problem: str | None = None
+
+    def close(self) -> None:
+        pass
 
     @property
     def name(self) -> str:

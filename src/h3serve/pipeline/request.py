@@ -179,6 +179,9 @@ def _check_canvas(
 ) -> tuple[int, int, list[str]]:
     """The canvas given, or the one chosen from the (first) keyframe's aspect ratio (else 16:9), checked."""
     notices = []
+    for name, side in (("width", width), ("height", height)):
+        if side is not None:  # a side given alone is told what is wrong with it, before it is told to come in a pair
+            canvas.check_side(name, _number(name, side, int))
     if (width is None) != (height is None):
         raise RequestError("width", "width and height must be given together, or both left out")
     if width is None:

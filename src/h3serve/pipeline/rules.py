@@ -114,6 +114,15 @@ class CanvasRule:
             f"is {self.max_input_pixels / 1e6:.1f} MP ({INPUT_PIXELS_PER_CANVAS}x the largest canvas); scale it down"
         )
 
+    def check_side(self, name: str, value: int) -> None:
+        """RequestError(name) unless `value` can be a side of a canvas: a positive multiple of `multiple`, not over
+        the area cap whatever the other side is (which also keeps the ratio finite). Checked on its own, so that a
+        side given without the other is told what is wrong with it."""
+        if value > self.max_pixels // self.multiple:
+            raise RequestError(name, f"{name} {value} is above the canvas area cap of {self.max_pixels} pixels")
+        if value < self.multiple or value % self.multiple:
+            raise RequestError(name, f"{name} must be a positive multiple of {self.multiple}, got {value}")
+
     def check(self, width: int, height: int) -> None:
         """Raise RequestError unless (width, height) is a canvas of this rule.
 
@@ -123,10 +132,7 @@ class CanvasRule:
         """
         m = self.multiple
         for name, value in (("width", width), ("height", height)):
-            if value > self.max_pixels // m:  # over the area cap whatever the other side; also keeps the ratio finite
-                raise RequestError(name, f"{name} {value} is above the canvas area cap of {self.max_pixels} pixels")
-            if value < m or value % m:
-                raise RequestError(name, f"{name} must be a positive multiple of {m}, got {value}")
+            self.check_side(name, value)
         if not self.min_aspect <= width / height <= self.max_aspect:
             raise RequestError(
                 "width",

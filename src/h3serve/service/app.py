@@ -48,7 +48,7 @@ from starlette.requests import ClientDisconnect
 
 from h3serve import __version__
 from h3serve.pipeline.context import RenderCancelled
-from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.engine import RenderEngine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, escaped, internal_error, shown
 from h3serve.service.metrics import Metrics
@@ -77,7 +77,7 @@ MAX_PAGE = 100
 SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected client
 
 
-def create_app(settings: Settings, engine: Engine, page: WebPage | None = None) -> FastAPI:
+def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = None) -> FastAPI:
     store = JobStore(settings.output_dir)
     metrics = Metrics()
     scheduler = Scheduler(
@@ -127,7 +127,7 @@ async def _settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-async def _engine(request: Request) -> Engine:
+async def _engine(request: Request) -> RenderEngine:
     return request.app.state.engine
 
 
@@ -144,7 +144,7 @@ async def _metrics(request: Request) -> Metrics:
 
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
-EngineDep = Annotated[Engine, Depends(_engine)]
+EngineDep = Annotated[RenderEngine, Depends(_engine)]
 StoreDep = Annotated[JobStore, Depends(_store)]
 SchedulerDep = Annotated[Scheduler, Depends(_scheduler)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
@@ -301,7 +301,7 @@ def _require_ready(scheduler: Scheduler, metrics: Metrics) -> None:
 
 
 async def _parse(
-    request: Request, settings: Settings, engine: Engine, scheduler: Scheduler, metrics: Metrics
+    request: Request, settings: Settings, engine: RenderEngine, scheduler: Scheduler, metrics: Metrics
 ) -> Mapped:
     _require_ready(scheduler, metrics)
     # The body cap counts the files a request to this server can carry: 2 keyframes, or 12 Ref2VA references when the
@@ -463,7 +463,7 @@ def shown_record(job: VideoJob, live: dict[str, dict[str, Any]]) -> dict[str, An
     return {**job.model_dump(), "live": live.get(job.id) if job.status in ACTIVE else None}
 
 
-def adapter_entries(engine: Engine) -> list[dict[str, Any]]:
+def adapter_entries(engine: RenderEngine) -> list[dict[str, Any]]:
     """The merged adapters as /health and /v1/models list them: file, format, scale, and the sampler it was trained
     for where known."""
     out = []

@@ -31,7 +31,7 @@ from typing import Any
 
 from h3serve.media.mp4 import encode_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
-from h3serve.pipeline.engine import STAGES, Engine, RenderResult
+from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
@@ -89,7 +89,7 @@ class Scheduler:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: RenderEngine,
         store: JobStore,
         *,
         max_queue: int,
@@ -144,7 +144,7 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        """Warmed up, and the engine can render (its GPU workers are all up: `Engine.problem`)."""
+        """Warmed up, and the engine can render (its GPU workers are all up: `RenderEngine.problem`)."""
         return self.readiness is Readiness.READY and self.engine.problem is None
 
     @property

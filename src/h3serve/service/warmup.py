@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
-from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.engine import RenderEngine
 from h3serve.pipeline.request import RenderRequest
 from h3serve.vocab import SMOKE_REQUEST, Task
 
@@ -35,7 +35,7 @@ class WarmupResult:
     error: str | None = None
 
 
-def warmup_request(engine: Engine) -> RenderRequest:
+def warmup_request(engine: RenderEngine) -> RenderRequest:
     """The production shape (768x448, 56 frames for the released model; the tiny model's own default): T2VA, or
     with only the Ref2VA DiT loaded, ref2va with one generated image reference."""
     size = engine.rules.warmup_size
@@ -69,7 +69,7 @@ def describe(request: RenderRequest) -> str:
     return f"{shape}, {request.steps} grid points ({request.forwards} DiT forward(s))"
 
 
-def run_warmup(engine: Engine, threads: int = DEFAULT_THREADS) -> WarmupResult:
+def run_warmup(engine: RenderEngine, threads: int = DEFAULT_THREADS) -> WarmupResult:
     """Make the default schedule's AdaLN tables, render the warmup request, encode it to MP4 in memory and check the
     file as a client would (codecs, size, frame count, stereo AAC). Never raises: a failure is the result, with its
     reason."""

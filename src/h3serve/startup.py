@@ -1,0 +1,248 @@
+"""One start-up path for every command that builds, or checks it could build, an engine: `check`, `check
+--preflight`, `serve` and `render`.
+
+    plan(settings, task_type)          the model folder, the adapters, the split's heads: from files, no hardware
+    preflight(plan, service=..., say)  this machine: the FP8 self-test's profile, the output folder and port (a
+                                       service), the memory plan against what is free
+    launch(plan)                       the engine: one process, or a worker per GPU
+
+Each step refuses with a SettingError naming its setting (`h3serve.errors`), so a setting is refused the same way,
+in the same words, by every command, before any weight loads. The settings themselves (values, rules between them,
+the profile against the hardware) are `settings.load_settings`'s, which runs first. What is not one setting's fault
+(the memory plan not fitting) is a StartupError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from h3serve.config import TINY_DIT, DiTConfig
+from h3serve.errors import SettingError
+from h3serve.parallel.plan import check_heads
+from h3serve.settings import EngineSettings, Settings
+
+if TYPE_CHECKING:
+    from h3serve.accel.profile import Profile
+    from h3serve.model.folder import ModelFolder
+    from h3serve.pipeline.admission import Admission
+    from h3serve.pipeline.budget import Budget
+    from h3serve.pipeline.engine import RenderEngine
+
+
+class StartupError(ValueError):
+    """A start refused for a reason that is no single setting's (the memory plan does not fit this machine)."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a start will load and how, checked before any weight loads. `profile` and `budget` are set by
+    `preflight` (None before: the machine was not asked)."""
+
+    settings: EngineSettings
+    task_type: str  # which DiTs load: fl2va, ref2va or both (a render's: its task's DiT)
+    folder: ModelFolder | None  # None: the built-in tiny model
+    adapters: tuple = ()  # checkpoint adapters, read and checked against the DiT; nothing merged yet
+    profile: Profile | None = None  # the profile that will run: the FP8 self-test's scaling chosen
+    budget: Budget | None = None  # the memory plan (a model folder only: the tiny model needs none)
+    notes: tuple[str, ...] = ()  # what the checks found worth saying (the FP8 self-test's line)
+
+    @property
+    def dit_config(self) -> DiTConfig:
+        return self.folder.dit if self.folder is not None else TINY_DIT
+
+    @functools.cached_property
+    def admission(self) -> Admission:
+        """What the engine will accept (`pipeline.admission`): the same object the loaded engine builds, so that
+        `render` refuses a request before any weight loads exactly as the engine would after."""
+        from h3serve.pipeline.admission import Admission
+        from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
+
+        rules = TINY_RULES if self.folder is None else RELEASED_RULES
+        step_cache = self.settings.cache_backend != "none"
+        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters)
+
+
+def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
+    """The model folder (every config read, every weight header opened), the adapters (recognised and checked
+    against the DiT), and the split's heads. No weights, no hardware; torch only when there is a folder or an
+    adapter to read (so `check` without --preflight stays quick)."""
+    folder = model_folder(settings, task_type)
+    adapters = read_adapters(settings, folder, task_type)
+    config = folder.dit if folder is not None else TINY_DIT
+    check_heads(config, settings.num_gpus)
+    return LaunchPlan(settings, task_type, folder, adapters)
+
+
+def preflight(launch_plan: LaunchPlan, *, service: bool, say: Callable[[str], None]) -> LaunchPlan:
+    """The plan on this machine: the kernel caches set up, the FP8 GEMM's scaling chosen by its self-test, and, for a
+    service, the output folder and the port; then the memory plan against what is free (a model folder only). The
+    settings were checked against the hardware by `load_settings(check_profile=True)`. `say`: where the self-test's
+    line goes."""
+    settings = launch_plan.settings
+    if settings.cache_dir is not None:  # before the self-test, which may compile kernels
+        from h3serve.accel.caches import use_cache_dir
+
+        say(f"kernel caches: {use_cache_dir(settings.cache_dir)}")
+    profile, line = check_fp8(settings.profile())
+    notes = () if line is None else (line,)
+    for note in notes:
+        say(note)
+    if service:
+        assert isinstance(settings, Settings)
+        check_output_dir(settings.output_dir)
+        check_port(settings.bind_host, settings.api_port)
+    budget = None
+    if launch_plan.folder is not None:
+        budget = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type)
+    return dataclasses.replace(launch_plan, profile=profile, budget=budget, notes=notes)
+
+
+def launch(launch_plan: LaunchPlan) -> RenderEngine:
+    """The engine of a preflighted plan: one process, or H3_NUM_GPUS workers. What a worker could not load is the
+    model's setting's fault (or an adapter's); the rest is the GPUs'."""
+    if launch_plan.profile is None:
+        raise ValueError("launch needs a preflighted plan (startup.preflight): the machine was not asked")
+    from h3serve.parallel.workers import WorkerError, load_engine
+
+    settings = launch_plan.settings
+    try:
+        return load_engine(
+            launch_plan.folder,
+            launch_plan.profile,
+            task_type=launch_plan.task_type,
+            step_cache=settings.step_cache(),
+            adapters=launch_plan.adapters,
+            num_gpus=settings.num_gpus,
+        )
+    except WorkerError as err:
+        setting = "model" if err.input_error else "num_gpus"
+        raise SettingError(setting, f"{getattr(settings, setting)}: {err}") from err
+    except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
+        raise SettingError("model", f"{settings.model}: {err}") from err
+
+
+# ---- the checks, each one setting's -----------------------------------------------------------------------------
+def model_folder(settings: EngineSettings, task_type: str) -> ModelFolder | None:
+    """The released checkpoint folder, resolved and checked for the DiTs `task_type` loads; None for the tiny model
+    (where a QKV layout, which only a single-file DiT needs, is refused)."""
+    if settings.model is None:
+        if settings.qkv_layout is not None:
+            raise SettingError(
+                "qkv_layout", "applies to a model whose DiT is a single file; the built-in tiny model has none"
+            )
+        return None
+    from h3serve.model.folder import resolve_model_folder  # imports torch: only when there is a folder to read
+
+    try:
+        folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
+    except (ValueError, OSError) as err:
+        raise SettingError("model", f"{settings.model}: {err}") from err
+    try:
+        folder.check_task_type(task_type)
+    except ValueError as err:
+        setting = "task_type" if isinstance(settings, Settings) else "model"  # render's task picks its DiT
+        raise SettingError(setting, f"{getattr(settings, setting)}: {err}") from err
+    return folder
+
+
+def read_adapters(settings: EngineSettings, folder: ModelFolder | None, task_type: str) -> tuple:
+    """The H3_LORA adapter files, each recognised and checked against the DiT's config and the DiTs that load
+    (headers and factors only; nothing merges yet)."""
+    files = settings.adapter_files()
+    if not files:
+        return ()
+    from h3serve.model.adapters import AdapterError, check_adapter_kinds, read_adapter
+
+    config = folder.dit if folder is not None else TINY_DIT
+    try:
+        adapters = tuple(read_adapter(path, scale, config=config) for path, scale in files)
+        check_adapter_kinds(adapters, task_type)
+    except (AdapterError, OSError) as err:
+        raise SettingError("lora", str(err)) from err
+    return adapters
+
+
+def check_fp8(profile: Profile) -> tuple[Profile, str | None]:
+    """The profile with its FP8 GEMM scaling chosen by the start-up self-test on its device (`accel.fp8_check`), and
+    the test's line (None when no CUTLASS linear runs on CUDA). Nothing is loaded: the test makes its own operands."""
+    from h3serve.accel.fp8_check import resolve
+    from h3serve.accel.profile import ProfileError
+    from h3serve.settings import SETTING_OF
+
+    try:
+        chosen, result = resolve(profile)
+    except ProfileError as err:
+        raise SettingError(SETTING_OF.get(err.setting, "linear_backend"), str(err)) from err
+    return chosen, None if result is None else result.describe()
+
+
+def check_output_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SettingError("output_dir", f"{path}: cannot create it ({err})") from err
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingError("output_dir", f"{path}: not writable")
+
+
+def check_port(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As uvicorn binds: with SO_REUSEADDR, a port whose old connections linger in TIME_WAIT or FIN_WAIT (a server
+        # killed while clients were connected) is free to listen on again; a port someone listens on is not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise SettingError("api_port", f"{host}:{port}: cannot listen there ({err.strerror})") from err
+
+
+def check_memory(
+    settings: EngineSettings,
+    folder: ModelFolder,
+    free: tuple[float, float, bool] | list | None = None,
+    profile: Profile | None = None,
+    task_type: str | None = None,
+) -> Budget:
+    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared, or one
+    such tuple per GPU; read from the machine when None). With H3_NUM_GPUS > 1 on CUDA every GPU must hold the whole
+    budget (each rank loads the whole model; the activations are counted whole, an upper bound) and the host every
+    rank's host part. `profile`: the one that will run (the FP8 self-test's choice made); None: the settings'.
+    `task_type`: the DiTs that load (None: the settings'). Returns the budget; StartupError naming what does not fit,
+    and where."""
+    import torch
+
+    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
+    from h3serve.pipeline.rules import RELEASED_RULES
+
+    profile = settings.profile() if profile is None else profile
+    task_type = task_type or getattr(settings, "task_type", "fl2va")
+    gpus = settings.num_gpus if profile.cuda else 1
+    frees = free if isinstance(free, list) else [free] * gpus
+    devices = [torch.device("cuda", rank) if gpus > 1 else profile.torch_device for rank in range(gpus)]
+    frees = [given or free_memory(device) for given, device in zip(frees[:gpus], devices, strict=True)]
+    shared = any(one_pool for _, _, one_pool in frees)
+    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=task_type, shared=shared)
+    problems = []
+    for rank, (device_free, host_free, shared) in enumerate(frees):
+        where = f"cuda:{rank}: " if gpus > 1 else ""
+        for problem in check_fits(budget, device_free, host_free, shared, ranks=gpus):
+            problem = problem if "host memory" in problem else where + problem  # one host for every rank
+            if problem not in problems:
+                problems.append(problem)
+    if problems:
+        raise StartupError(
+            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
+            + "; ".join(problems)
+            + f"\n{budget.table()}\n(what makes it smaller: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS "
+            "(FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
+        )
+    return budget
