@@ -21,7 +21,7 @@ def test_bench_outside_a_checkout_is_refused(tmp_path, capsys):
 
 
 def test_every_bench_name_is_a_script_and_every_script_a_name():
-    from h3serve.cli import BENCHES
+    from h3serve.cli.tools import BENCHES
 
     scripts = {p.stem.replace("_", "-") for p in (REPO / "bench").glob("*.py") if not p.stem.endswith("lib")}
     assert set(BENCHES) == scripts

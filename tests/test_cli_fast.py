@@ -276,11 +276,11 @@ def test_ctrl_c_while_starting_is_one_line_not_a_traceback(tmp_path, delay):
 
 def test_a_ctrl_c_while_a_native_module_imports_is_held_then_delivered():
     """Triton's native import calls back into Python; a KeyboardInterrupt raised in that callback aborts the process
-    (exit -6) where it lands (seen in CI at 1 s after start). `_signals_held` keeps the signal pending until the body
+    (exit -6) where it lands (seen in CI at 1 s after start). `signals_held` keeps the signal pending until the body
     ends, then Ctrl-C raises there as usual."""
     code = (
-        "import os, signal, sys\nfrom h3serve.cli import _signals_held\n"
-        "try:\n    with _signals_held():\n        os.kill(os.getpid(), signal.SIGINT)\n"
+        "import os, signal, sys\nfrom h3serve.cli.signals import signals_held\n"
+        "try:\n    with signals_held():\n        os.kill(os.getpid(), signal.SIGINT)\n"
         "        sum(range(10**6))\n        print('body ended', flush=True)\n"
         "    print('not interrupted', flush=True)\n"
         "except KeyboardInterrupt:\n    print('interrupted after', flush=True)\n"

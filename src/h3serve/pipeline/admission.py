@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
+from h3serve.errors import label
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
@@ -109,7 +110,7 @@ class Admission:
         raise RequestError(
             "task",
             f"task {task} needs {needed}, but this server was started with task type {self.task_type} "
-            f"and serves only {', '.join(self.tasks)}; restart it with H3_TASK_TYPE (--task-type) set to include it",
+            f"and serves only {', '.join(self.tasks)}; restart it with {label('task_type')} set to include it",
         )
 
     def check_trained_task(self, task: str) -> None:

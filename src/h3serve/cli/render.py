@@ -1,0 +1,288 @@
+"""`h3serve render`: a prompt (and optional keyframes or references) to an MP4 with sound, checked whole before any
+weight loads, written under a temporary name and renamed when complete."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from h3serve.cli.common import CliError, read_settings, refusals
+from h3serve.cli.signals import import_held, sigterm_raises
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
+from h3serve.vocab import Task, dit_kind, seconds_to_frames, snap_up
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from h3serve.settings import EngineSettings, add_flags
+
+    p = sub.add_parser(
+        "render",
+        allow_abbrev=False,
+        help="render a prompt (and optional first/last keyframes) to an MP4 with stereo sound",
+        description="Render one video with sound. Without --model, the built-in tiny model runs (its output is "
+        "noise; it exists to try the pipeline without downloading weights). The engine's settings are `serve`'s: "
+        "the same flags and H3_* variables (flags win over the environment, which wins over --config).",
+    )
+    p.add_argument("prompt", nargs="?", help="the shooting-script prompt (or use --prompt-file)")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file, verbatim")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the MP4 to write")
+    p.add_argument("--first", type=Path, help="first keyframe image (I2VA, or FL2VA with --last)")
+    p.add_argument("--last", type=Path, help="last keyframe image (L2VA, or FL2VA with --first)")
+    p.add_argument(
+        "--ref",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a reference image, video (with its sound) or audio file, its kind read from the content; repeat in "
+        "request order (<= 9 images, 3 videos, 3 audios, 12 in all; audio never alone). Selects Ref2VA, which runs "
+        "the Ref2VA DiT",
+    )
+    p.add_argument(
+        "--mute-ref",
+        type=int,
+        action="append",
+        default=[],
+        metavar="N",
+        help="leave out the soundtrack of the video given as the N-th --ref (0-based); repeatable",
+    )
+    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
+    p.add_argument("--height", type=int, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
+    length.add_argument("--seconds", type=float, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
+    trained = "; with --lora, the adapter's trained value"
+    p.add_argument(
+        "--steps",
+        type=int,
+        help=f"schedule grid points; N points run N-1 forwards ({DEFAULT_STEPS}{trained})",
+    )
+    p.add_argument("--video-shift", type=float, help=f"video schedule shift ({VIDEO_SHIFT:g}{trained})")
+    p.add_argument("--audio-shift", type=float, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
+    p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).
+    add_flags(p, EngineSettings, old_names=True)
+    p.set_defaults(func=cmd_render)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise CliError("give the prompt either as an argument or with --prompt-file, not both")
+    if args.prompt_file is not None:
+        try:
+            return args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"--prompt-file {args.prompt_file}: cannot read it as UTF-8 text ({err})") from err
+    if args.prompt is None:
+        raise CliError("a prompt is required (as an argument or with --prompt-file)")
+    return args.prompt
+
+
+def _read_references(args: argparse.Namespace) -> list[tuple[str, bytes]]:
+    """The --ref files, read in the order given (decoded and checked with the request)."""
+    if args.ref and (args.first is not None or args.last is not None):
+        raise CliError("--ref selects Ref2VA, which takes references instead of keyframes; drop --first/--last")
+    if args.mute_ref and not args.ref:
+        raise CliError("--mute-ref applies to a video given with --ref; no --ref is given")
+    files = []
+    for path in args.ref:
+        try:
+            files.append((path.name, path.read_bytes()))
+        except OSError as err:
+            raise CliError(f"--ref {path}: cannot read it ({err.strerror or err})") from err
+    return files
+
+
+def _read_keyframes(args: argparse.Namespace) -> tuple[str, list]:
+    """The task follows from which keyframes are given; each must read and decode as an image."""
+    from h3serve.pipeline.request import decode_keyframe
+
+    task = {(False, False): Task.T2VA, (True, False): Task.I2VA, (False, True): Task.L2VA, (True, True): Task.FL2VA}[
+        (args.first is not None, args.last is not None)
+    ]
+    images = []
+    for flag, path in (("--first", args.first), ("--last", args.last)):
+        if path is None:
+            continue
+        try:
+            images.append(decode_keyframe(len(images), path.read_bytes()))
+        except OSError as err:
+            raise CliError(f"{flag} {path}: cannot read the keyframe image ({err.strerror or err})") from err
+        except ValueError as err:
+            raise CliError(f"{flag} {path}: not a readable image ({err})") from err
+    return task, images
+
+
+def _check_output(path: Path) -> None:
+    if path.suffix.lower() != ".mp4":
+        raise CliError(f"--output {path}: the file name must end in .mp4")
+    if path.is_dir():
+        raise CliError(f"--output {path}: is a folder; give a file path")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise CliError(f"--output {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CliError(f"--output {path}: folder {folder} is not writable")
+
+
+def _num_frames(args: argparse.Namespace) -> int | None:
+    """The frame count asked for by --frames or --seconds, snapped up to the 17n+5 grid here, with a note naming the
+    flag the user typed; None for the model's default."""
+    if args.seconds is not None:
+        if not (math.isfinite(args.seconds) and args.seconds > 0):
+            raise CliError(f"--seconds must be a finite number > 0, got {args.seconds}")
+        frames = seconds_to_frames(args.seconds)
+        given = f"--seconds {args.seconds:g} is {frames} frames at {FPS} fps,"
+    elif args.frames is not None:
+        frames, given = args.frames, f"--frames {args.frames}"
+    else:
+        return None
+    if frames < 1:
+        return frames  # refused with the allowed range by the request's rules
+    snapped = snap_up(frames)
+    if snapped != frames:
+        print(f"note: {given} snapped up to {snapped} (17n+5)", file=sys.stderr)
+    return snapped
+
+
+# A request field's flag, where `render` has one (the prompt is an argument or --prompt-file).
+REQUEST_FLAGS = {"steps": "--steps", "video_shift": "--video-shift", "audio_shift": "--audio-shift", "seed": "--seed"}
+
+
+def _request_error(err: ValueError, args: argparse.Namespace) -> str:
+    """A request error in the command's terms: the flag the user typed and its value, and the file the user gave
+    for a reference."""
+    field, index = getattr(err, "field", None), getattr(err, "index", None)
+    if field == "references" and index is not None:  # name the file the user gave, not our list position
+        return f"--ref {args.ref[index]}: {err}"
+    if field == "mute_references":
+        return err.describe({"mute_references": "--mute-ref"})
+    if field in ("width", "height"):
+        given = " ".join(f"--{name} {getattr(args, name)}" for name in ("width", "height") if getattr(args, name))
+        return f"{given}: {err}" if given else str(err)
+    if field == "num_frames":
+        flag = f"--seconds {args.seconds:g}" if args.seconds is not None else f"--frames {args.frames}"
+        return f"{flag}: {err}"
+    if field in REQUEST_FLAGS and getattr(args, field, None) is not None:
+        return f"{REQUEST_FLAGS[field]} {getattr(args, field)}: {err}"
+    return str(err)
+
+
+def _render(engine, request, progress: bool):
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=request.forwards, desc="denoise", unit="forward", file=sys.stderr, leave=False)
+
+    def on_step(done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(done - bar.n)
+
+    try:
+        return engine.render(request, on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    # From the first import on: a SIGTERM anywhere in the render unwinds like Ctrl-C, through write_mp4's cleanup.
+    with sigterm_raises():
+        return _run_render(args)
+
+
+def _run_render(args: argparse.Namespace) -> int:
+    import_held("h3serve.pipeline.engine", "h3serve.media.mp4")
+    from h3serve import startup
+    from h3serve.media.mp4 import write_mp4
+    from h3serve.pipeline.engine import STAGES
+
+    # 1. Everything the user gave, checked before any weight loads: the settings, the inputs, the start (the same
+    # checks as `serve`'s, for the DiT the task runs on), then the request under the engine's own admission.
+    settings = read_settings(args, engine_only=True)  # the profile, checked against this machine
+    prompt = _read_prompt(args)
+    references = _read_references(args)
+    task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
+    _check_output(args.output)
+    say = lambda line: print(f"h3serve: {line}", file=sys.stderr)  # noqa: E731
+    with refusals():
+        plan = startup.plan(settings, dit_kind(task))
+    try:
+        fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
+        request = plan.admission.validate(
+            prompt,
+            task=task,
+            width=args.width,
+            height=args.height,
+            num_frames=_num_frames(args),
+            seed=args.seed,
+            keyframes=keyframes,
+            references=references,
+            mute_references=args.mute_ref,
+            **fields,
+        )
+    except ValueError as err:
+        raise CliError(_request_error(err, args)) from err
+    with refusals():
+        plan = startup.preflight(plan, service=False, say=say)
+    for notice in request.notices:
+        print(f"note: {notice}", file=sys.stderr)
+    model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
+    for adapter in plan.adapters:
+        print(f"adapter: {adapter.describe()}", file=sys.stderr)
+    shifts = f"shifts {request.video_shift:g}/{request.audio_shift:g}"
+    forwards = f"{request.forwards} DiT forward{'s' if request.forwards != 1 else ''}"
+    print(
+        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
+        f"grid points ({forwards}), {shifts}, seed {request.seed} | {model_name} | "
+        f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
+        file=sys.stderr,
+    )
+
+    # 2. Load and render.
+    start = time.perf_counter()
+    with refusals():
+        engine = startup.launch(plan)
+    load_s = time.perf_counter() - start
+    if plan.adapters:
+        print(f"adapters merged in {engine.merge_seconds:.2f}s (part of the load)", file=sys.stderr)
+    try:
+        result = _render(engine, request, progress=not args.no_progress)
+    finally:
+        engine.close()
+
+    # 3. Encode (atomically: a temporary name renamed when complete).
+    encode_start = time.perf_counter()
+    try:
+        write_mp4(
+            args.output,
+            result.frames,
+            result.audio,
+            fps=result.fps,
+            sample_rate=result.sample_rate,
+            threads=settings.encoder_threads,
+        )
+    except (ValueError, OSError) as err:
+        raise CliError(f"--output {args.output}: {err}") from err
+    encode_s = time.perf_counter() - encode_start
+    stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
+    cache_note = ""
+    if result.step_cache is not None and result.step_cache.enabled:
+        cached = result.step_cache.cached
+        cache_note = (
+            f" | step cache (lossy): {len(cached)} of {result.step_cache.forwards} forwards cached {list(cached)}"
+        )
+    frames = result.frames
+    print(
+        f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "
+        f"{result.audio.shape[1] / result.sample_rate:.2f} s stereo {result.sample_rate} Hz | load {load_s:.2f}s "
+        f"{stages} encode {encode_s:.2f}s total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
+        file=sys.stderr,
+    )
+    return 0

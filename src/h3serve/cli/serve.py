@@ -1,0 +1,143 @@
+"""`h3serve serve`, `check` and `ready`: the service, its start-up checks without loading anything, and its
+healthcheck."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from h3serve.cli.common import EXIT_ERROR, CliError, read_settings, refusals
+from h3serve.cli.signals import import_held
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from h3serve.settings import add_flags
+
+    # allow_abbrev off: a prefix such as --api-key must not silently become --api-key-file (the key has no flag).
+    p = sub.add_parser(
+        "serve",
+        allow_abbrev=False,
+        help="run the HTTP service (vLLM-Omni/OpenAI video API)",
+        description="Serve the video API. Every setting is a flag, an H3_* environment variable or a --config key "
+        "(flags win over the environment, which wins over the file). Without --model the built-in tiny model is "
+        "served. Settings, the model folder and the port are checked first, then the weights load, then the port "
+        "opens: /health answers from then on and reports ready once the startup warmup render has passed.",
+    )
+    add_flags(p)
+    p.set_defaults(func=cmd_serve)
+    c = sub.add_parser(
+        "check",
+        allow_abbrev=False,
+        help="validate the service settings (and the model folder) without loading weights; the hardware is "
+        "checked with --preflight",
+        description="Resolve the settings as `serve` would and print them (the key redacted), or print every "
+        "violation and exit non-zero. Every rule between the settings is checked, the profile's included; whether "
+        "this machine can run the profile (CUDA, cuDNN, FP8 tensor cores, Humming) and which device an unset "
+        "H3_DEVICE becomes are checked with --preflight, as `serve` and `render` check them. Without --preflight no "
+        "GPU is touched and torch is not imported (with --model, reading the model folder imports it).",
+    )
+    add_flags(c)
+    c.add_argument(
+        "--preflight",
+        action="store_true",
+        help="also check the host as `serve` will: the profile against this machine (CUDA, cuDNN, FP8 tensor cores, "
+        "Humming), the model folder's shards, the output folder, the port, and the memory the profile needs against "
+        "what is free (printed as a budget table)",
+    )
+    c.set_defaults(func=cmd_check)
+    r = sub.add_parser(
+        "ready",
+        allow_abbrev=False,
+        help="exit 0 if the server these settings describe reports ready (a container healthcheck)",
+        description="Read the settings as `serve` does, ask http://<bind host>:<port>/ready (with the key when one "
+        "is set; a wildcard bind is asked on loopback) and exit 0 only if it answers 200. Prints the answer.",
+    )
+    add_flags(r)
+    r.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (5)")
+    r.set_defaults(func=cmd_ready)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from h3serve import startup
+
+    # The hardware (which initialises CUDA, and takes seconds to import torch for) only with --preflight.
+    settings = read_settings(args, check_profile=args.preflight)
+    with refusals():
+        plan = startup.plan(settings, settings.task_type)
+        print(json.dumps(settings.resolved(resolve_device=args.preflight), indent=2))
+        for adapter in plan.adapters:
+            print(f"adapter: {adapter.describe()}", file=sys.stderr)
+        if not args.preflight:
+            print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
+            return 0
+        plan = startup.preflight(plan, service=True, say=print)
+    if plan.budget is not None:
+        print(plan.budget.table())
+        if settings.num_gpus > 1:
+            print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
+                  f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
+    checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, port, memory"
+    print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
+    return 0
+
+
+def cmd_ready(args: argparse.Namespace) -> int:
+    import httpx
+
+    settings = read_settings(args, check_profile=False)  # a healthcheck every 30 s must not initialise CUDA
+    host = settings.bind_host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{settings.api_port}/ready"
+    headers = {"Authorization": f"Bearer {settings.key}"} if settings.key else {}
+    try:
+        answer = httpx.get(url, headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as err:
+        raise CliError(f"{url}: no answer ({type(err).__name__}: {err})") from err
+    print(f"{url}: {answer.status_code} {answer.text.strip()[:200]}")
+    return 0 if answer.status_code == 200 else EXIT_ERROR
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import_held("uvicorn", "h3serve.service.app")
+    import uvicorn
+
+    from h3serve import startup
+    from h3serve.service.app import create_app
+    from h3serve.service.page import WebPage
+
+    logging.getLogger("h3serve").setLevel(logging.INFO)
+    log = logging.getLogger("h3serve.serve")
+    # Everything is checked before any weight loads: settings, the model folder, adapters, the output folder, the
+    # port, the FP8 GEMM and the memory plan (the seed's free-memory gate: a start that cannot fit stops here).
+    settings = read_settings(args)
+    log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
+    with refusals():
+        plan = startup.preflight(startup.plan(settings, settings.task_type), service=True, say=log.info)
+    if plan.budget is not None:
+        log.info("memory budget before load:\n%s", plan.budget.table())
+    for adapter in plan.adapters:
+        log.info("adapter: %s", adapter.describe())
+    page = WebPage.load()  # the page's packaged files, read before any weight loads: an install without them stops here
+    start = time.perf_counter()
+    with refusals():
+        engine = startup.launch(plan)
+    try:
+        gpus = f" on {engine.num_gpus} GPUs" if engine.num_gpus > 1 else ""
+        log.info("model %s loaded%s in %.1f s", settings.model_id, gpus, time.perf_counter() - start)
+        if plan.adapters:
+            log.info(
+                "adapters merged in %.2f s; default sampler: %s",
+                engine.merge_seconds,
+                engine.admission.sampler.describe(),
+            )
+        log.info("memory held after load:\n%s", engine.memory_budget().table())
+        app = create_app(settings, engine, page)
+        uvicorn.run(
+            app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30
+        )
+    finally:
+        engine.close()
+    return 0
