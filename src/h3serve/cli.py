@@ -32,7 +32,7 @@ from h3serve.vocab import SMOKE_REQUEST, Task, dit_kind, seconds_to_frames
 
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
-    from h3serve.model.folder import ModelFolder
+    from h3serve.checkpoint.folder import ModelFolder
     from h3serve.pipeline.request import RenderRequest
     from h3serve.settings import EngineSettings
 
@@ -296,7 +296,7 @@ def _read_adapters(settings, folder) -> tuple:
     files = settings.adapter_files()
     if not files:
         return ()
-    from h3serve.model.adapters import AdapterError, read_adapter
+    from h3serve.checkpoint.adapters import AdapterError, read_adapter
     from h3serve.model.tiny import TINY_DIT
 
     config = folder.dit if folder is not None else TINY_DIT
@@ -545,11 +545,10 @@ class _RenderPlan:
 
 
 def _plan_render(args: argparse.Namespace) -> _RenderPlan:
+    from h3serve.checkpoint.folder import resolve_model_folder
     from h3serve.media.mp4 import DEFAULT_CRF, check_settings
-    from h3serve.model.adapters import check_adapter_kinds
-    from h3serve.model.folder import resolve_model_folder
     from h3serve.model.tiny import TINY_DIT
-    from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
+    from h3serve.pipeline.admission import Admission, Sampler, check_adapter_kinds, trained_tasks
     from h3serve.pipeline.request import validate_request
     from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
 

@@ -18,8 +18,8 @@ from transformers import Qwen3VLConfig, Qwen3VLModel
 
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, SAMPLE_RATE, DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.model.components import Components
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TextEncoder,
     load_image_processor,

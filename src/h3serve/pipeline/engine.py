@@ -34,12 +34,13 @@ from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
+from h3serve.checkpoint.adapters import Adapter, AdapterMerge, merge_into
+from h3serve.checkpoint.folder import ModelFolder, load_components, resolve_model_folder
+from h3serve.checkpoint.safetensors import chain
 from h3serve.config import FPS
-from h3serve.model.adapters import Adapter, AdapterMerge, check_adapter_kinds, merge_into
-from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
-from h3serve.model.loading import chain
+from h3serve.model.components import Components
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission, Sampler, trained_tasks
+from h3serve.pipeline.admission import Admission, Sampler, check_adapter_kinds, trained_tasks
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext

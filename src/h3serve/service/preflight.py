@@ -19,7 +19,7 @@ def check_model(settings):
                 "H3_QKV_LAYOUT (--qkv-layout) applies to a model whose DiT is a single file; none is set"
             )
         return None
-    from h3serve.model.folder import resolve_model_folder  # imports torch: only when there is a folder to read
+    from h3serve.checkpoint.folder import resolve_model_folder  # imports torch: only when there is a folder to read
 
     try:
         folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
