@@ -322,11 +322,20 @@ MEMORY_DIT = DiTConfig(
 # "keep": a plain CPU load, the model kept. "away": each tensor handed to a hook that takes 5 ms and sends it away
 # (to the meta device), as a CUDA load sends it to the GPU: a consumer slower than the reads, so that the read-ahead
 # runs as far as it may, and nothing kept on the host. "control": "away" with a read-ahead as deep as the file.
+# The DiT is built on the meta device once before the measurement: torch's first meta-device op (the RoPE arange)
+# imports torch.fx and sympy, ~150 MB of modules that are the process's, not the load's (a DiT-only load no longer
+# imports transformers, which had imported them before).
 MEASURE = """
 import json, resource, sys, time
+from pathlib import Path
 import torch
 from h3serve.checkpoint import reader
 from h3serve.checkpoint.dit import load_dit
+from h3serve.config import DiTConfig
+from h3serve.model.dit import H3DiT
+
+with torch.device("meta"):
+    H3DiT(DiTConfig.from_json(Path(sys.argv[1]) / "config.json"))
 
 class Away:
     def transform(self, name, tensor):
