@@ -24,10 +24,11 @@ from PIL import Image
 from transformers import Qwen3VLConfig
 
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.vae import original_video_vae_config
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.model.components import Components
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
-from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     TextEncoder,
@@ -37,7 +38,7 @@ from h3serve.model.text_encoder import (
     truncated_qwen3vl,
 )
 from h3serve.model.tiny import asset_dir
-from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.model.video_vae import VideoVAE
 from h3serve.pipeline.engine import Engine
 
 REFERENCE = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference" / "FL2VA"
@@ -93,7 +94,7 @@ def build(device: torch.device) -> Components:
     wrapper = json.loads((REFERENCE / "video_vae" / "config.json").read_text())
     source = json.loads((REFERENCE / "video_vae" / "source" / "config.json").read_text())
     with torch.device("meta"):
-        video = VideoVAE(VideoVAEConfig.from_original(wrapper, source))
+        video = VideoVAE(original_video_vae_config(wrapper, source))
     video = video.to_empty(device=device)
     fill_random(video)
     metadata = json.loads((REFERENCE / "audio_vae" / "metadata.json").read_text())

@@ -71,7 +71,7 @@ def dit_check(layers: int, warmup: int, iters: int) -> dict:
     from safetensors.torch import save_file
 
     from dit_fixtures import cast_reference, reference_state_dict
-    from h3serve.model.loading import load_dit
+    from h3serve.checkpoint.dit import load_dit
 
     cfg = json.loads(Path("tests/data/reference/transformer/config.json").read_text())
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}

@@ -1,16 +1,17 @@
-"""Checkpoint load speed and memory: the reader (`h3serve.model.reader`, `load_dit`'s default) against the previous
-mmap copy (`threads=0`), BF16 to the GPU and FP8 at load (`Fp8LoadHook`), each as a first read (the files evicted
-from the page cache) and cached, on a DiT written in the released layout (original key names, QKV interleaved per
-head, sharded under `model.safetensors.index.json`) at full width with `--blocks` of its 50 blocks, random weights.
+"""Checkpoint load speed and memory: the reader (`h3serve.checkpoint.reader`, `load_dit`'s one read path) against
+safetensors' own mmap (`mmap_load` below, the path production had before the reader), BF16 to the GPU and FP8 at load
+(`Fp8LoadHook`), each as a first read (the files evicted from the page cache) and cached, on a DiT written in the
+released layout (original key names, QKV interleaved per head, sharded under `model.safetensors.index.json`) at full
+width with `--blocks` of its 50 blocks, random weights.
 
     PYTHONPATH=/tmp/site:src:tests python3 bench/load.py --blocks 16 --out bench/results/DATE-h200-load.json
     PYTHONPATH=src:tests python bench/load.py --device cpu --blocks 1 --hidden 256 --out /tmp/load.json  # smoke
 
-GB/s is checkpoint bytes / wall seconds of `load_dit` (GB = 1e9 bytes; the device synchronized). Memory: the host's
-extra RSS during each load (RssAnon and RssFile sampled from /proc/self/status, their sum's peak from VmHWM) over
-the load's start, and the GPU's peak allocation over the model it leaves resident. Targets: >= 2 GB/s BF16, >= 1.5
-GB/s FP8, first read from local NVMe or the page cache; the host's extra bounded by about two of the largest tensor
-(the reader's window and the tensor in hand), whatever the checkpoint's size.
+GB/s is checkpoint bytes / wall seconds of `load_dit` or `mmap_load` (GB = 1e9 bytes; the device synchronized).
+Memory: the host's extra RSS during each load (RssAnon and RssFile sampled from /proc/self/status, their sum's peak
+from VmHWM) over the load's start, and the GPU's peak allocation over the model it leaves resident. Targets: >= 2 GB/s
+BF16, >= 1.5 GB/s FP8, first read from local NVMe or the page cache; the host's extra bounded by about two of the
+largest tensor (the reader's window and the tensor in hand), whatever the checkpoint's size.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 from benchlib import StatusPeaks, evict, proc_status, run_header
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from h3serve.accel.linear import Fp8LoadHook
+from h3serve.checkpoint.dit import dit_plan, load_dit, resolve_dit_layout
+from h3serve.checkpoint.reader import DEFAULT_THREADS, MIN_WINDOW
+from h3serve.checkpoint.safetensors import LoadHook, LoadStats, open_checkpoint
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
 from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
-from h3serve.model.loading import LoadStats, load_dit
-from h3serve.model.reader import DEFAULT_THREADS, MIN_WINDOW
 
 # The release's names (tests/data/reference/FL2VA/transformer/model.safetensors.index.json): 13 shards of ~5 GB.
 INDEX = "model.safetensors.index.json"
@@ -173,6 +176,47 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def mmap_load(
+    path: Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    hook: LoadHook | None = None,
+    config: DiTConfig | None = None,
+    qkv_layout: str | None = None,
+) -> H3DiT:
+    """The comparison path: the DiT read through safetensors' own mmap, as production read it before the reader.
+
+    Each key is a zero-copy view into a fresh mapping of its file (`safe_open(...).get_tensor`), paged in by the one
+    thread that copies it; the tensors are built by the loader's own plan (`dit_plan`: the same keys and row reorders),
+    on the CPU, then copied once into an allocation of their own at the target dtype and device, and `hook` transforms
+    each one in turn, as `load_dit` does. Built here from public pieces, so that production keeps one read path; the
+    checks (key set, dtypes) are `load_dit`'s job, not this measurement's. `config`: else the folder's config.json.
+    """
+    path = Path(path)
+    device = torch.empty(0, device=device).device
+    ckpt = open_checkpoint(path)
+    layout = resolve_dit_layout(ckpt, qkv_layout)
+    if config is None:
+        config = DiTConfig.from_json((path if path.is_dir() else path.parent) / "config.json")
+    with torch.device("meta"):
+        model = H3DiT(config)
+    state: dict[str, torch.Tensor] = {}
+    for name, src in dit_plan(model, layout, ckpt.keys()).items():
+        views = [safe_open(str(ckpt.file_of(k)), framework="pt", device="cpu").get_tensor(k) for k in src.keys]
+        built = src.build(views)
+        tensor = torch.empty(built.shape, dtype=torch.float32 if is_fp32_name(name) else dtype, device=device)
+        tensor.copy_(built)  # converts and transfers in the one copy
+        del views, built
+        state.update(hook.transform(name, tensor) if hook is not None else {name: tensor})
+        del tensor
+    if hook is not None:
+        hook.prepare(model)
+    model.load_state_dict(state, strict=True, assign=True)
+    sync(device)
+    return model.eval().requires_grad_(False)
+
+
 def resident_bytes(model: torch.nn.Module) -> int:
     return sum(t.nbytes for t in model.state_dict().values())
 
@@ -187,7 +231,7 @@ def measure(
     cache: str,
     threads: int,
 ) -> tuple[dict, torch.nn.Module]:
-    """One timed `load_dit`; its record and the model."""
+    """One timed load (`load_dit` for the reader, `mmap_load` for mmap); its record and the model."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -209,7 +253,12 @@ def measure(
     with StatusPeaks() as sampler:
         sync(device)
         start = time.perf_counter()
-        model = load_dit(folder, device=device, dtype=torch.bfloat16, hook=hook, threads=threads, on_stats=stats.append)
+        if path == "reader":
+            model = load_dit(
+                folder, device=device, dtype=torch.bfloat16, hook=hook, threads=threads, on_stats=stats.append
+            )
+        else:
+            model = mmap_load(folder, device=device, dtype=torch.bfloat16, hook=hook)
         sync(device)
         seconds = time.perf_counter() - start
     after = proc_status()
@@ -222,7 +271,9 @@ def measure(
         "page_cache_resident_before": round(cached_before, 4),
         "seconds": round(seconds, 3),
         "gb_per_s": round(ckpt_bytes / GB / seconds, 3),
-        "loader_stats": {
+        "loader_stats": None  # the reader's own account (the mmap path keeps none)
+        if not stats
+        else {
             "bytes_read": stats[0].bytes_read,
             "seconds": round(stats[0].seconds, 3),
             "gb_per_s": round(stats[0].gb_per_s, 3),
@@ -252,8 +303,8 @@ def warm_up(folder: Path, device: torch.device, threads: int) -> None:
     files = write_checkpoint(folder, bench_config(256, 1), torch.device("cpu"), int(GB))
     try:
         for hook in (None, Fp8LoadHook()):
-            for t in (threads, 0):
-                load_dit(folder, device=device, dtype=torch.bfloat16, hook=hook, threads=t)
+            load_dit(folder, device=device, dtype=torch.bfloat16, hook=hook, threads=threads)
+            mmap_load(folder, device=device, dtype=torch.bfloat16, hook=hook)
         sync(device)
     finally:
         for f in [*files, folder / INDEX, folder / "config.json"]:
@@ -299,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-gb", type=float, default=5.0, help="shard size in GB (the release's: ~5)")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="the reader's threads")
     parser.add_argument("--modes", default="bf16,fp8", help="comma list of bf16, fp8")
-    parser.add_argument("--paths", default="reader,mmap", help="comma list of reader, mmap (the previous path)")
+    parser.add_argument("--paths", default="reader,mmap", help="comma list of reader, mmap (safetensors' own)")
     parser.add_argument("--caches", default="first_read,cached", help="comma list of first_read, cached")
     parser.add_argument("--out", type=Path, default=None, help="the result JSON (written after every measurement)")
     args = parser.parse_args(argv)

@@ -30,7 +30,7 @@ from full_size_smoke import build, t2va_prompt
 from adapter_fixtures import write_adapter
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
-from h3serve.model.adapters import merge_into, read_adapter
+from h3serve.checkpoint.adapters import merge_into, read_adapter
 from h3serve.pipeline.engine import Engine
 
 RUNS = (

@@ -2,7 +2,7 @@
 
 Full-size random weights (`full_size_smoke.build`); the DiT blocks' AdaLN weights are written to safetensors files on
 local disk and the DiT's AdaLN parameters replaced by views of those files' mappings, as a load with
-`H3_ADALN_WEIGHTS=mapped` leaves them (`model.loading.assign_from_checkpoint(mapped=...)`). Per profile (BF16 and
+`H3_ADALN_WEIGHTS=mapped` leaves them (`assign_from_checkpoint(mapped=...)`). Per profile (BF16 and
 CUTLASS compiled, CUTLASS with the FP8 text encoder), with one schedule's tables kept (the integrated default):
 the default schedule's tables made (the warmup's first step; timed: the mapped weights stream in), a warm-up render
 and a timed render at the reference request (T2VA 768x448, 56 frames, `--steps` grid points) and one render at the

@@ -25,7 +25,7 @@ from benchlib import run_header
 from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.profile import Profile
-from h3serve.model.folder import Components
+from h3serve.model.components import Components
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors

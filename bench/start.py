@@ -56,9 +56,9 @@ from full_size_smoke import fill_random
 from dit_fixtures import export_state_dict
 from e2e_fixtures import write_tiny_checkpoint
 from h3serve.accel.caches import CACHES
+from h3serve.checkpoint.folder import resolve_model_folder
 from h3serve.config import DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.folder import resolve_model_folder
 
 # The profiles' settings, spelled out (the CUDA defaults today) so that the record says what ran whatever the defaults
 # become; `default` sets none of them.

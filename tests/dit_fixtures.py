@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from h3serve.checkpoint.dit import load_dit
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.loading import load_dit
 
 # Attention width (2 x 16 = 32) differs from the hidden size (24), and RoPE rotates 2 x 3 x 2 = 12 of 16 head dims,
 # so every path of the full model (inner != hidden, partial rotary) runs. Widths are all distinct to catch

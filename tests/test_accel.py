@@ -159,7 +159,7 @@ def test_the_load_hook_quantizes_block_linears_as_they_are_read(tmp_path):
 
     from dit_fixtures import reference_dit, reference_state_dict
     from h3serve.accel.linear import Fp8Linear, Fp8LoadHook, quantize_weight
-    from h3serve.model.loading import load_dit
+    from h3serve.checkpoint.dit import load_dit
 
     ref = reference_dit(0)
     save_file(reference_state_dict(ref), tmp_path / "diffusion_pytorch_model.safetensors")
@@ -450,8 +450,8 @@ def test_load_hooks_quantize_the_text_encoder_and_dit_as_they_load_exactly_as_af
         quantize_blocks,
         quantize_text_encoder,
     )
-    from h3serve.model.folder import load_components, resolve_model_folder
-    from h3serve.model.loading import chain
+    from h3serve.checkpoint.folder import load_components, resolve_model_folder
+    from h3serve.checkpoint.safetensors import chain
 
     folder = resolve_model_folder(write_tiny_checkpoint(tmp_path / "FL2VA"))
     plain = load_components(folder, device="cpu", dtype=torch.bfloat16)

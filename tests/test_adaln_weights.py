@@ -98,7 +98,7 @@ def test_a_render_over_mapped_weights_is_bitwise_the_render_over_loaded_ones(eng
 
 def test_an_adapter_changing_adaln_is_merged_as_the_mapped_weights_stream_in(checkpoint, engines, tmp_path):
     from adapter_fixtures import write_adapter
-    from h3serve.model.adapters import read_adapter
+    from h3serve.checkpoint.adapters import read_adapter
     from h3serve.model.tiny import TINY_DIT
 
     adapter = read_adapter(write_adapter(tmp_path, "native", TINY_DIT, rank=4), config=TINY_DIT)

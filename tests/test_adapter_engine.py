@@ -14,7 +14,7 @@ import torch
 
 from adapter_fixtures import write_adapter
 from h3serve.accel.profile import Profile
-from h3serve.model.adapters import read_adapter
+from h3serve.checkpoint.adapters import read_adapter
 from h3serve.model.tiny import TINY_DIT
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.rules import RequestError

@@ -27,16 +27,16 @@ from dit_fixtures import (
     reference_state_dict,
     rel_err,
 )
-from h3serve.config import DiTConfig
-from h3serve.model import adapters
-from h3serve.model.adapters import (
+from h3serve.checkpoint.adapters import (
     AdapterError,
     AdapterMerge,
     Preset,
     merge_into,
     read_adapter,
 )
-from h3serve.model.loading import load_dit
+from h3serve.checkpoint.adapters import read as adapter_reader
+from h3serve.checkpoint.dit import load_dit
+from h3serve.config import DiTConfig
 from h3serve.model.tiny import TINY_DIT, tiny_dit
 from h3serve.settings import parse_lora_setting
 from oracle import oracle
@@ -121,11 +121,11 @@ def test_merge_matches_diffusers_fused_lora(oracle_setup, tmp_path, fmt):
     ("fmt", "broken"),
     [
         ("lightx2v-diffusers", "swap_halves"),  # ff.net.0.proj B halves left [value; gate]
-        ("diffsynth", "deinterleave_qkv_rows"),  # interleaved QKV rows treated as stacked
+        ("diffsynth", "deinterleave_qkv"),  # interleaved QKV rows treated as stacked
     ],
 )
 def test_wrong_row_order_differs_from_diffusers(oracle_setup, tmp_path, monkeypatch, fmt, broken):
-    monkeypatch.setattr(adapters, broken, identity)
+    monkeypatch.setattr(adapter_reader, broken, identity)
     errors, _ = compare_with_diffusers(oracle_setup, tmp_path, fmt)
     assert min(errors) > 1e-2, (broken, errors)
 
@@ -210,14 +210,14 @@ def fasth3_terms(file: Path, cfg: DiTConfig, scale: float) -> list[tuple[str, in
     return terms
 
 
-@pytest.mark.parametrize("broken", [None, "deinterleave_qkv_rows"])
+@pytest.mark.parametrize("broken", [None, "deinterleave_qkv"])
 def test_flashgen_native_merge_by_hand(tmp_path, monkeypatch, broken):
     file = write_adapter(tmp_path, "flashgen-native", TINY_DIT)
     model = tiny_dit()
     base = {k: v.clone() for k, v in model.state_dict().items()}
     expected = expected_merge(base, flashgen_terms(file, TINY_DIT, 0.6))
     if broken:
-        monkeypatch.setattr(adapters, broken, identity)
+        monkeypatch.setattr(adapter_reader, broken, identity)
     merge_into(model, [read_adapter(file, 0.6, config=TINY_DIT)])
     if broken is None:
         assert_weights(model, expected, base)
@@ -235,7 +235,7 @@ def test_fasth3_merge_by_hand(tmp_path, monkeypatch, broken):
     assert {t for t, _, d in terms if d.ndim == 1} >= {"blocks.0.norm1.weight", "final_layer.video_out.bias"}
     expected = expected_merge(base, terms)
     if broken:
-        monkeypatch.setattr(adapters, broken, identity)
+        monkeypatch.setattr(adapter_reader, broken, identity)
     merge_into(model, [read_adapter(file, 0.6, config=TINY_DIT)])
     if broken is None:
         assert_weights(model, expected, base)

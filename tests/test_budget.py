@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.vae import original_video_vae_config
 from h3serve.cli import main
 from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
-from h3serve.model.video_vae import VideoVAEConfig
 from h3serve.pipeline.budget import OVERHEAD_GIB, PLANNED_TEXT_ROWS, PROCESS_HOST_GIB, check_fits, plan_budget
 from h3serve.pipeline.rules import RELEASED_RULES
 
@@ -28,7 +28,7 @@ def released_configs():
     return types.SimpleNamespace(
         dit=DiTConfig.from_json(REFERENCE / "transformer" / "config.json"),
         text_encoder=REFERENCE / "text_encoder",
-        video_vae_config=VideoVAEConfig.from_original(
+        video_vae_config=original_video_vae_config(
             json.loads((REFERENCE / "video_vae" / "config.json").read_text()),
             json.loads((REFERENCE / "video_vae" / "source" / "config.json").read_text()),
         ),
@@ -240,7 +240,7 @@ def test_preflight_with_several_gpus_checks_each_gpu_and_every_ranks_host_part(c
 
 
 def _folder(path):
-    from h3serve.model.folder import resolve_model_folder
+    from h3serve.checkpoint.folder import resolve_model_folder
 
     return resolve_model_folder(path)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3serve.model.vae_loading import load_audio_vae, load_video_vae
+from h3serve.checkpoint.vae import load_audio_vae, load_video_vae
 from h3serve.pipeline.decode import check_finite, decode_audio, decode_video
 from h3serve.pipeline.layout import MediaGeometry, build_layout, patchify_video
 from oracle import oracle

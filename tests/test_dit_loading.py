@@ -12,7 +12,9 @@ from safetensors.torch import save_file
 
 from dit_fixtures import export_state_dict, packed_inputs, tiny_dit_pair
 from folder_fixtures import DIT_INDEX, write_sharded
-from h3serve.model.loading import CheckpointError, load_dit, open_checkpoint, resolve_dit_layout
+from h3serve.checkpoint.dit import load_dit, resolve_dit_layout
+from h3serve.checkpoint.reader import CheckpointError
+from h3serve.checkpoint.safetensors import open_checkpoint
 from loading_fixtures import not_owned
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
@@ -74,7 +76,7 @@ def test_every_layout_loads_to_identical_outputs(tiny, tmp_path):
 
 def test_single_file_qkv_order_is_assumed_stacked_with_a_warning_that_says_how_to_change_it(tiny, tmp_path, caplog):
     path = write_layout(tmp_path, tiny, "interleaved")
-    with caplog.at_level(logging.WARNING, logger="h3serve.model.loading"):
+    with caplog.at_level(logging.WARNING, logger="h3serve.checkpoint.dit"):
         wrong = load_dit(path, dtype=torch.float32, config=tiny.config)
     assert "assuming stacked" in caplog.text and "--qkv-layout interleaved" in caplog.text
     # The file really is interleaved: read as stacked, the model differs; said so, it loads right.
@@ -82,7 +84,7 @@ def test_single_file_qkv_order_is_assumed_stacked_with_a_warning_that_says_how_t
     right = load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout="interleaved")
     assert torch.equal(run(right)[0], run(tiny)[0])
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="h3serve.model.loading"):
+    with caplog.at_level(logging.WARNING, logger="h3serve.checkpoint.dit"):
         load_dit(path, dtype=torch.float32, config=tiny.config, qkv_layout="stacked")
     assert "assuming" not in caplog.text  # an explicit choice is not warned about
 

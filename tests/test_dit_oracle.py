@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from dit_fixtures import packed_inputs, rel_err
+from h3serve.checkpoint import dit as dit_loading
 from h3serve.config import DiTConfig
-from h3serve.model import loading
-from h3serve.model.dit import H3DiT, is_fp32_name
+from h3serve.model.dit import H3DiT, inv_freq, is_fp32_name
 from oracle import oracle
 
 diffusers = oracle("diffusers")
@@ -64,7 +64,7 @@ def random_original_checkpoint(cfg: DiTConfig, seed: int = 0) -> dict[str, torch
     state = {}
     for key in original_keys(cfg.num_layers):
         if key == "rope.inv_freq":
-            state[key] = loading.inv_freq(cfg.rope_inv_freq_len, cfg.rope_theta)
+            state[key] = inv_freq(cfg.rope_inv_freq_len, cfg.rope_theta)
             continue
         t = torch.randn(shapes[key], generator=g) * (0.2 if len(shapes[key]) > 1 else 0.5)
         t = t + (1.0 if "norm" in key else 0.0)
@@ -99,14 +99,9 @@ def oracle_pair(tmp_path_factory):
     return reference, folder
 
 
-def reversed_reorder(heads: int):
+def reversed_reorder(w, heads: int):
     """The wrong direction: treat the stored rows as [q; k; v] and interleave them, instead of de-interleaving."""
-
-    def build(ts):
-        w = ts[0]
-        return w.view(3, heads, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
-
-    return build
+    return w.view(3, heads, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape)
 
 
 def swapped_fc1_plan(original_plan):
@@ -114,7 +109,7 @@ def swapped_fc1_plan(original_plan):
         out = original_plan(model, layout, keys)
         for name, src in out.items():
             if name.endswith("mlp.fc1.weight"):
-                out[name] = loading.Source(src.keys, loading._swap_halves)
+                out[name] = dit_loading.Source(src.keys, dit_loading._swapped)
         return out
 
     return plan
@@ -124,10 +119,10 @@ def swapped_fc1_plan(original_plan):
 def test_original_shards_load_like_diffusers_converter(oracle_pair, monkeypatch, broken):
     reference, folder = oracle_pair
     if broken == "qkv reorder reversed":
-        monkeypatch.setattr(loading, "_deinterleave_qkv", reversed_reorder)
+        monkeypatch.setattr(dit_loading, "deinterleave_qkv", reversed_reorder)
     elif broken == "fc1 halves swapped":
-        monkeypatch.setattr(loading, "dit_plan", swapped_fc1_plan(loading.dit_plan))
-    ours = loading.load_dit(folder, dtype=torch.float32)
+        monkeypatch.setattr(dit_loading, "dit_plan", swapped_fc1_plan(dit_loading.dit_plan))
+    ours = dit_loading.load_dit(folder, dtype=torch.float32)
     inputs = packed_inputs(cfg=ORACLE_CONFIG)
     with torch.no_grad():
         expected = reference(**inputs.reference_kwargs(), return_dict=False)

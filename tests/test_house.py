@@ -98,6 +98,7 @@ def test_no_import_cycle_in_the_package():
 LAYERS = (
     ("h3serve.vocab", "h3serve.config", "h3serve.errors", "h3serve"),
     ("h3serve.model", "h3serve.media"),
+    ("h3serve.checkpoint",),  # reads checkpoints into model/'s architecture; accel's load hooks come in as values
     ("h3serve.accel",),
     ("h3serve.pipeline",),
     ("h3serve.parallel",),
@@ -119,7 +120,8 @@ def test_imports_follow_the_layers():
     graph = import_graph()
     upward = [f"{a} -> {b}" for a, edges in graph.items() for b in edges if _layer(b) > _layer(a)]
     assert upward == []
-    assert _layer("h3serve.model.dit") < _layer("h3serve.accel.apply") < _layer("h3serve.pipeline.engine")
+    assert _layer("h3serve.model.dit") < _layer("h3serve.checkpoint.dit") < _layer("h3serve.accel.apply")
+    assert _layer("h3serve.accel.apply") < _layer("h3serve.pipeline.engine")
 
 
 def test_no_global_statement_and_no_kernel_setter_in_the_package():

@@ -18,13 +18,13 @@ def folder(tmp_path_factory):
 
     oracle("diffusers")
     from e2e_fixtures import write_tiny_checkpoint
-    from h3serve.model.folder import resolve_model_folder
+    from h3serve.checkpoint.folder import resolve_model_folder
 
     return resolve_model_folder(write_tiny_checkpoint(tmp_path_factory.mktemp("release") / "FL2VA"))
 
 
 def test_the_decoder_is_converted_as_read_bitwise_as_after_the_load(folder):
-    from h3serve.model.vae_loading import load_video_vae
+    from h3serve.checkpoint.vae import load_video_vae
     from loading_fixtures import not_owned
 
     cuda = Profile.for_device("cuda")  # float16 autocast: a value, built on any machine

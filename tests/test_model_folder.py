@@ -11,9 +11,9 @@ import torch
 from e2e_fixtures import write_tiny_checkpoint
 from folder_fixtures import with_dit_layout, write_config_folder
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.folder import load_components, resolve_model_folder
 from h3serve.cli import main
 from h3serve.model.dit import H3DiT
-from h3serve.model.folder import load_components, resolve_model_folder
 from h3serve.model.tiny import (
     TINY_AUDIO_VAE,
     TINY_DIT,

@@ -1,9 +1,10 @@
-"""The checkpoint reader (`model.reader`): its bytes are safetensors' bytes for every dtype and shape however it
+"""The checkpoint reader (`checkpoint.reader`): its bytes are safetensors' bytes for every dtype and shape however it
 chunks them, a short or corrupt file stops it naming the file and key, its read-ahead and files are bounded, and a
-DiT loaded through it is bitwise the mmap load's, owned, in bounded memory."""
+DiT loaded through it is bitwise safetensors' own mmap load (bench/load.py's comparison), owned, in bounded memory."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -20,12 +22,15 @@ from safetensors.torch import save_file
 
 from dit_fixtures import export_state_dict
 from folder_fixtures import write_sharded
+from h3serve.checkpoint.dit import load_dit
+from h3serve.checkpoint.reader import MIN_WINDOW, CheckpointError, TensorReader, read_header
+from h3serve.checkpoint.safetensors import LoadStats
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.loading import LoadStats, load_dit
-from h3serve.model.reader import MIN_WINDOW, CheckpointError, TensorReader, read_header
 from h3serve.model.tiny import TINY_DIT, tiny_dit
 from loading_fixtures import not_owned
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 DTYPES = (
     torch.bfloat16,
@@ -201,16 +206,29 @@ def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
     return [k for k in sa if sa[k].dtype != sb[k].dtype or as_bytes(sa[k]) != as_bytes(sb[k])]
 
 
+def bench_load(monkeypatch) -> ModuleType:
+    """bench/load.py as a module (bench/ is no package; the script imports its `benchlib` from beside it)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["plain", "fp8-hook"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", ["original", "stacked"])
-def test_a_dit_read_by_the_reader_is_bitwise_the_mmap_load_and_owns_its_tensors(tiny_folders, layout, dtype, fp8):
+def test_a_dit_read_by_the_reader_is_bitwise_the_mmap_load_and_owns_its_tensors(
+    tiny_folders, monkeypatch, layout, dtype, fp8
+):
+    """The reader against bench/load.py's comparison path: safetensors' own mmap, built from the same plan."""
     from h3serve.accel.linear import Fp8LoadHook
 
     path = tiny_folders[layout]
     kwargs = dict(dtype=dtype, config=TINY_DIT, qkv_layout=None if layout == "original" else "stacked")
     new = load_dit(path, hook=Fp8LoadHook() if fp8 else None, **kwargs)
-    old = load_dit(path, hook=Fp8LoadHook() if fp8 else None, threads=0, **kwargs)
+    old = bench_load(monkeypatch).mmap_load(path, device="cpu", hook=Fp8LoadHook() if fp8 else None, **kwargs)
     assert same_bytes(new, old) == []
     assert not_owned(new, files_of(path)) == []
     if fp8:
@@ -248,7 +266,7 @@ def test_a_load_to_another_device_builds_there(tiny_folders):
 def test_the_load_reports_its_bytes_and_rate(tiny_folders, caplog):
     folder = tiny_folders["original"]
     stats: list[LoadStats] = []
-    with caplog.at_level(logging.INFO, logger="h3serve.model.loading"):
+    with caplog.at_level(logging.INFO, logger="h3serve.checkpoint.dit"):
         load_dit(folder, on_stats=stats.append)
     stored = sum(e.nbytes for f in files_of(folder) for e in read_header(f).values())
     assert len(stats) == 1 and stats[0].bytes_read == stored and stats[0].threads > 0
@@ -304,11 +322,20 @@ MEMORY_DIT = DiTConfig(
 # "keep": a plain CPU load, the model kept. "away": each tensor handed to a hook that takes 5 ms and sends it away
 # (to the meta device), as a CUDA load sends it to the GPU: a consumer slower than the reads, so that the read-ahead
 # runs as far as it may, and nothing kept on the host. "control": "away" with a read-ahead as deep as the file.
+# The DiT is built on the meta device once before the measurement: torch's first meta-device op (the RoPE arange)
+# imports torch.fx and sympy, ~150 MB of modules that are the process's, not the load's (a DiT-only load no longer
+# imports transformers, which had imported them before).
 MEASURE = """
 import json, resource, sys, time
+from pathlib import Path
 import torch
-from h3serve.model import reader
-from h3serve.model.loading import load_dit
+from h3serve.checkpoint import reader
+from h3serve.checkpoint.dit import load_dit
+from h3serve.config import DiTConfig
+from h3serve.model.dit import H3DiT
+
+with torch.device("meta"):
+    H3DiT(DiTConfig.from_json(Path(sys.argv[1]) / "config.json"))
 
 class Away:
     def transform(self, name, tensor):

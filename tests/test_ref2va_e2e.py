@@ -36,8 +36,8 @@ import torch
 from PIL import Image
 
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.folder import load_components, resolve_model_folder
 from h3serve.media.mp4 import encode_mp4
-from h3serve.model.folder import load_components, resolve_model_folder
 from h3serve.model.text_encoder import load_image_processor
 from h3serve.pipeline.conditioning import VideoProcessing, encode_text
 from h3serve.pipeline.engine import Engine, RenderResult

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from h3serve.model.folder import load_ref_dit, resolve_model_folder
-from h3serve.model.loading import load_dit
+from h3serve.checkpoint.dit import load_dit
+from h3serve.checkpoint.folder import load_ref_dit, resolve_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-from h3serve.model.loading import load_text_encoder
+from h3serve.checkpoint.text_encoder import load_text_encoder
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, load_image_processor, load_tokenizer
 from h3serve.model.tiny import randomize, tiny_text_encoder, tiny_text_encoder_config
 from h3serve.pipeline.conditioning import (

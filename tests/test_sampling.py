@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h3serve.checkpoint.vae import load_video_vae
 from h3serve.model.latents import LatentStats
-from h3serve.model.vae_loading import load_video_vae
 from h3serve.pipeline.conditioning import encode_keyframes, sample_keyframe_latents
 from h3serve.pipeline.layout import TASK_ANCHORS, MediaGeometry, audio_rows_to_latents, build_layout, unpatchify_video
 from h3serve.pipeline.sampling import (

@@ -309,7 +309,7 @@ def test_misuse_is_refused():
 
 def reference_pair(num_layers: int = 5, seed: int = 0):
     diffusers = oracle("diffusers")
-    from h3serve.model.loading import load_dit
+    from h3serve.checkpoint.dit import load_dit
 
     cfg = {**TINY_DIFFUSERS_CONFIG, "num_layers": num_layers}
     torch.manual_seed(seed)

@@ -16,7 +16,7 @@ from PIL import Image
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from h3serve.model.loading import load_text_encoder
+from h3serve.checkpoint.text_encoder import load_text_encoder
 from h3serve.model.text_encoder import (
     TEXT_ENCODER_LAYER,
     load_image_processor,
@@ -174,7 +174,7 @@ def test_released_index_covers_exactly_the_prefix(vision):
 
     from transformers import Qwen3VLConfig
 
-    from h3serve.model.loading import checkpoint_key_map
+    from h3serve.checkpoint.text_encoder import checkpoint_key_map
     from h3serve.model.text_encoder import truncated_qwen3vl
 
     folder = REFERENCE / "FL2VA" / "text_encoder"
@@ -273,7 +273,7 @@ def _rewrite(file, edit) -> None:
 )
 def test_loader_refuses_corrupt_checkpoints(tmp_path, edit, message):
     """Keys past the prefix (layer 2, the final norm, the LM head) are skipped; anything else wrong is refused."""
-    from h3serve.model.loading import CheckpointError
+    from h3serve.checkpoint.reader import CheckpointError
 
     full_tiny_qwen(3).save_pretrained(tmp_path)
     _rewrite(tmp_path / "model.safetensors", edit)

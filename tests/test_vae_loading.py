@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from h3serve.model.loading import CheckpointError
-from h3serve.model.vae_loading import load_audio_vae, load_video_vae
+from h3serve.checkpoint.reader import CheckpointError
+from h3serve.checkpoint.vae import load_audio_vae, load_video_vae
 from test_video_vae import REF, diffusers_to_original, rel_err
 
 # The conversion script's MINIMAX_H3_TEST_VIDEO_VAE_CONFIG: the release with the widths cut down and every

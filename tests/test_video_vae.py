@@ -3,7 +3,7 @@
 diffusers is the numerical oracle here and is imported by tests only. The weights are random and shared: the
 diffusers model is built and perturbed, then its state dict is rewritten into the original checkpoint layout by
 `diffusers_to_original` below (written from the conversion script's description, independently of
-`h3serve.model.vae_loading`) and loaded into our module.
+`h3serve.checkpoint.vae`) and loaded into our module.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3serve.checkpoint.vae import original_video_vae_config
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig, posterior_sample, split_tiles
 
 REF = Path(__file__).parent / "data" / "reference"
@@ -256,7 +257,7 @@ def test_configs_of_both_layouts_agree():
     wrapper = json.loads((REF / "FL2VA/video_vae/config.json").read_text())
     source = json.loads((REF / "FL2VA/video_vae/source/config.json").read_text())
     diffusers = json.loads((REF / "vae/config.json").read_text())
-    original = VideoVAEConfig.from_original(wrapper, source)
+    original = original_video_vae_config(wrapper, source)
     assert original == VideoVAEConfig.from_diffusers(diffusers)
     assert original.decoder_dim == 2048 and original.rope_dim == 48 and original.spatial_ratio == 16
 
@@ -289,8 +290,8 @@ def test_config_rejects_unknown_and_unsupported_keys():
     wrapper = json.loads((REF / "FL2VA/video_vae/config.json").read_text())
     source = json.loads((REF / "FL2VA/video_vae/source/config.json").read_text())
     with pytest.raises(ValueError, match="causal_decoder"):
-        VideoVAEConfig.from_original(wrapper, {**source, "causal_decoder": True})
+        original_video_vae_config(wrapper, {**source, "causal_decoder": True})
     with pytest.raises(ValueError, match=r"unknown keys \['vae_tile_sise'\]"):
-        VideoVAEConfig.from_original({**wrapper, "vae_tile_sise": 128}, source)
+        original_video_vae_config({**wrapper, "vae_tile_sise": 128}, source)
     with pytest.raises(ValueError, match="vae_decoder_parallel=1 is not supported"):
-        VideoVAEConfig.from_original({**wrapper, "vae_decoder_parallel": 1}, source)
+        original_video_vae_config({**wrapper, "vae_decoder_parallel": 1}, source)

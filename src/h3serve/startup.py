@@ -29,7 +29,7 @@ from h3serve.settings import EngineSettings, Settings
 
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
-    from h3serve.model.folder import ModelFolder
+    from h3serve.checkpoint.folder import ModelFolder
     from h3serve.pipeline.admission import Admission
     from h3serve.pipeline.budget import Budget
     from h3serve.pipeline.engine import RenderEngine
@@ -137,7 +137,7 @@ def model_folder(settings: EngineSettings, task_type: str) -> ModelFolder | None
                 "qkv_layout", "applies to a model whose DiT is a single file; the built-in tiny model has none"
             )
         return None
-    from h3serve.model.folder import resolve_model_folder  # imports torch: only when there is a folder to read
+    from h3serve.checkpoint.folder import resolve_model_folder  # imports torch: only when there is a folder to read
 
     try:
         folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
@@ -157,14 +157,15 @@ def read_adapters(settings: EngineSettings, folder: ModelFolder | None, task_typ
     files = settings.adapter_files()
     if not files:
         return ()
-    from h3serve.model.adapters import AdapterError, check_adapter_kinds, read_adapter
+    from h3serve.checkpoint.adapters import AdapterError, read_adapter
+    from h3serve.pipeline.admission import check_adapter_kinds
 
     config = folder.dit if folder is not None else TINY_DIT
     try:
         adapters = tuple(read_adapter(path, scale, config=config) for path, scale in files)
-        check_adapter_kinds(adapters, task_type)
     except (AdapterError, OSError) as err:
         raise SettingError("lora", str(err)) from err
+    check_adapter_kinds(adapters, task_type)  # SettingError("lora") itself
     return adapters
 
 

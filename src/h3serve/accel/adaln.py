@@ -3,7 +3,7 @@ every block's modulation table at every step is made once before the denoise loo
 the GPU while it runs.
 
 Where the weights live is the profile's `adaln_weights`: on the device; a page-locked host copy (`AdalnHostHook`
-puts them there as they load); or mapped, never read at load (`model.loading.assign_from_checkpoint(mapped=...)`):
+puts them there as they load); or mapped, never read at load (`assign_from_checkpoint(mapped=...)`):
 the blocks' parameters are views of the checkpoint's file mapping, streamed one block at a time into fresh tensors
 on the compute device when a schedule's tables are made (few-step adapters merged into each as it comes in, with
 the load's own merge), so the weights are page cache the kernel can evict and re-read, never process memory.
@@ -71,7 +71,7 @@ DEFAULT_FORWARDS = DEFAULT_STEPS - 1  # the default schedule's steps (forwards):
 
 
 class Merge(Protocol):
-    """What a mapped block's weights pass through as they come in (`model.adapters.AdapterMerge`)."""
+    """What a mapped block's weights pass through as they come in (`checkpoint.adapters.merge.AdapterMerge`)."""
 
     def transform(self, name: str, tensor: torch.Tensor) -> Mapping[str, torch.Tensor]: ...
 

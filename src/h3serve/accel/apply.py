@@ -19,14 +19,15 @@ from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.profile import AdalnWeights, Execution, Fp8Scaling, Linear, Profile, TextLinear
 from h3serve.accel.vae import decoder_cast_names, decoder_weights_to
+from h3serve.checkpoint.safetensors import chain
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
-from h3serve.model.loading import chain
 from h3serve.model.video_vae import VideoVAE
 
 if TYPE_CHECKING:
-    from h3serve.model.folder import Components, ModelFolder
-    from h3serve.model.loading import LoadHook
+    from h3serve.checkpoint.folder import ModelFolder
+    from h3serve.checkpoint.safetensors import LoadHook
+    from h3serve.model.components import Components
     from h3serve.model.ops import QkNormRopeKernel
 
 log = logging.getLogger(__name__)

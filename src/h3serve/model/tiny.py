@@ -23,8 +23,8 @@ from h3serve.config import (
     TINY_VIDEO_LATENT_CHANNELS,
 )
 from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.model.components import Components
 from h3serve.model.dit import H3DiT, is_fp32_name
-from h3serve.model.folder import Components
 from h3serve.model.text_encoder import (
     TextEncoder,
     load_image_processor,

@@ -1,7 +1,7 @@
 """MiniMax-H3 video VAE ("H3-VisualVAE", f16t4c24): causal 3D CNN encoder and ViT3D decoder.
 
 Parameter names follow the original checkpoint (`FL2VA/video_vae/source/model.safetensors`), so that layout loads
-without renaming; the diffusers layout (`vae/`) is converted once, at load, in `vae_loading.py`.
+without renaming; the diffusers layout (`vae/`) is converted once, at load, in `checkpoint/vae.py`.
 
 Temporal geometry (released config: clip 17 frames, token_drop 3, temporal ratio 4): frames are encoded in
 17-frame clips of 5 latents each and the last 3 latents of the whole video are dropped, so 17n+5 frames map to
@@ -38,8 +38,9 @@ class VideoVAEConfig(HasLatentStats):
     Field names are the keys of the diffusers `vae/config.json`: it is the one released config that names every
     knob in a single flat file. The original layout splits the same facts over `video_vae/config.json` (clip
     geometry, tiling, latent statistics) and `video_vae/source/config.json` (architecture) and hard-codes a few
-    (register tokens, group count, epsilons); `from_original` maps it. `tile_size`, `tile_overlap_min` and the two
-    tiling switches come from the original wrapper config (`vae_tile_size`, ...); diffusers hard-codes 256/64/on.
+    (register tokens, group count, epsilons); `checkpoint.vae.original_video_vae_config` maps it. `tile_size`,
+    `tile_overlap_min` and the two tiling switches come from the original wrapper config (`vae_tile_size`, ...);
+    diffusers hard-codes 256/64/on.
     """
 
     in_channels: int = 3
@@ -195,113 +196,12 @@ class VideoVAEConfig(HasLatentStats):
         cut = sum(intra if intra and (num_latents + k) % chunk == 0 else ratio for k in range(pad))
         return pad, windows, frames - cut
 
-    # Readers ---------------------------------------------------------------------------------------------------
+    # Reader --------------------------------------------------------------------------------------------------
     @classmethod
     def from_diffusers(cls, config: Mapping[str, Any]) -> VideoVAEConfig:
         """Build from a diffusers `vae/config.json` dict; unknown keys are an error, not ignored."""
         recipe = frozenset({"tile_size", "tile_overlap_min", "encoder_tiling", "decoder_tiling"})
         return from_diffusers_keys(cls, dict(config), "video VAE", exclude=recipe)
-
-    @classmethod
-    def from_original(cls, wrapper: Mapping[str, Any], source: Mapping[str, Any]) -> VideoVAEConfig:
-        """Build from the original `video_vae/config.json` (wrapper) and `video_vae/source/config.json`.
-
-        Both files carry switches that only ever take one value in the release; anything else would need code this
-        module does not have, so it is refused rather than silently computed the released way.
-        """
-        _check_original_source(source)
-        _check_original_wrapper(wrapper, source["embed_dim"])
-        vit = source.get("vit_decoder_kwargs", {})
-        return cls(
-            in_channels=source["in_channels"],
-            out_channels=source["out_ch"],
-            latent_channels=source["embed_dim"],
-            block_out_channels=tuple(source["ch"] * m for m in source["ch_mult"]),
-            layers_per_block=source["num_res_blocks"],
-            spatial_downsample_factors=source["space_down"],
-            temporal_downsample_factors=source["time_down"],
-            spatial_padding_mode=source["padding_mode"],
-            decoder_num_layers=vit["num_layers"],
-            decoder_num_attention_heads=vit["heads"],
-            decoder_attention_head_dim=vit["dim_head"],
-            decoder_rope_theta=float(vit["rope_theta"]),
-            decoder_rope_dim_ratio=float(vit["rope_dim_ratio"]),
-            clip_length=wrapper["vae_clip_length"],
-            token_drop=wrapper["vae_token_drop"],
-            latents_mean=wrapper["latents_mean"],
-            latents_std=wrapper["latents_std"],
-            tile_size=int(wrapper.get("vae_tile_size", 256)),
-            tile_overlap_min=int(wrapper.get("vae_tile_overlap_min", 64)),
-            encoder_tiling=bool(wrapper.get("vae_encoder_tiling", 1)),
-            decoder_tiling=bool(wrapper.get("vae_decoder_tiling", 1)),
-        )
-
-
-# The original source config's switches and the only values the release (and this module) has.
-_SOURCE_FIXED = {
-    "causal_encoder": True,
-    "causal_decoder": False,
-    "use_3d_conv": True,
-    "use_vit_decoder": True,
-    "use_t_isolated_gn": True,
-    "pixel_norm_type": "imagenet",  # the pixel convention `VideoVAE.rgb_to_input` / `output_to_rgb` implement
-    "scaling_factor": 1.0,
-    "shift_factor": 0.0,
-    "zq_ch_encoder": None,
-    "zq_ch_decoder": None,
-    "num_res_blocks_decoder": None,
-    "padding_mode_t": None,
-}
-_VIT_FIXED = {
-    "ffn_activation_fn": "silu",
-    "ffn_use_gated": True,
-    "norm_type": "rms_norm",
-    "norm_affine": True,
-    "qk_norm_type": "rms_norm",
-    "qk_norm_affine": False,
-}
-# Wrapper keys: the ones `from_original` reads, metadata, and settings the release fixes (multi-GPU and chunking
-# switches of the original code). Anything else, or another value of a fixed one, is refused.
-_WRAPPER_READ = frozenset(
-    {"vae_clip_length", "vae_token_drop", "latents_mean", "latents_std", "latent_channels", "vae_tile_size"}
-    | {"vae_tile_overlap_min", "vae_encoder_tiling", "vae_decoder_tiling", "source_path", "source_safetensors_path"}
-)
-_WRAPPER_METADATA = frozenset({"_class_name", "_diffusers_version", "auto_map", "source_class_name"})
-_WRAPPER_FIXED = {
-    "mode": "standalone",
-    "vae_parallel_tiling": 1,
-    "vae_encoder_parallel": 0,
-    "vae_decoder_parallel": 0,
-    "vae_chunk_dim": -1,
-}
-
-
-def _check_original_source(source: Mapping[str, Any]) -> None:
-    for key, expected in _SOURCE_FIXED.items():
-        if source.get(key, expected) != expected:
-            raise ValueError(
-                f"video_vae/source/config.json: {key}={source[key]!r} is not supported (only {expected!r})"
-            )
-    vit = source.get("vit_decoder_kwargs", {})
-    for key, expected in _VIT_FIXED.items():
-        if vit.get(key, expected) != expected:
-            raise ValueError(f"vit_decoder_kwargs.{key}={vit[key]!r} is not supported (only {expected!r})")
-    if source["z_channels"] != source["embed_dim"]:
-        raise ValueError("z_channels and embed_dim differ; the released VAE has them equal")
-    ratio_s, ratio_t = math.prod(source["space_down"]), math.prod(source["time_down"])
-    if source.get("vae_ratio", ratio_s) != ratio_s or source.get("vae_ratio_t", ratio_t) != ratio_t:
-        raise ValueError("vae_ratio / vae_ratio_t disagree with space_down / time_down")
-
-
-def _check_original_wrapper(wrapper: Mapping[str, Any], embed_dim: int) -> None:
-    unknown = sorted(set(wrapper) - _WRAPPER_READ - _WRAPPER_METADATA - set(_WRAPPER_FIXED))
-    if unknown:
-        raise ValueError(f"video_vae/config.json: unknown keys {unknown}")
-    for key, expected in _WRAPPER_FIXED.items():
-        if wrapper.get(key, expected) != expected:
-            raise ValueError(f"video_vae/config.json: {key}={wrapper[key]!r} is not supported (only {expected!r})")
-    if wrapper.get("latent_channels", embed_dim) != embed_dim:
-        raise ValueError("video_vae/config.json latent_channels disagrees with source embed_dim")
 
 
 # ----------------------------------------------------------------------------------------------------------------

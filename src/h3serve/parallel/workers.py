@@ -32,9 +32,9 @@ import torch.multiprocessing as mp
 
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import StepCacheConfig
+from h3serve.checkpoint.adapters import Adapter
+from h3serve.checkpoint.folder import ModelFolder
 from h3serve.config import DiTConfig
-from h3serve.model.adapters import Adapter
-from h3serve.model.folder import ModelFolder
 from h3serve.parallel.group import Group, free_port
 from h3serve.parallel.plan import check_split
 from h3serve.parallel.ranks import AgreedContext, Ranks
@@ -96,7 +96,7 @@ def load_engine(
     """`Engine.load` for one GPU (or the CPU), else a `ParallelEngine` of `num_gpus` workers."""
     if num_gpus == 1:
         return Engine.load(model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters)
-    from h3serve.model.folder import resolve_model_folder
+    from h3serve.checkpoint.folder import resolve_model_folder
 
     folder = model if model is None or isinstance(model, ModelFolder) else resolve_model_folder(model)
     spec = WorkerSpec(folder, profile, num_gpus, task_type, step_cache, tuple(adapters), timeout_s)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
-from h3serve.errors import label
+from h3serve.errors import SettingError, label
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
@@ -37,8 +37,8 @@ class Sampler:
 
     @classmethod
     def for_adapters(cls, adapters) -> Sampler:
-        """The first adapter's preset (`model.adapters.Preset`) that says something, its unknown fields the released
-        values; the released sampler without one."""
+        """The first adapter's preset (`checkpoint.adapters.Preset`) that says something, its unknown fields the
+        released values; the released sampler without one."""
         for adapter in adapters:
             preset = adapter.preset
             if preset is None:
@@ -66,6 +66,27 @@ class Sampler:
     def describe(self) -> str:
         grid = f"sigma positions {list(self.positions)}" if self.positions else f"{self.steps} grid points"
         return f"{grid}, shifts {self.video_shift:g}/{self.audio_shift:g} ({self.source})"
+
+
+def check_adapter_kinds(adapters, task_type: str) -> None:
+    """SettingError("lora") for adapters the loaded DiTs cannot take: one DiT per server with adapters (an FL2VA
+    adapter must not reach the Ref2VA DiT, nor the reverse), and an adapter trained for the other DiT."""
+    if not adapters:
+        return
+    if task_type == "both":
+        raise SettingError(
+            "lora",
+            "adapters are merged into one DiT; with task type both, which one is ambiguous. Start with "
+            f"{label('task_type')} fl2va or ref2va",
+        )
+    for adapter in adapters:
+        kind = adapter.preset.dit_kind if adapter.preset is not None else None
+        if kind is not None and kind != task_type:
+            raise SettingError(
+                "lora",
+                f"{adapter.path}: an adapter for the {kind} DiT, but this server loads the {task_type} DiT "
+                f"({label('task_type')})",
+            )
 
 
 def trained_tasks(adapters) -> tuple[str, ...] | None:

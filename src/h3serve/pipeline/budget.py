@@ -28,7 +28,8 @@ from h3serve.vocab import TASK_ANCHORS, TASK_TYPES, DiTKind, Task, TaskType
 
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
-    from h3serve.model.folder import Components, ModelFolder
+    from h3serve.checkpoint.folder import ModelFolder
+    from h3serve.model.components import Components
     from h3serve.pipeline.rules import RequestRules
 
 GIB = 2**30

@@ -34,12 +34,13 @@ from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
+from h3serve.checkpoint.adapters import Adapter, AdapterMerge, merge_into
+from h3serve.checkpoint.folder import ModelFolder, load_components, resolve_model_folder
+from h3serve.checkpoint.safetensors import chain
 from h3serve.config import FPS
-from h3serve.model.adapters import Adapter, AdapterMerge, check_adapter_kinds, merge_into
-from h3serve.model.folder import Components, ModelFolder, load_components, resolve_model_folder
-from h3serve.model.loading import chain
+from h3serve.model.components import Components
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission
+from h3serve.pipeline.admission import Admission, check_adapter_kinds
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
@@ -169,7 +170,7 @@ class Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
         every request runs with unless it asks otherwise (None: no caching). `adapters`: few-step adapters
-        (`model.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
+        (`checkpoint.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
         they load, before FP8 quantization and before any AdaLN table is made. The profile is checked against the
         machine before any weight loads."""
         _check(profile, step_cache)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from h3serve.model.folder import Components
+from h3serve.model.components import Components
 from h3serve.pipeline.conditioning import (
     TextConditioning,
     VideoProcessing,

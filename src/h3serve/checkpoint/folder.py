@@ -4,13 +4,14 @@ Two folder layouts are published, and a third is accepted:
 
     original  FL2VA/ (or its parent): transformer/, text_encoder/, tokenizer/, processor/, video_vae/, audio_vae/
     diffusers the same names, except vae/ for the video VAE
-    either one with the transformer as a single safetensors file (its QKV order: `qkv_layout`, see loading.py)
+    either one with the transformer as a single safetensors file (its QKV order: `qkv_layout`, see checkpoint/dit.py)
 
 The Ref2VA DiT (same architecture, its own weights) sits beside FL2VA/ as Ref2VA/transformer/ in the original layout
 and as transformer_ref/ in the diffusers layout; it is found, and its configuration checked, with the rest, and its
 weights are read only when a Ref2VA DiT is loaded (`load_ref_dit`).
 
-Everything here happens before the pipeline: it receives loaded `Components` and knows no folder names.
+Everything here happens before the pipeline: it receives loaded `Components` (`model.components`) and knows no
+folder names.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ from pathlib import Path
 
 import torch
 
-from h3serve.config import AUDIO_LATENTS_PER_SECOND, CLIP_FRAMES, PATCH_SIZE, SPATIAL_RATIO, TEMPORAL_RATIO, DiTConfig
-from h3serve.model.audio_vae import AudioVAE, AudioVAEConfig
+from h3serve.checkpoint.dit import load_dit, resolve_dit_layout
+from h3serve.checkpoint.safetensors import LoadHook, open_checkpoint
+from h3serve.checkpoint.text_encoder import load_text_encoder
+from h3serve.checkpoint.vae import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
+from h3serve.config import DiTConfig
+from h3serve.model.audio_vae import AudioVAEConfig
+from h3serve.model.components import Components, check_compatible
 from h3serve.model.dit import H3DiT
-from h3serve.model.loading import LoadHook, load_dit, load_text_encoder, open_checkpoint, resolve_dit_layout
-from h3serve.model.text_encoder import TEXT_ENCODER_LAYER, TextEncoder
-from h3serve.model.vae_loading import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
-from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.model.text_encoder import TEXT_ENCODER_LAYER
+from h3serve.model.video_vae import VideoVAEConfig
 from h3serve.vocab import TASK_TYPES, DiTKind, TaskType
 
 # Component folders both layouts share; the video VAE's differs (see `_video_vae_dir`).
@@ -35,46 +39,6 @@ _SHARED = ("transformer", "text_encoder", "tokenizer", "processor", "audio_vae")
 
 # Which DiTs a process loads: `vocab.TaskType` and `vocab.TASK_TYPES` (the FL2VA DiT serves t2va, i2va, l2va and
 # fl2va; the Ref2VA DiT serves ref2va).
-
-
-@dataclass
-class Components:
-    """Every loaded model a render needs; the engine runs them. `dit` is the FL2VA DiT, `ref_dit` the Ref2VA DiT;
-    either may be absent (not loaded), never both."""
-
-    dit: H3DiT | None
-    text_encoder: TextEncoder
-    video_vae: VideoVAE
-    audio_vae: AudioVAE
-    name: str
-    ref_dit: H3DiT | None = None
-    adaln_mapped: bool = False  # the DiTs' block AdaLN weights are views of their checkpoint files, unread (`mapped`)
-
-    @property
-    def dits(self) -> dict[str, H3DiT]:
-        """The loaded DiTs by kind (`DiTKind`)."""
-        loaded = ((DiTKind.FL2VA, self.dit), (DiTKind.REF2VA, self.ref_dit))
-        return {kind: dit for kind, dit in loaded if dit is not None}
-
-    @property
-    def task_type(self) -> str:
-        """fl2va, ref2va or both: which DiTs are loaded."""
-        kinds = tuple(self.dits)
-        return next(name for name, loaded in TASK_TYPES.items() if loaded == kinds)
-
-    @property
-    def dit_config(self) -> DiTConfig:
-        """The (shared) architecture of the loaded DiTs."""
-        return next(iter(self.dits.values())).config
-
-    def check(self) -> None:
-        """The components must fit each other (see `check_compatible`), and the two DiTs share one architecture."""
-        if not self.dits:
-            raise ValueError("no DiT is loaded: load the FL2VA DiT, the Ref2VA DiT or both")
-        if self.dit is not None and self.ref_dit is not None and self.dit.config != self.ref_dit.config:
-            raise ValueError("the Ref2VA DiT's configuration differs from the FL2VA DiT's")
-        text_hidden = self.text_encoder.model.config.text_config.hidden_size
-        check_compatible(self.dit_config, self.video_vae.cfg, self.audio_vae.cfg, text_hidden)
 
 
 @dataclass(frozen=True)
@@ -199,33 +163,6 @@ def _text_encoder_shape(folder: Path) -> tuple[int, int]:
     return text.num_hidden_layers, text.hidden_size
 
 
-def check_compatible(dit: DiTConfig, video: VideoVAEConfig, audio: AudioVAEConfig, text_hidden_size: int) -> None:
-    """The components must fit each other and the pipeline's fixed geometry (1/16 spatial and 1/4 temporal video
-    latents on 17-frame clips, 40 audio latents per second); the message names both sides of a mismatch."""
-    pairs = [
-        ("transformer text_dim", dit.text_dim, "text encoder hidden_size", text_hidden_size),
-        ("transformer latents_dim", dit.latents_dim, "video VAE latent_channels", video.latent_channels),
-        ("transformer audio_latents_dim", dit.audio_latents_dim, "audio VAE latent_channels", audio.latent_channels),
-        ("transformer patch_size", dit.patch_size, "the pipeline's", PATCH_SIZE),
-        ("video VAE spatial ratio", video.spatial_ratio, "the pipeline's", SPATIAL_RATIO),
-        ("video VAE temporal ratio", video.temporal_ratio, "the pipeline's", TEMPORAL_RATIO),
-        ("video VAE clip_length", video.clip_length, "the pipeline's", CLIP_FRAMES),
-        (
-            "audio VAE latents per second",
-            audio.sampling_rate / audio.hop_length,
-            "the pipeline's",
-            AUDIO_LATENTS_PER_SECOND,
-        ),
-    ]
-    for left, a, right, b in pairs:
-        if a != b:
-            raise ValueError(f"incompatible model components: {left} is {_fmt(a)} but {right} is {_fmt(b)}")
-
-
-def _fmt(value: object) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 def load_ref_dit(
     folder: ModelFolder,
     *,
@@ -261,7 +198,7 @@ def load_components(
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
     islands and both VAEs stay float32). `task_type`: which DiTs (`TASK_TYPES`), checked before anything loads.
     `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load.
-    `dit_mapped`: the DiT tensors left as their file's mapping, unread (`model.loading.assign_from_checkpoint`).
+    `dit_mapped`: the DiT tensors left as their file's mapping, unread (`safetensors.assign_from_checkpoint`).
     `video_dtype_of`: the video VAE's tensors' dtypes as read (float32 unless told)."""
     folder.check_task_type(task_type)
     kinds = TASK_TYPES[task_type]
