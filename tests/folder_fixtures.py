@@ -66,7 +66,7 @@ def with_dit_layout(checkpoint: Path, root: Path, layout: str) -> Path:
 
     The other components stay as they are: only the DiT's layout differs, so every layout must render the same bytes.
     """
-    from dit_fixtures import export_state_dict
+    from h3serve.model.export import export_state_dict
     from h3serve.model.loading import load_dit
 
     if layout not in ("original", "stacked", "interleaved"):

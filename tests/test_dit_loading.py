@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dit_fixtures import export_state_dict, packed_inputs, tiny_dit_pair
+from dit_fixtures import packed_inputs, tiny_dit_pair
 from folder_fixtures import DIT_INDEX, write_sharded
+from h3serve.model.export import export_state_dict
 from h3serve.model.loading import CheckpointError, load_dit, open_checkpoint, resolve_dit_layout
 from loading_fixtures import not_owned
 

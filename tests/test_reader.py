@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dit_fixtures import export_state_dict
 from folder_fixtures import write_sharded
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
+from h3serve.model.export import export_state_dict
 from h3serve.model.loading import LoadStats, load_dit
 from h3serve.model.reader import MIN_WINDOW, CheckpointError, TensorReader, read_header
 from h3serve.model.tiny import TINY_DIT, tiny_dit
