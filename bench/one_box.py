@@ -12,7 +12,7 @@ Measured: the GPU's peak allocation per render, and the process's non-evictable 
 sampled every 20 ms, and torch's pinned-memory allocator), both against the plan's rows for the same profile on one
 pool (`pipeline.budget.plan_budget(..., shared=True)`).
 
-    PYTHONPATH=/tmp/site:src:tests python3 bench/one_box.py --out $OUT/one_box.json
+    PYTHONPATH=/tmp/site:src python3 bench/one_box.py --out $OUT/one_box.json
 """
 
 from __future__ import annotations
