@@ -1,7 +1,7 @@
 """What the AdaLN tables cost at full size: making a schedule's tables with the AdaLN weights in host memory (the
 CUDA default), finding them cached, and copying one step's tables in, on the full-size DiT with random weights.
 
-    PYTHONPATH=src:tests python bench/adaln_tables.py --out bench/results/adaln_tables.json
+    PYTHONPATH=src python bench/adaln_tables.py --out bench/results/adaln_tables.json
 """
 
 from __future__ import annotations
@@ -9,15 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build_dit
+from lib.models import build_dit
+from lib.timing import run_header
 
 from h3serve.accel.adaln import AdalnTables
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT

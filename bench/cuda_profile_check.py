@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from benchlib import run_header
+from lib.timing import run_header
 from PIL import Image
 
 from h3serve.accel.profile import Profile

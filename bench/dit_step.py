@@ -6,8 +6,8 @@ shape of docs/model.md §6 (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712
 38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
 1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN | CUDNN_FP8 | CUDNN_FP8_NAIVE) x (linear BF16 |
-   CUTLASS) x (execution eager | compile), HUMMING eager, and with cuDNN attention the compile variants `EXECUTIONS`
-   lists (the fused passes in
+   CUTLASS) x (execution eager | compile), HUMMING eager, and with cuDNN attention the compile variants
+   `lib.variants.EXECUTIONS` lists (the fused passes in
    part or not at all, a CUDA-graph replay, static shapes): median of `--iters` forwards after warm-up (CUDA
    events), the first compiled call's time, peak memory, two further forwards compared bit for bit, and for
    compile the graphs compiled and recompiles after a second input of another length (300 text rows);
@@ -30,8 +30,8 @@ kernel with the ops Inductor fused into it.
 
 Results go to `--out` as JSON after every step, so a run cut short keeps what it measured.
 
-    PYTHONPATH=src:tests python bench/dit_step.py --out bench/results/dit_step.json
-    PYTHONPATH=src:tests python bench/dit_step.py --kernels --only CUDNN_ATTN+compile+BF16,CUDNN_ATTN+compile+CUTLASS,\
+    PYTHONPATH=src python bench/dit_step.py --out bench/results/dit_step.json
+    PYTHONPATH=src python bench/dit_step.py --kernels --only CUDNN_ATTN+compile+BF16,CUDNN_ATTN+compile+CUTLASS,\
         diffusers+compile --out bench/results/dit_step_kernels.json    # add --shape default for 1344x768x124
 
 `--only` picks our profiles by name; the peer runs eager and compiled unless `--only` names a `diffusers+` profile,
@@ -43,7 +43,7 @@ with the EPILOGUE scaling (`accel.linear.Fp8Scaling`: a per-tensor GEMM to float
 and the cast), the fallback for GPUs whose rowwise-scaled GEMM fails (`accel.fp8_check`); the same weights as CUTLASS,
 so that one run times both and records each one's whole-forward error against the exact profile:
 
-    PYTHONPATH=src:tests python bench/dit_step.py --only CUDNN_ATTN+eager+BF16,CUDNN_ATTN+compile+CUTLASS,\
+    PYTHONPATH=src python bench/dit_step.py --only CUDNN_ATTN+eager+BF16,CUDNN_ATTN+compile+CUTLASS,\
         CUDNN_ATTN+compile+CUTLASS_EPILOGUE,diffusers+eager --out bench/results/dit_step_epilogue.json
     # the same with --shape default (1344x768x124) --out bench/results/dit_step_epilogue_default.json
 """
@@ -55,64 +55,36 @@ import dataclasses
 import functools
 import gc
 import json
-import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import call_peer, run_header, time_ms
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from full_size_smoke import REFERENCE, build_dit
-
-from h3serve.accel import attention, fused
-from h3serve.accel.adaln import AdalnTables
-from h3serve.accel.apply import block_passes, set_block_passes
-from h3serve.accel.blocks import BlockStack
-from h3serve.accel.compile import Compiler, uncompile_repeated_blocks
-from h3serve.accel.linear import (
-    Fp8Linear,
-    Fp8Scaling,
-    block_linears,
-    quantize_blocks,
-    replace_block_linears,
-    set_scaling,
+from lib import models, peer
+from lib.profiler import kernel_table
+from lib.shapes import SHAPES, TIMING, forward, inputs, rel, text_states
+from lib.split import Job, environment, run_group, scaling
+from lib.timing import allocated, peak, reset_peak, run_header, sync, time_ms
+from lib.variants import (
+    ATTENTIONS,
+    EXACT,
+    EXECUTIONS,
+    FP8_ATTENTIONS,
+    LINEARS,
+    NAMED_ONLY,
+    GraphReplay,
+    configure,
+    naive_sdpa,
+    profile_linear,
+    restore,
+    swap_linears,
+    uncompile,
+    wanted,
 )
-from h3serve.accel.profile import Profile
-from h3serve.config import Modality
-from h3serve.pipeline.layout import MediaGeometry, build_layout
 
-# ---- a forward replayed from a CUDA graph (the `compile-graph` execution) ----------------------------------------
-# Measured at the reference shape on the H200 (2026-12-01): 495.2 ms per forward against 494.3 ms launched
-# normally, so the engine does not capture its steps; this stays to measure it again.
-
-
-class GraphReplay:
-    """`fn()` (returning a tuple of tensors) run directly on the first call, so that any lazy initialisation happens
-    outside a capture; captured in a CUDA graph on the second; replayed from then on. The results are copies of the
-    graph's own tensors."""
-
-    def __init__(self, fn: Callable[[], tuple[torch.Tensor, ...]]):
-        self.fn = fn
-        self.called = False
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, ...] = ()
-
-    def __call__(self) -> tuple[torch.Tensor, ...]:
-        if self.graph is None:
-            if not self.called:
-                self.called = True
-                return self.fn()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # entering it synchronises and empties the allocator's cache
-                self.outputs = tuple(self.fn())
-        self.graph.replay()
-        return tuple(t.clone() for t in self.outputs)
+from h3serve.accel import attention
+from h3serve.accel.adaln import AdalnTables
 
 
 class Record:
@@ -128,276 +100,9 @@ class Record:
         self.path.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
 
 
-SHAPE = {"height": 448, "width": 768, "frames": 56, "text": 537, "other_text": 300}
-TINY_SHAPE = {"height": 128, "width": 224, "frames": 22, "text": 20, "other_text": 12}
-# The released default request (1344x768, 124 frames = 5 s at 24 fps), with the reference's 537 text rows.
-DEFAULT_SHAPE = {"height": 768, "width": 1344, "frames": 124, "text": 537, "other_text": 300}
-TINY_DEFAULT_SHAPE = {"height": 224, "width": 384, "frames": 39, "text": 20, "other_text": 12}
-SHAPES = {"reference": (SHAPE, TINY_SHAPE), "default": (DEFAULT_SHAPE, TINY_DEFAULT_SHAPE)}
-# --warmup, --iters when not given: a default-shape forward takes ~6 s, so fewer there.
-TIMING = {"reference": (2, 5), "default": (1, 3)}
-
-
-def inputs(dit, n_text: int, shape: dict, dev: str, seed: int = 0) -> dict:
-    """A real T2VA layout with `n_text` text rows; random latents and text states."""
-    cfg = dit.config
-    geometry = MediaGeometry.from_pixels(shape["height"], shape["width"], shape["frames"])
-    layout = build_layout([int(Modality.TEXT)] * n_text, geometry, ())
-    timesteps, t_index = layout.timestep_plan(0.6, 0.3)
-    with torch.no_grad():
-        text = dit.refine_text(text_states(n_text, cfg.text_dim, seed).to(dev))
-        rope = dit.rope(layout.rope_positions().to(dev))
-    return {
-        "video": torch.randn(
-            layout.num_video_rows, cfg.video_patch_dim, generator=torch.Generator().manual_seed(seed + 100)
-        ).to(dev),
-        "audio": torch.randn(
-            layout.num_audio_rows, cfg.audio_latents_dim, generator=torch.Generator().manual_seed(seed + 200)
-        ).to(dev),
-        "text": text,
-        "timesteps": timesteps.to(dev),
-        "timestep_indices": t_index.to(dev),
-        "token_tags": layout.token_tags.to(dev),
-        "rope": rope,
-        "video_indices": layout.video_indices.to(dev),
-        "audio_indices": layout.audio_indices.to(dev),
-        "text_indices": layout.text_indices.to(dev),
-        "text_states_seed": seed,
-        "layout": layout,
-    }
-
-
-def text_states(n: int, dim: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-
-
-def forward(dit, x: dict):
-    """One forward as the engine runs it: with the blocks' AdaLN tables made ahead of time (`x["tables"]`)."""
-    return dit(
-        x["video"], x["audio"], x["text"], x["timesteps"], x["timestep_indices"], x["token_tags"], x["rope"],
-        x["video_indices"], x["audio_indices"], x["text_indices"], x.get("tables"),
-    )  # fmt: skip
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def uncompile(model, *inputs: dict) -> None:
-    """Back to eager, and the inputs' row-count marks (`compile` marks them dynamic) cleared for a static compile."""
-    uncompile_repeated_blocks(model)
-    for x in inputs:
-        for t in (*x.values(), *x["rope"]):
-            if torch.is_tensor(t) and hasattr(t, "_dynamo_dynamic_indices"):
-                del t._dynamo_dynamic_indices
-
-
-LINEARS = ("BF16", "CUTLASS", "CUTLASS_EPILOGUE", "HUMMING")
-# Benchmark-only linears: the profile linear each one is a variant of, and the FP8 scaling it runs (`swap_linears`).
-# Measured only when `--only` names one of their profiles.
-VARIANTS = {"CUTLASS_EPILOGUE": ("CUTLASS", Fp8Scaling.EPILOGUE)}
-# eager: the engine's (on CUDA the exact passes, `accel.fused.exact_passes`: bit for bit the reference ops);
-# eager-unfused: the reference ops alone (what the exact passes save).
-# compile: the engine's (`accel.apply`: the row count symbolic; on CUDA the fused block passes and the fused
-# qk-norm + rotary pass, `accel.fused`). compile-graph: the same, each forward a replay of one CUDA graph
-# (`GraphReplay` above; measured, not what the engine runs). compile-qk: the fused qk-norm + rotary pass alone;
-# compile-unfused: neither (what the passes save). compile-static: static shapes, unfused (a recompile for every new
-# row count; what the symbolic row count costs).
-# compile-autotune: the engine's compile with Inductor's max-autotune (Triton GEMM templates timed against cuBLAS,
-# epilogues fused into the GEMMs where a template wins): not served (its choice is timed, so it can differ from one
-# process to the next); here to measure whether GEMM epilogues beat cuBLAS plus separate passes.
-# compile-fp32accum (CUTLASS): the engine's compile with the FP8 GEMMs' partial sums promoted to float32 (no
-# `Fp8Linear.fast_accum`): what fast accumulation saves and what it costs in error; not served.
-EXECUTIONS = (
-    "eager",
-    "eager-unfused",
-    "compile",
-    "compile-graph",
-    "compile-qk",
-    "compile-unfused",
-    "compile-static",
-    "compile-autotune",
-    "compile-fp32accum",
-)
-AUTOTUNE = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON", "epilogue_fusion": True}
-
-
-# Our attention backends measured; CUDNN_FP8_NAIVE is CUDNN_FP8 with per-tensor scales and no K or V smoothing
-# (`accel.fp8_attention.naive_sdpa`: what the design's scales buy, never served).
-ATTENTIONS = ("TORCH_SDPA", "CUDNN_ATTN", "CUDNN_FP8", "CUDNN_FP8_NAIVE")
-FP8_ATTENTIONS = ("CUDNN_FP8", "CUDNN_FP8_NAIVE")
-# The exact profile (bit for bit the reference ops, and the peer's eager output at the reference shape): what
-# `--block-errors` compares every profile's hidden state after each block with.
-EXACT = "CUDNN_ATTN+eager+BF16"
-
-
-def configure(dit, attn: str, execution: str, linear: str, dev: str):
-    """Set `dit` up as the engine would for this profile (`accel.apply`'s pieces, on this one model), or as the
-    variant `execution` names; returns the compile's graph counter (None when eager)."""
-    # A CUDA profile value whatever `dev` (the --tiny dry run compiles on the CPU): `block_passes` reads its execution
-    # and linear only.
-    linear = profile_linear(linear)
-    backend = "CUDNN_FP8" if attn == "CUDNN_FP8_NAIVE" else attn
-    profile = Profile.for_device("cuda", attention=backend, linear=linear,
-                                 execution="eager" if execution.startswith("eager") else "compile")  # fmt: skip
-    attention.set_kernel(dit, backend)
-    if attn == "CUDNN_FP8_NAIVE":
-        from h3serve.accel.fp8_attention import naive_sdpa
-
-        for block in dit.blocks:
-            block.attn.kernel = naive_sdpa
-    triton = dev == "cuda" and fused.available()
-    qk, body = block_passes(profile, triton and execution not in ("eager-unfused", "compile-unfused", "compile-static"))
-    if execution == "compile-qk":
-        body = None  # the fused qk-norm + rotary pass alone
-    set_block_passes(dit, qk, body)
-    set_fast_accum(dit, execution != "compile-fp32accum")
-    if execution.startswith("eager"):
-        BlockStack.of(dit).set_compiler(None).install(dit)
-        return None
-    compiler = Compiler(
-        dynamic=execution != "compile-static",
-        eager_precision=linear == "BF16",
-        inductor_config=AUTOTUNE if execution == "compile-autotune" else None,
-    )
-    BlockStack.of(dit).set_compiler(compiler).install(dit)
-    return compiler.counter
-
-
 def kernel_tabled(name: str) -> bool:
     """Which profiles `--kernels` breaks down: every compiled one, ours (BF16 and CUTLASS) and the peer's."""
     return "+eager" not in name
-
-
-def profile_linear(linear: str) -> str:
-    """The profile's linear backend for one of `LINEARS` (a benchmark variant's base, `VARIANTS`)."""
-    return VARIANTS[linear][0] if linear in VARIANTS else linear
-
-
-def wanted(linear: str, attn: str, execution: str) -> bool:
-    """Which profiles a run without `--only` measures (`--only` may add compile-autotune, minutes of tuning); for a
-    variant (`VARIANTS`, measured only when named), which of its profiles `--only` may name: its base's."""
-    linear = profile_linear(linear)
-    if execution == "compile-graph" and not torch.cuda.is_available():
-        return False
-    if execution == "compile-autotune":
-        return False
-    if execution == "compile-fp32accum":
-        return linear == "CUTLASS"
-    if linear == "HUMMING":  # eager only (batch invariance is its point; the settings refuse compile with it)
-        return execution in ("eager", "eager-unfused")
-    if attn in FP8_ATTENTIONS:
-        return execution in ("eager", "compile")
-    return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
-
-
-def set_fast_accum(dit, fast_accum: bool) -> None:
-    """The FP8 block linears' accumulation for this variant (`Fp8Linear.fast_accum`, fixed per layer when it is made):
-    new layers over the same e4m3 weights (and the same scaling) where it differs."""
-
-    def convert(module):
-        if isinstance(module, Fp8Linear) and module.fast_accum != fast_accum:
-            return Fp8Linear(module.weight, module.scale, module.bias, fast_accum=fast_accum, scaling=module.scaling)
-        return None
-
-    replace_block_linears(dit, convert)
-
-
-def swap_linears(dit, linear: str) -> dict | None:
-    """The profile's block linears in place of the BF16 ones, which are returned by name for `restore` (the engine's
-    own quantization releases them; this benchmark switches back)."""
-    if linear == "BF16":
-        return None
-    kept = {name: getattr(parent, leaf) for name, parent, leaf in block_linears(dit)}
-    if profile_linear(linear) == "CUTLASS":
-        quantize_blocks(dit)
-        if linear in VARIANTS:
-            set_scaling(dit, VARIANTS[linear][1])
-    else:
-        from h3serve.accel.humming import quantize_blocks as humming_blocks
-
-        humming_blocks(dit)
-    return kept
-
-
-def restore(dit, kept: dict) -> None:
-    """Put back the block linears `swap_linears` kept."""
-    for name, module in kept.items():
-        parent, leaf = name.rsplit(".", 1)
-        setattr(dit.get_submodule(parent), leaf, module)
-
-
-def kernel_table(fn, top: int = 30) -> tuple[list[dict], dict]:
-    """The GPU kernels of one call by total time (torch.profiler), to see where two variants differ: the `top` kernels,
-    and the per-op breakdown (`breakdown`). On a CPU dry run: the CPU ops by self time instead of kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    fn()
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        fn()
-        _sync()
-    events = [
-        (e.key, e.count, (e.device_time_total if cuda else e.self_cpu_time_total) / 1e3) for e in prof.key_averages()
-    ]
-    events = [e for e in events if e[2] > 0]
-    return top_kernels(events, top), breakdown(events, "CUDA kernels" if cuda else "CPU ops, self time (dry run)")
-
-
-def top_kernels(events: list[tuple[str, int, float]], top: int) -> list[dict]:
-    """The `top` (name, calls, ms) entries by time, as rows."""
-    ranked = sorted(events, key=lambda e: -e[2])[:top]
-    return [{"name": name[:160], "calls": calls, "ms": round(ms, 3)} for name, calls, ms in ranked]
-
-
-# Kernel categories, tried in this order (Triton first: Inductor names a kernel after the ops it fused, which can
-# include an attention op whose input it lays out; a Triton template doing a matmul counts as GEMM).
-CATEGORIES = (
-    ("gemm", re.compile(r"^triton_tem_.*mm")),
-    ("elementwise", re.compile(r"^triton_|cpp_fused|^_\w+_kernel$")),  # Inductor's, then ours (`accel.fused`)
-    ("attention", re.compile(r"sdpa|flash|fmha|attention", re.I)),
-    ("gemm", re.compile(r"nvjet|cutlass|xmma|gemm|gemv|scaled_mm|f8f8bf16|cublas|^aten::(mm|addmm|bmm)$", re.I)),
-    ("elementwise", re.compile(r"at::native|elementwise|reduce|^aten::", re.I)),
-)
-CATEGORY_NAMES = {
-    "gemm": "GEMM (nvjet, CUTLASS, xmma/cuBLAS, _scaled_mm)",
-    "attention": "attention (cuDNN SDPA, flash, fmha)",
-    "elementwise": "element-wise and reductions (Triton, at::native)",
-    "other": "other (memset, memcpy, the rest)",
-}
-TRITON = re.compile(r"^triton_(?P<kind>[a-z]+)_(?:fused_)?(?P<ops>.*?)(?:_\d+)?$|^_(?P<hand>\w+)_kernel$")
-
-
-def category(name: str) -> str:
-    for cat, pattern in CATEGORIES:
-        if pattern.search(name):
-            return cat
-    return "other"
-
-
-def breakdown(events: list[tuple[str, int, float]], source: str) -> dict:
-    """Kernel time of one forward per category (ms and share of the kernels' total), and every Triton kernel with
-    the ops Inductor fused into it (the name after `triton_<kind>_fused_`)."""
-    total = sum(ms for _, _, ms in events)
-    cats = {
-        cat: {"what": what, "ms": 0.0, "share": 0.0, "calls": 0, "kernels": 0} for cat, what in CATEGORY_NAMES.items()
-    }
-    triton = []
-    for name, calls, ms in events:
-        c = cats[category(name)]
-        c["ms"] += ms
-        c["calls"] += calls
-        c["kernels"] += 1
-        if m := TRITON.match(name):
-            triton.append({
-                "name": name, "kind": m["kind"] or "ours", "ops": m["ops"] or m["hand"], "calls": calls,
-                "ms": round(ms, 3), "share": round(ms / total, 4) if total else 0.0,
-            })  # fmt: skip
-    for c in cats.values():
-        c["share"] = round(c["ms"] / total, 4) if total else 0.0
-        c["ms"] = round(c["ms"], 3)
-    return {"source": source, "forwards": 1, "total_ms": round(total, 3), "categories": cats, "triton": triton}
 
 
 class BlockStates:
@@ -432,7 +137,7 @@ def attention_op(rows: int, cfg, iters: int = 10) -> dict:
     backend whole (its scales and quantization included) and naive, and cuDNN's FP8 SDPA alone on quantized inputs;
     each FP8 output's relative error against bfloat16's."""
     from h3serve.accel.attention import cudnn_sdpa
-    from h3serve.accel.fp8_attention import fp8_sdpa, naive_sdpa, quantize
+    from h3serve.accel.fp8_attention import fp8_sdpa, quantize
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, d = cfg.num_attention_heads, cfg.attention_head_dim
@@ -464,8 +169,8 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     torch.manual_seed(0)
     dev = "cpu" if args.tiny else "cuda"
     shape = SHAPES[args.shape][1 if args.tiny else 0]
-    dit = tiny_dit() if args.tiny else build_dit(torch.device("cuda"))
-    rec.data["weights_gib"] = round(_allocated() / 2**30, 2)
+    dit = models.tiny_dit() if args.tiny else models.build_dit(torch.device("cuda"))
+    rec.data["weights_gib"] = round(allocated() / 2**30, 2)
     x = inputs(dit, shape["text"], shape, dev)
     other = inputs(dit, shape["other_text"], shape, dev, seed=1)
     layout = x["layout"]
@@ -491,7 +196,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
             continue  # a CUDA-only kernel library
         if args.only and not any(n.endswith(f"+{linear}") for n in args.only):
             continue  # none of this linear's profiles asked for: no swap (HUMMING's needs its package)
-        if linear in VARIANTS and not args.only:
+        if linear in NAMED_ONLY and not args.only:
             continue  # a variant runs only where named
         replaced = swap_linears(dit, linear)
         for attn in ATTENTIONS:
@@ -507,19 +212,19 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
                     torch._dynamo.reset()
                     counter = configure(dit, attn, execution, linear, dev)
                     run = functools.partial(forward, dit, x)
-                    if execution == "compile-graph":
+                    if EXECUTIONS[execution].graph:
                         run = GraphReplay(run)  # called directly, then captured, then replayed
-                    _reset_peak()
+                    reset_peak()
                     start = time.perf_counter()
                     run()
-                    _sync()
+                    sync()
                     entry["first_call_s"] = round(time.perf_counter() - start, 2)
                     ms = time_ms(run, args.warmup, args.iters)
                     entry["ms_median"] = round(statistics.median(ms), 2)
                     entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
                     a, b = run(), run()
                     entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-                    entry["peak_gib"] = round(_peak() / 2**30, 2)
+                    entry["peak_gib"] = round(peak() / 2**30, 2)
                     outputs[name] = (a[0].float().cpu(), a[1].float().cpu())
                     passes = outputs.get(f"{attn}+eager+{linear}")
                     if execution == "eager-unfused" and passes is not None:  # the exact passes' claim, measured
@@ -550,47 +255,31 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     block_states.clear()
     attention.set_kernel(dit, "TORCH_SDPA")
     # Keep the weights for the peer on the host, in diffusers' layout, and free the GPU.
-    from dit_fixtures import export_state_dict
-
     start = time.perf_counter()
-    state = export_state_dict(dit, "diffusers")
+    weights = peer.peer_weights(dit)
     rec.data["export_s"] = round(time.perf_counter() - start, 1)
     host_inputs = {
         k: (v.cpu() if torch.is_tensor(v) else v) for k, v in x.items() if k not in ("rope", "text", "tables")
     }
     host_inputs["position_ids"] = x["layout"].rope_positions()
     host_inputs["text_states"] = text_states(shape["text"], dit.config.text_dim, 0)  # what ours refined
-    inv_freq = dit.rope.inv_freq.cpu()
     del dit, x, other
     gc.collect()
     torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return outputs, {"state": state, "inputs": host_inputs, "inv_freq": inv_freq, "dev": dev}
+    return outputs, {"weights": weights, "inputs": host_inputs, "dev": dev}
 
 
 @torch.no_grad()
 def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    if args.tiny:
-        from e2e_fixtures import TINY_DIT_DIFFUSERS
-
-        cfg = dict(TINY_DIT_DIFFUSERS)
-    else:
-        cfg = json.loads((REFERENCE.parent / "transformer" / "config.json").read_text())
-        cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
     dev = handoff["dev"]
-    with torch.device("meta"):
-        peer = MiniMaxH3Transformer3DModel(**cfg)
-    peer.load_state_dict(handoff.pop("state"), strict=True, assign=True)
-    peer.rope.inv_freq = handoff["inv_freq"]  # the one non-persistent buffer, left on meta by the meta build
-    peer = peer.to(dev).eval().requires_grad_(False)
+    model = peer.peer(handoff.pop("weights"), dev)
     h = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in handoff["inputs"].items()}
     # The peer refines the text itself: the same states that went into ours' refine_text.
 
     def run():
-        return call_peer(peer, h)
+        return peer.call_peer(model, h)
 
     named = [n for n in args.only or () if n.startswith("diffusers+")]
     for execution in ("eager", "compile"):
@@ -600,18 +289,18 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
         entry: dict = {}
         try:
             if execution == "compile":
-                peer.compile_repeated_blocks(fullgraph=True)
-            _reset_peak()
+                model.compile_repeated_blocks(fullgraph=True)
+            reset_peak()
             start = time.perf_counter()
             run()
-            _sync()
+            sync()
             entry["first_call_s"] = round(time.perf_counter() - start, 2)
             ms = time_ms(run, args.warmup, args.iters)
             entry["ms_median"] = round(statistics.median(ms), 2)
             entry["ms_spread"] = [round(min(ms), 2), round(max(ms), 2)]
             a, b = run(), run()
             entry["rerun_bitwise_identical"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
-            entry["peak_gib"] = round(_peak() / 2**30, 2)
+            entry["peak_gib"] = round(peak() / 2**30, 2)
             outputs[name] = (a[0][0].float().cpu(), a[1][0].float().cpu())
             if args.kernels and kernel_tabled(name):
                 entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
@@ -622,46 +311,14 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
         print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
 
 
-def tiny_dit():
-    from h3serve.model.dit import H3DiT, is_fp32_name
-    from h3serve.model.tiny import TINY_DIT, randomize
-
-    dit = randomize(H3DiT(TINY_DIT), seed=0, keep=("rope.inv_freq",))
-    for name, t in dit.state_dict(keep_vars=True).items():
-        if name != "rope.inv_freq":
-            t.data = t.data.to(torch.float32 if is_fp32_name(name) else torch.bfloat16)
-    return dit.eval().requires_grad_(False)
-
-
-def _allocated() -> int:
-    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
-
-
-def _peak() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-
-
-def _reset_peak() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 # --num-gpus: the profiles a split serves (HUMMING and FP8 attention run on one GPU only) and their order.
 SPLIT_PROFILES = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+eager+CUTLASS",
                   "CUDNN_ATTN+compile+CUTLASS")  # fmt: skip
 
 
 def run_split(args) -> None:
-    """`--num-gpus`: for each count, the forward split over that many ranks (`splitlib`), then the scaling table
+    """`--num-gpus`: for each count, the forward split over that many ranks (`lib.split`), then the scaling table
     against one GPU (measured first in the same run when 1 is among the counts)."""
-    from full_size_smoke import released_dit_config
-    from splitlib import Job, environment, run_group, scaling
-
     from h3serve.model.tiny import TINY_DIT
     from h3serve.parallel.plan import check_heads, split_refusals
 
@@ -669,7 +326,7 @@ def run_split(args) -> None:
     if args.tiny and not args.only:  # the CPU has no cuDNN
         profiles = tuple(p.replace("CUDNN_ATTN", "TORCH_SDPA") for p in profiles)
     for n in args.num_gpus:  # what a split refuses, before any rank builds the model
-        check_heads(TINY_DIT if args.tiny else released_dit_config(), n)
+        check_heads(TINY_DIT if args.tiny else models.released_dit_config(), n)
         for name in profiles:
             attn, _, linear = name.split("+")
             if refused := split_refusals(profile_linear(linear), None, n, attn):
@@ -763,9 +420,9 @@ def main() -> None:
         if EXACT in outputs and name != EXACT:  # the whole forward against the exact profile (lossy profiles' error)
             entry["rel_err_video_vs_exact"] = rel(video, outputs[EXACT][0])
             entry["rel_err_audio_vs_exact"] = rel(audio, outputs[EXACT][1])
-        for peer, ms in peer_ms.items():
+        for name_of_peer, ms in peer_ms.items():
             if ms and entry.get("ms_median"):
-                entry[f"speedup_vs_{peer}"] = round(ms / entry["ms_median"], 3)
+                entry[f"speedup_vs_{name_of_peer}"] = round(ms / entry["ms_median"], 3)
     rec.save()
     print(json.dumps(rec.data, indent=2, default=str))
 

@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 import torch
-from benchlib import run_header
+from lib.timing import run_header
 
 from h3serve.accel import fused
 from h3serve.config import DiTConfig

@@ -7,7 +7,8 @@ Run on a CUDA machine from the repository root (diffusers 0.42.1 installed, as f
 1. The tiny model renders on CUDA (bf16 DiT and text encoder, fp16-autocast video decode): two renders of one seed
    must give identical frames and samples.
 2. Full-width DiT (the released widths: hidden 5376, 56 x 128 heads, ffn 14336; `--layers` blocks instead of 50)
-   with the same random bf16 weights in ours and in diffusers' MiniMaxH3Transformer3DModel (the peer), at the
+   with the same random bf16 weights in ours and in diffusers' MiniMaxH3Transformer3DModel (the peer: our weights
+   exported by diffusers' own converter, `lib.peer`), at the
    reference packed shape (537 text + 186 audio + 5712 video rows = 6435): relative error of ours against the peer,
    run-to-run bit equality, and eager milliseconds per forward for both (CUDA events, median after warm-up).
    Eager against eager: this measures parity of the plain model, not any acceleration.
@@ -18,15 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import call_peer, run_header, time_ms
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from lib.models import build_dit
+from lib.peer import call_peer, peer, peer_weights
+from lib.timing import run_header, time_ms
 
 
 def tiny_render_check() -> dict:
@@ -67,26 +66,11 @@ def packed_reference_shape(n_text: int, n_audio: int, n_video: int, cfg: dict, d
 
 
 def dit_check(layers: int, warmup: int, iters: int) -> dict:
-    from diffusers import MiniMaxH3Transformer3DModel
-    from safetensors.torch import save_file
-
-    from dit_fixtures import cast_reference, reference_state_dict
-    from h3serve.checkpoint.dit import load_dit
-
-    cfg = json.loads(Path("tests/data/reference/transformer/config.json").read_text())
-    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
-    cfg["num_layers"] = layers
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        ref = MiniMaxH3Transformer3DModel(**cfg).eval().requires_grad_(False)
-        with torch.no_grad():
-            for name, p in ref.named_parameters():  # random, non-zero, norms near 1
-                p.normal_(1.0 if "norm" in name else 0.0, 0.02 if p.ndim > 1 else 0.1)
-    with tempfile.TemporaryDirectory() as tmp:
-        save_file(reference_state_dict(ref), Path(tmp) / "diffusion_pytorch_model.safetensors")
-        (Path(tmp) / "config.json").write_text(json.dumps(dict(ref.config)))
-        ours = load_dit(tmp, device="cuda", dtype=torch.bfloat16)
-    ref = cast_reference(ref, torch.bfloat16)
+    ours = build_dit(torch.device("cuda"), blocks=layers)  # random, non-zero, norms near 1
+    weights = peer_weights(ours)  # the same weights in diffusers' layout, by diffusers' own converter
+    cfg = dict(weights["config"])
+    ref = peer(weights, "cuda")
     x = packed_reference_shape(537, 186, 5712, cfg, "cuda")
 
     def run_ref():

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from benchlib import run_header, time_ms
+from lib.timing import run_header, time_ms
 from torch import nn
 
 from h3serve.accel.humming import COMPUTE_CONFIG, HummingLinear, available, is_humming, quantize_blocks

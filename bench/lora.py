@@ -9,25 +9,22 @@ and 5 points (4 forwards, the adapter's default); `--profiles` and `--runs` pick
 Each render runs twice: the first warms up (compiles), the second is timed; the two must be
 byte-identical, and the graph counter must show 0 recompiles.
 
-    PYTHONPATH=src:tests python bench/lora.py --out bench/results/lora.json [--profiles "eager BF16"] [--runs NAME]
+    PYTHONPATH=src python bench/lora.py --out bench/results/lora.json [--profiles "eager BF16"] [--runs NAME]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from lib.models import build, t2va_prompt
+from lib.timing import run_header, timed_render
+from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header, timed_render
-from full_size_smoke import build, t2va_prompt
-
-from adapter_fixtures import write_adapter
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
 from h3serve.checkpoint.adapters import merge_into, read_adapter
@@ -47,6 +44,26 @@ PROFILES = (
 )
 
 
+def write_lightx2v(path: Path, cfg, rank: int) -> None:
+    """A synthetic adapter as LightX2V publishes theirs: diffusers module names (q, k, v apart) with the `.default.`
+    infix, rank `rank` on every block and refiner linear, bf16 factors whose product has a weight's scale, metadata
+    key_format and alpha = rank."""
+    h, inner, ffn = cfg.hidden_size, cfg.inner_dim, cfg.ffn_hidden_size
+    widths = {"attn.to_q": (h, inner), "attn.to_k": (h, inner), "attn.to_v": (h, inner), "attn.to_out.0": (inner, h),
+              "ff.net.0.proj": (h, 2 * ffn), "ff.net.2": (ffn, h)}  # fmt: skip
+    blocks = [f"transformer_blocks.{i}" for i in range(cfg.num_layers)]
+    blocks += [f"token_refiner.refiner_blocks.{i}" for i in range(cfg.token_refiner_num_layers)]
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for block in blocks:
+        for module, (fan_in, fan_out) in widths.items():
+            down = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            up = torch.randn(fan_out, rank, generator=g) * 0.5 / rank**0.5
+            tensors[f"{block}.{module}.lora_A.default.weight"] = down.to(torch.bfloat16)
+            tensors[f"{block}.{module}.lora_B.default.weight"] = up.to(torch.bfloat16)
+    save_file(tensors, path, metadata={"key_format": "minimax-h3-diffusers", "alpha": str(rank)})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -60,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "minimax_h3_fl2v_turbo_4step_v1.0_768p.safetensors"
         start = time.perf_counter()
-        write_adapter(path, "lightx2v-diffusers", config, rank=args.rank, metadata={"alpha": str(args.rank)})
+        write_lightx2v(path, config, args.rank)
         record["write_s"] = round(time.perf_counter() - start, 2)
         record["file_gib"] = round(path.stat().st_size / 2**30, 3)
         start = time.perf_counter()

@@ -12,7 +12,7 @@ Measured: the GPU's peak allocation per render, and the process's non-evictable 
 sampled every 20 ms, and torch's pinned-memory allocator), both against the plan's rows for the same profile on one
 pool (`pipeline.budget.plan_budget(..., shared=True)`).
 
-    PYTHONPATH=/tmp/site:src:tests python3 bench/one_box.py --out $OUT/one_box.json
+    PYTHONPATH=/tmp/site:src python3 bench/one_box.py --out $OUT/one_box.json
 """
 
 from __future__ import annotations
@@ -21,18 +21,15 @@ import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
+from lib.host import StatusPeaks, proc_status
+from lib.models import build, t2va_prompt
+from lib.timing import run_header
 from safetensors import safe_open
 from safetensors.torch import save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from benchlib import StatusPeaks, proc_status, run_header
-from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.adaln import is_block_adaln
 from h3serve.accel.compile import uncompile_repeated_blocks
@@ -43,7 +40,7 @@ from h3serve.pipeline.rules import RELEASED_RULES
 
 
 def gib(status: dict[str, int]) -> dict[str, float]:
-    """`benchlib.proc_status`-style bytes as GiB, rounded."""
+    """`lib.host.proc_status`-style bytes as GiB, rounded."""
     return {k: round(v / GIB, 3) for k, v in status.items()}
 
 
@@ -72,7 +69,7 @@ def map_adaln(dit, folder: Path) -> float:
 
 
 def plan_rows(profile: Profile) -> dict:
-    from test_budget import released_configs  # the released configurations, as the plan reads them
+    from lib.models import released_configs  # the released configurations, as the plan reads them
 
     budget = plan_budget(released_configs(), profile, RELEASED_RULES, shared=True)
     return {

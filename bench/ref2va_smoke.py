@@ -11,18 +11,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 from pathlib import Path
 
 import av
 import numpy as np
 import torch
+from lib.models import build, t2va_prompt
+from lib.timing import run_header
 from PIL import Image
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build, t2va_prompt
 
 from h3serve.accel.profile import Profile
 from h3serve.model.components import Components

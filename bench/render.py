@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build, released_dit_config, seeded_engine, t2va_prompt
+from lib.models import build, released_dit_config, seeded_engine, t2va_prompt
+from lib.timing import run_header
 
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,10 +28,9 @@ import httpx
 import numpy as np
 import torch
 import uvicorn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import gpu_used_mib, run_header
-from full_size_smoke import build, released_dit_config, seeded_engine
+from lib.host import gpu_used_mib
+from lib.models import build, released_dit_config, seeded_engine
+from lib.timing import run_header
 
 from h3serve.accel.profile import Profile
 from h3serve.accept import AcceptPlan, run_accept

@@ -20,15 +20,12 @@ import argparse
 import gc
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import released_dit_config, seeded_engine, t2va_prompt
+from lib.models import released_dit_config, seeded_engine, t2va_prompt
+from lib.timing import run_header
 
 from h3serve.accel.attention import cudnn_sdpa
 from h3serve.accel.profile import Profile

@@ -4,7 +4,7 @@ a warm one (the cold start's), per profile.
 The released checkpoint does not fit the GPU machine's disk (DiT 60 GB, text encoder 48 GB), so the script first
 writes a folder that `serve --model` takes as a release: a DiT at the released width (hidden 5376, 56 x 128 heads,
 FFN 14336, the released time embedder) with `--blocks` blocks, random bf16 weights with the float32 islands, in
-diffusers shards; everything else is the tiny checkpoint of tests/e2e_fixtures.py (text encoder, VAEs, tokenizer,
+diffusers shards; everything else is the tiny checkpoint of bench/lib/tiny_folder.py (text encoder, VAEs, tokenizer,
 processor, schedulers), with the DiT's text_dim and latent widths set to its. Regional compile compiles one block
 and repeats it, so the compiled graph is the released one at the production warmup shape (768x448, 56 frames). What
 a real start adds does not depend on the kernel cache: reading 46 more blocks and the 48 GB text encoder, and in the
@@ -24,7 +24,7 @@ stopped with SIGINT (SIGKILL after a grace) before the next starts. Servers run 
 traceback. The JSON is rewritten after every start, so a
 run cut short keeps what it measured; starts that would pass `--budget` are skipped and say so.
 
-    PYTHONPATH=src:tests python bench/start.py --out bench/results/start.json
+    PYTHONPATH=src python bench/start.py --out bench/results/start.json
 """
 
 from __future__ import annotations
@@ -46,16 +46,14 @@ from typing import Any
 
 import httpx
 import torch
+from lib.host import evict
+from lib.models import fill_random
+from lib.timing import run_header
+from lib.tiny_folder import write_tiny_checkpoint
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from benchlib import evict, run_header
-from full_size_smoke import fill_random
-
-from dit_fixtures import export_state_dict
-from e2e_fixtures import write_tiny_checkpoint
 from h3serve.accel.caches import CACHES
+from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.folder import resolve_model_folder
 from h3serve.config import DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build, t2va_prompt
+from lib.models import build, t2va_prompt
+from lib.timing import run_header
 
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config

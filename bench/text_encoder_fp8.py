@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import run_header
-from full_size_smoke import build, t2va_prompt
+from lib.models import build, t2va_prompt
+from lib.timing import run_header
 
 from h3serve.accel.linear import quantize_text_encoder
 from h3serve.accel.profile import Profile

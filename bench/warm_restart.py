@@ -32,19 +32,15 @@ def child(cache: Path) -> None:
     torch.ones(1, device="cuda")
     marks["cuda_ready"] = time.time()
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from dit_step import SHAPE, forward, inputs
-    from full_size_smoke import build_dit
+    from lib.models import build_dit
+    from lib.shapes import SHAPE, forward, inputs
+    from lib.variants import alone, profile
 
-    from h3serve.accel import attention
-    from h3serve.accel.compile import compile_repeated_blocks
-    from h3serve.accel.linear import quantize_blocks
+    from h3serve.accel.apply import apply
 
     t0 = time.perf_counter()
     dit = build_dit(torch.device("cuda"))
-    attention.use("CUDNN_ATTN")
-    quantize_blocks(dit)
-    counter = compile_repeated_blocks(dit)
+    counter = apply(alone(dit), profile("CUDNN_ATTN", "compile", "CUTLASS"))  # the engine's compiled FP8 profile
     x = inputs(dit, SHAPE["text"], SHAPE, "cuda")
     built = time.perf_counter() - t0
     marks["built"] = time.time()

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3serve.checkpoint.dit import load_dit
-from h3serve.model.dit import H3DiT, is_fp32_name
+from h3serve.checkpoint.export import is_diffusers_fp32 as is_ref_fp32
+from h3serve.model.dit import H3DiT
 
 # Attention width (2 x 16 = 32) differs from the hidden size (24), and RoPE rotates 2 x 3 x 2 = 12 of 16 head dims,
 # so every path of the full model (inner != hidden, partial rotary) runs. Widths are all distinct to catch
@@ -31,13 +32,6 @@ TINY_DIFFUSERS_CONFIG = dict(
     time_embed_dim=20,
     rope_freq_dim=2,
 )
-
-# diffusers module name prefixes that the released checkpoint stores in float32.
-REF_FP32 = ("proj_in.", "audio_proj_in.", "time_embedder.", "proj_out.", "audio_proj_out.")
-
-
-def is_ref_fp32(name: str) -> bool:
-    return name.startswith(REF_FP32)
 
 
 def reference_dit(seed: int = 0):
@@ -168,36 +162,3 @@ def packed_inputs(t_video: float = 0.3, t_audio: float = 0.7, seed: int = 1, cfg
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
-
-
-# --- writing our weights in each published layout ------------------------------------------------------------------
-
-
-def interleave_qkv(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Stacked `[q; k; v]` rows -> the original shards' per-head `[h0: q k v, h1: q k v, ...]`."""
-    return w.view(3, heads, -1, w.shape[-1]).transpose(0, 1).reshape(w.shape).contiguous()
-
-
-def export_state_dict(model: H3DiT, layout: str) -> dict[str, torch.Tensor]:
-    """Our model's weights as a published checkpoint stores them (bf16 with fp32 islands):
-
-    "stacked": original key names, QKV `[q; k; v]` (the community single files);
-    "interleaved": original key names, QKV per head (the `FL2VA/transformer` shards);
-    "diffusers": converted from "stacked" by diffusers' own single-file converter.
-    """
-    heads = model.config.num_attention_heads
-    stacked = {
-        k: (v.float() if is_fp32_name(k) else v.to(torch.bfloat16)).detach().cpu().contiguous()
-        for k, v in model.state_dict().items()
-    }
-    if layout == "stacked":
-        return stacked
-    if layout == "interleaved":
-        return {k: interleave_qkv(v, heads) if k.endswith("attn.qkv_proj.weight") else v for k, v in stacked.items()}
-    if layout == "diffusers":
-        from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
-
-        config = {"num_attention_heads": heads, "attention_head_dim": model.config.attention_head_dim}
-        converted = convert_minimax_h3_transformer_checkpoint_to_diffusers(stacked, config, qkv_layout="stacked")
-        return {k: v.contiguous() for k, v in converted.items()}
-    raise ValueError(f"unknown layout {layout!r}")

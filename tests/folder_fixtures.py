@@ -66,8 +66,8 @@ def with_dit_layout(checkpoint: Path, root: Path, layout: str) -> Path:
 
     The other components stay as they are: only the DiT's layout differs, so every layout must render the same bytes.
     """
-    from dit_fixtures import export_state_dict
     from h3serve.checkpoint.dit import load_dit
+    from h3serve.checkpoint.export import export_state_dict
 
     if layout not in ("original", "stacked", "interleaved"):
         raise ValueError(f"unknown DiT layout {layout!r}")

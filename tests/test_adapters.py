@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from adapter_fixtures import FASTH3_IDENTITY, FLASHGEN_SCHEDULE, FORMATS, write_adapter
 from dit_fixtures import (
     TINY_DIFFUSERS_CONFIG,
-    export_state_dict,
     is_ref_fp32,
     packed_inputs,
     reference_state_dict,
@@ -36,6 +35,7 @@ from h3serve.checkpoint.adapters import (
 )
 from h3serve.checkpoint.adapters import read as adapter_reader
 from h3serve.checkpoint.dit import load_dit
+from h3serve.checkpoint.export import export_state_dict
 from h3serve.config import DiTConfig
 from h3serve.model.tiny import TINY_DIT, tiny_dit
 from h3serve.settings import parse_lora_setting

@@ -1,5 +1,5 @@
-"""bench/splitlib.py on the CPU (gloo): the harness `dit_step.py --num-gpus` and the multi-GPU tests run. The tiny DiT's
-forward split over two spawned ranks gives the plain one-rank forward's outputs bit for bit, and the scaling table
+"""bench/lib/split.py on the CPU (gloo): the harness `dit_step.py --num-gpus` and the multi-GPU tests run. The tiny
+DiT's forward split over two spawned ranks gives the plain one-rank forward's outputs bit for bit, and the scaling table
 says so, with the collectives' time measured in the split and none in the plain forward; bench/plot_scaling.py draws
 that table. About 15 s on 2 cores."""
 
@@ -15,9 +15,10 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from dit_step import TINY_SHAPE
+from lib.profiler import collective
+from lib.shapes import TINY_SHAPE
+from lib.split import Job, run_group, scaling
 from plot_scaling import merge, plot
-from splitlib import Job, collective, run_group, scaling
 
 PROFILE = "TORCH_SDPA+eager+BF16"
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dit_fixtures import export_state_dict, packed_inputs, tiny_dit_pair
+from dit_fixtures import packed_inputs, tiny_dit_pair
 from folder_fixtures import DIT_INDEX, write_sharded
 from h3serve.checkpoint.dit import load_dit, resolve_dit_layout
+from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.reader import CheckpointError
 from h3serve.checkpoint.safetensors import open_checkpoint
 from loading_fixtures import not_owned

@@ -5,9 +5,15 @@ refused. The kernel itself runs on the H200 (tests/test_gpu_fp8_attention.py).""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the naive scales: a benchmark's variant
+
+from lib.variants import naive_quantize
 
 from h3serve.accel import attention, fp8_attention
 from h3serve.accel.fp8_attention import E4M3_MAX, Scales, dequantize, quantize, reference
@@ -56,8 +62,9 @@ def test_quantized_operands_fill_the_range_and_stay_inside_it():
 
 
 def _emulated(q, k, v, naive: bool) -> torch.Tensor:
-    """The backend's output as its float32 emulation computes it (the kernel's own e4m3 output rounding aside)."""
-    q8, k8, v8, scales = quantize(q, k, v, naive=naive)
+    """The backend's output as its float32 emulation computes it (the kernel's own e4m3 output rounding aside); with
+    `naive`, over the benchmark's per-tensor scales (bench/lib/variants.py)."""
+    q8, k8, v8, scales = (naive_quantize if naive else quantize)(q, k, v)
     return dequantize(reference(q8, k8, v8, scales.descale), scales)
 
 

@@ -7,12 +7,19 @@ GPU machine with `pytest -m gpu`. The profiles with the tiny model: tests/test_g
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the naive scales: a benchmark's variant
+
+from lib.variants import naive_sdpa
+
 from h3serve.accel import fp8_attention
 from h3serve.accel.attention import cudnn_sdpa
-from h3serve.accel.fp8_attention import E4M3, E4M3_MAX, fp8_sdpa, naive_sdpa, quantize, reference
+from h3serve.accel.fp8_attention import E4M3, E4M3_MAX, fp8_sdpa, quantize, reference
 
 pytestmark = [
     pytest.mark.gpu,

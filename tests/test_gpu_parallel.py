@@ -4,7 +4,7 @@
    one-GPU frames and audio bit for bit; compiled BF16 and CUTLASS stay within their parity bound (the split adds
    no more than a tenth of what compiling itself changes against eager, or 1e-3, whichever is larger).
 2. The released DiT's full width (56 heads of 128) with its first two blocks, one forward at the reference shape,
-   split over 2, 4 and 8 GPUs where that many are visible (`bench/splitlib.py`): the same bit-for-bit and parity
+   split over 2, 4 and 8 GPUs where that many are visible (`bench/lib/split.py`): the same bit-for-bit and parity
    rules, and the compiled profiles do not recompile at a second text length.
 
 Not yet run on several GPUs: no multi-GPU machine has been lent (each split starts its own workers).
@@ -108,10 +108,10 @@ def test_a_compiled_split_render_is_within_the_parity_bound(one_gpu, linear, n):
 
 @pytest.fixture(scope="module")
 def full_width():
-    """`splitlib.run_group`'s results per GPU count (1: the plain one-GPU forward), every profile, each count run
+    """`lib.split.run_group`'s results per GPU count (1: the plain one-GPU forward), every profile, each count run
     once (a count that fails fails its own tests only)."""
-    from dit_step import SHAPE
-    from splitlib import Job, run_group
+    from lib.shapes import SHAPE
+    from lib.split import Job, run_group
 
     profiles = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+BF16", "CUDNN_ATTN+eager+CUTLASS",
                 "CUDNN_ATTN+compile+CUTLASS")  # fmt: skip

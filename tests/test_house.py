@@ -94,6 +94,42 @@ def test_no_import_cycle_in_the_package():
     assert cycle is None, " -> ".join(cycle)
 
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+TESTS = Path(__file__).resolve().parent
+
+
+def _imported(path: Path) -> set[str]:
+    """The absolute module names a file imports, at any depth (a lazy import is still a dependency)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def bench_graph() -> dict[str, set[str]]:
+    """bench/'s modules and their imports of each other: the scripts as top-level modules (bench/ is no package; a
+    script's sys.path[0] is bench/), `lib` and its modules as a package."""
+    modules = {p.stem: p for p in BENCH.glob("*.py")}
+    modules |= {".".join(p.relative_to(BENCH).with_suffix("").parts).removesuffix(".__init__"): p
+                for p in (BENCH / "lib").rglob("*.py")}  # fmt: skip
+    return {name: {m for m in _imported(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_no_import_cycle_in_bench_and_no_bench_module_imports_the_tests():
+    graph = bench_graph()
+    assert "lib.split" in graph["dit_step"] and "lib.variants" in graph["lib.split"]
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+    fixtures = {p.stem for p in TESTS.glob("*.py")}
+    files = [*BENCH.glob("*.py"), *(BENCH / "lib").rglob("*.py")]
+    from_tests = {f"{p.relative_to(BENCH)}: {m}" for p in files for m in _imported(p) if m.split(".")[0] in fixtures}
+    assert from_tests == set()
+    assert [str(p.relative_to(BENCH)) for p in files if "sys.path.insert" in p.read_text(encoding="utf-8")] == []
+
+
 # The layers, lowest first: a module imports only from its own layer or below (the data flow of docs/design.md).
 LAYERS = (
     ("h3serve.vocab", "h3serve.config", "h3serve.errors", "h3serve"),

@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dit_fixtures import export_state_dict
 from folder_fixtures import write_sharded
 from h3serve.checkpoint.dit import load_dit
+from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.reader import MIN_WINDOW, CheckpointError, TensorReader, read_header
 from h3serve.checkpoint.safetensors import LoadStats
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig

@@ -82,7 +82,7 @@ def test_community_single_file_ref2va_loads_the_same_weights(release, tmp_path):
     stacked as every published single file holds them) beside its config, in transformer_ref/."""
     from safetensors.torch import save_file
 
-    from dit_fixtures import export_state_dict
+    from h3serve.checkpoint.export import export_state_dict
 
     root = tmp_path / "FL2VA"
     shutil.copytree(release, root, ignore=shutil.ignore_patterns("transformer_ref"))

@@ -4,6 +4,7 @@ different profiles in one process each keep their own numbers."""
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,7 +83,26 @@ def load_plan(profile: Profile) -> LoadPlan:
     )
 
 
-def apply(components: Components, profile: Profile, compiler: Compiler | None = None) -> GraphCounter | None:
+class Passes(enum.StrEnum):
+    """Which of the Triton passes (`accel.fused`) the DiT blocks run on CUDA: ALL (the engine's), QK (the fused
+    qk-norm + rotary alone) or NONE (the reference ops). Only a benchmark asks for less than ALL, to measure what the
+    passes save (bench/lib/variants.py)."""
+
+    ALL = "all"
+    QK = "qk"
+    NONE = "none"
+
+
+def profile_compiler(profile: Profile, **options) -> Compiler:
+    """The compiler of a compile profile: BF16 keeps eager's roundings (the profile's point is fidelity); with FP8
+    linears their rounding dominates. `options`: the rest of `Compiler`'s (a benchmark's static shapes or Inductor
+    options); the engine passes none."""
+    return Compiler(eager_precision=profile.linear == Linear.BF16, **options)
+
+
+def apply(
+    components: Components, profile: Profile, compiler: Compiler | None = None, passes: Passes = Passes.ALL
+) -> GraphCounter | None:
     """Give every loaded model the profile's choices, on the model itself:
     - each attention module its kernel (DiT, video decoder, audio encoder);
     - the video decoder its weights in the autocast dtype (bitwise the same decode);
@@ -90,8 +110,8 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
       the text encoder's FP8 linears when asked; the FP8 GEMM's scaling, once the self-test chose it;
     - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
       compile traces the fused passes; compile shares one compiler (code and graph counter) between the DiTs.
-    `compiler`: a benchmark's own compile options; the engine passes none. Returns the compile's graph counter (None
-    when eager)."""
+    `compiler` (`profile_compiler` with a benchmark's options) and `passes`: a benchmark's variants; the engine passes
+    neither. Returns the compile's graph counter (None when eager)."""
     dits = list(components.dits.values())  # the FL2VA DiT, the Ref2VA DiT, or both: the same profile for each
     for model in (*dits, components.video_vae, components.audio_vae):
         attention.set_kernel(model, profile.attention)
@@ -108,13 +128,14 @@ def apply(components: Components, profile: Profile, compiler: Compiler | None = 
         for model in (*dits, components.text_encoder):
             linear.set_scaling(model, profile.fp8_scaling.value)
 
-    passes = profile.cuda and fused.available()
-    if profile.cuda and not passes:
+    triton = profile.cuda and fused.available()
+    if profile.cuda and not triton:
         log.warning("Triton is not importable: the DiT runs the reference ops unfused (the same numbers, slower)")
     if compiler is None and profile.execution == Execution.COMPILE:
-        # BF16 keeps eager's roundings (the profile's point is fidelity); with FP8 linears their rounding dominates.
-        compiler = Compiler(eager_precision=profile.linear == Linear.BF16)
-    qk, body = block_passes(profile, passes)
+        compiler = profile_compiler(profile)
+    qk, body = block_passes(profile, triton and Passes(passes) != Passes.NONE)
+    if Passes(passes) == Passes.QK:
+        body = None  # the blocks' own forward around the fused qk-norm + rotary
     for dit in dits:
         set_block_passes(dit, qk, body)
         stack = BlockStack.of(dit).set_compiler(compiler if profile.execution == Execution.COMPILE else None)

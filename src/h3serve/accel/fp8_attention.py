@@ -22,8 +22,8 @@ Per call, for q, k, v (B, H, S, D) in the activations' dtype (`fp8_sdpa`, an `op
    it as one opaque call. Graphs are built once per shape and kept (`_graph`).
 3. The output is descaled per head, V's mean added, in the activations' dtype.
 
-`naive=True` is the per-tensor variant: one scale each for q, k and v, no smoothing of either. It is kept to measure
-what the design buys (bench/dit_step.py, tests/test_gpu_fp8_attention.py); the profile never runs it.
+What the design buys is measured against per-tensor scales without smoothing, a variant composed from this module's
+`Scales`, `to_e4m3` and `dequantize` in bench/lib/variants.py (bench/dit_step.py's CUDNN_FP8_NAIVE); never served.
 
 cuDNN needs Hopper (sm90) or newer, and its FP8 attention on Hopper writes e4m3 only (a bfloat16 output is
 Blackwell's). `missing` says what this machine lacks; `accel.profile.check` refuses the backend with it.
@@ -87,8 +87,7 @@ class Scales:
     def of(
         cls, amax_q: torch.Tensor, amax_k: torch.Tensor, amax_v: torch.Tensor, v_mean: torch.Tensor | None = None
     ) -> Scales:
-        """From each head's amax (H,) float32 of q and the smoothed k and v (equal entries for the naive
-        variant)."""
+        """From each head's amax (H,) float32 of q and the smoothed k and v (equal entries: per-tensor scales)."""
         aq, ak, av = (a.clamp_min(MIN_AMAX) for a in (amax_q, amax_k, amax_v))
         product = aq * ak
         largest = product.amax()
@@ -106,7 +105,7 @@ def _head_amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(dim=(0, 2, 3)).float()
 
 
-def _quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x * scale[h], saturated to e4m3's range and rounded to e4m3 (x's layout kept)."""
     return (x.float() * scale[None, :, None, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
@@ -120,30 +119,24 @@ def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def quantize(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, naive: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Scales]:
     """q, k, v (B, H, S, D) -> their e4m3 forms and the scales (the module docstring's step 1). On CUDA two Triton
-    passes over q, k, v (`triton_fp8_attention`: the statistics, then the rounding), else torch's ops; the naive
-    variant always runs torch's."""
-    if not naive and fused(q, k, v):
+    passes over q, k, v (`triton_fp8_attention`: the statistics, then the rounding), else torch's ops."""
+    if fused(q, k, v):
         return _quantize_fused(q, k, v)
-    return quantize_ops(q, k, v, naive)
+    return quantize_ops(q, k, v)
 
 
 def quantize_ops(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, naive: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Scales]:
-    """`quantize` in torch's ops (the CPU's, the naive variant's, and what the Triton passes are checked against)."""
+    """`quantize` in torch's ops (the CPU's, and what the Triton passes are checked against)."""
     kf, vf = k.float(), v.float()
-    v_mean = None
-    if not naive:
-        v_mean = vf.mean(dim=2, keepdim=True)
-        kf, vf = kf - kf.mean(dim=2, keepdim=True), vf - v_mean
-    amax = [_head_amax(q), _head_amax(kf), _head_amax(vf)]
-    if naive:
-        amax = [a.amax().expand_as(a) for a in amax]
-    scales = Scales.of(*amax, v_mean=v_mean)
-    return _quantize(q, scales.q), _quantize(kf, scales.k), _quantize(vf, scales.v), scales
+    v_mean = vf.mean(dim=2, keepdim=True)
+    kf, vf = kf - kf.mean(dim=2, keepdim=True), vf - v_mean
+    scales = Scales.of(_head_amax(q), _head_amax(kf), _head_amax(vf), v_mean=v_mean)
+    return to_e4m3(q, scales.q), to_e4m3(kf, scales.k), to_e4m3(vf, scales.v), scales
 
 
 def _quantize_fused(
@@ -167,12 +160,12 @@ def _smoothed(stats: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     return mean, shifted.amax(dim=(0, 2))
 
 
-def fp8_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, naive: bool = False) -> torch.Tensor:
+def fp8_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """Softmax attention over (B, H, S, D), scale 1/sqrt(D), in FP8 (the module docstring); the output in q's dtype,
     (B, H, S, D) over (B, S, H, D) memory."""
     if causal:
         raise ValueError("attention CUDNN_FP8 runs the DiT's unmasked attention only")
-    q8, k8, v8, scales = quantize(q, k, v, naive)
+    q8, k8, v8, scales = quantize(q, k, v)
     o8 = torch.ops.h3serve.cudnn_fp8_sdpa(q8, k8, v8, scales.descale)
     return dequantize(o8, scales).to(q.dtype)
 
@@ -181,11 +174,6 @@ def dequantize(o8: torch.Tensor, scales: Scales) -> torch.Tensor:
     """The kernel's e4m3 output -> the attention's, float32: descaled per head, V's mean added back."""
     o = o8.float() * (1.0 / (scales.v * OUTPUT_SCALE))[None, :, None, None]
     return o if scales.v_mean is None else o + scales.v_mean
-
-
-def naive_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """`fp8_sdpa` with per-tensor scales and no smoothing (measured beside the design, never served)."""
-    return fp8_sdpa(q, k, v, causal, naive=True)
 
 
 def reference(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:

@@ -74,22 +74,22 @@ class Fp8Linear(nn.Module):
 
     `fast_accum`: the GEMM's FP8 fast accumulation on sm90 (no periodic promotion of the partial sums to float32), as
     torchao's float8 linear runs its forward GEMM: faster at the same error against the reference (bench/dit_step.py
-    measures both; bench/results/README.md). Per layer; False only for the benchmark's comparison.
+    measures it against a subclass that turns it off, bench/lib/variants.py; bench/results/README.md).
 
     `scaling`: where the GEMM applies the scales (`Fp8Scaling`; ROWWISE unless set). EPILOGUE needs a float32 unit
     scale on the weight's device, made once when the scaling is set (a non-persistent buffer, so it follows `.to()`
     and is in no state dict); a ROWWISE layer has none, so checkpoint loading and meta placeholders never see it."""
+
+    fast_accum = True
 
     def __init__(
         self,
         weight: torch.Tensor,
         scale: torch.Tensor,
         bias: torch.Tensor | None,
-        fast_accum: bool = True,
         scaling: Fp8Scaling = Fp8Scaling.ROWWISE,
     ):
         super().__init__()
-        self.fast_accum = fast_accum
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("weight", weight)  # (N, K) e4m3, row-major: weight.t() is the column-major B
         self.register_buffer("scale", scale)  # (1, N) float32

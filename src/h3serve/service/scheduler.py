@@ -5,8 +5,7 @@ and the encoder thread that turns each finished render into its MP4 while the wo
            -> hand-off (ENCODE_BACKLOG) -> encoder: MP4 to a file (async job) or to bytes (sync render) -> done
 
 Sync and async renders share the queue and the worker, so one render uses the GPU at a time. The encode runs on the
-CPU beside the next render (with `encode_inline` the worker encodes itself, as before the encoder thread existed: the
-baseline the throughput test measures against).
+CPU beside the next render.
 
 Cancellation is real wherever a job is. Waiting in the queue or the hand-off, it is removed at once. Rendering, it
 stops within one denoise step or decode window (`RenderContext`). Encoding, it cannot stop midway (PyAV has no hook
@@ -96,14 +95,12 @@ class Scheduler:
         warmup: bool,
         encoder_threads: int,
         metrics: Metrics,
-        encode_inline: bool = False,
     ):
         self.engine = engine
         self.store = store
         self.max_queue = max_queue
         self.encoder_threads = encoder_threads
         self.metrics = metrics
-        self.encode_inline = encode_inline
         self._warmup_enabled = warmup
         self.readiness = Readiness.WARMING
         self.warmup_result: WarmupResult | None = None
@@ -119,8 +116,7 @@ class Scheduler:
     # ---- control --------------------------------------------------------------------------------------------
     def start(self) -> None:
         self._worker.start()
-        if not self.encode_inline:
-            self._encoder.start()
+        self._encoder.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """End every job not finished (their records say the server stopped) and join the threads."""
@@ -211,10 +207,7 @@ class Scheduler:
         while (work := self._next_render()) is not None:
             with self._guard(work):
                 if self._render(work):
-                    if self.encode_inline:
-                        self._encode(work)
-                    else:
-                        self._hand_off(work)
+                    self._hand_off(work)
             with self._cond:
                 self._rendering = None
 

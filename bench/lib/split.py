@@ -17,25 +17,20 @@ import contextlib
 import os
 import queue
 import statistics
-import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-# Collective kinds by the marks in a kernel's name (NCCL's: ncclDevKernel_SendRecv is all_to_all_single's) or a CPU
-# op's (gloo's). On CUDA only kernels named nccl* count: CUTLASS's rowwise FP8 GEMM has "RowBroadcast" in its name.
-COLLECTIVES = (("all_to_all", ("SendRecv", "AllToAll", "alltoall")), ("all_gather", ("AllGather", "allgather")),
-               ("all_reduce", ("AllReduce", "allreduce")), ("broadcast", ("Broadcast", "broadcast")))  # fmt: skip
+from h3serve.accel.compile import uncompile_repeated_blocks
+from lib import models, shapes, variants
+from lib.profiler import comm_profile
+from lib.timing import allocated, peak, reset_peak, sync, timed
 
 
 @dataclass(frozen=True)
@@ -43,8 +38,8 @@ class Job:
     """What every rank runs (picklable: it travels to the spawned processes).
 
     model: "full" (the released DiT, `blocks` of its blocks when given) or "tiny" (the built-in tiny DiT).
-    shape: height, width, frames, text (rows) and other_text (the second length), as dit_step's SHAPES.
-    profiles: names as dit_step's, ATTENTION+execution+LINEAR; run grouped by linear, BF16 first.
+    shape: height, width, frames, text (rows) and other_text (the second length), as `shapes.SHAPES`.
+    profiles: names as `variants`', ATTENTION+execution+LINEAR; run grouped by linear, BF16 first.
     split: run the split path (`Ranks`) even for a group of one; False is the plain one-GPU forward (one rank).
     simulate: one process runs rank 0's part of a split over `n` (`StandIn`: its peers' messages are copies of its
     own), so one GPU shows a rank's own work at that count: a projection of the compute, no interconnect in it.
@@ -122,8 +117,6 @@ def _exit_with_parent() -> None:
 
 @torch.no_grad()
 def _run(rank: int, n: int, port: int, job: Job) -> dict:
-    import dit_step
-
     from h3serve.accel import attention
     from h3serve.accel.adaln import AdalnTables
     from h3serve.parallel.group import Group
@@ -143,16 +136,16 @@ def _run(rank: int, n: int, port: int, job: Job) -> dict:
         ranks = Ranks(Group.join(rank, n, port, device, job.timeout_s))
     spread = ranks if ranks is not None else ONE_DEVICE
     torch.manual_seed(0)
-    dit = dit_step.tiny_dit() if job.model == "tiny" else build_blocks(device, job.blocks)
+    dit = models.tiny_dit() if job.model == "tiny" else models.build_dit(device, blocks=job.blocks)
     dit = dit.to(device)
-    out: dict = {"rank": rank, "weights_gib": round(_allocated(device) / 2**30, 2), "profiles": {}, "outputs": {}}
+    out: dict = {"rank": rank, "weights_gib": round(allocated(device) / 2**30, 2), "profiles": {}, "outputs": {}}
     runs = {}
     for key, text in (("main", job.shape["text"]), ("other", job.shape["other_text"])):
-        layout, timesteps, t_index = _layout(job.shape, text)
+        layout, timesteps, t_index = shapes.t2va_layout(job.shape, text)
         cfg = dit.config
         runs[key] = SimpleNamespace(
             layout=layout,
-            text=dit_step.text_states(text, cfg.text_dim, 0),
+            text=shapes.text_states(text, cfg.text_dim, 0),
             video=torch.randn(layout.num_video_rows, cfg.video_patch_dim,
                               generator=torch.Generator().manual_seed(100)).to(device),
             audio=torch.randn(layout.num_audio_rows, cfg.audio_latents_dim,
@@ -166,12 +159,12 @@ def _run(rank: int, n: int, port: int, job: Job) -> dict:
         r.tables = tables.for_steps([r.timesteps.cpu()])
     dev = "cuda" if job.cuda else "cpu"
     for linear in dict.fromkeys(name.split("+")[2] for name in sorted(job.profiles, key=_linear_order)):
-        replaced = dit_step.swap_linears(dit, linear)
+        replaced = variants.swap_linears(dit, linear)
         for name in (p for p in job.profiles if p.split("+")[2] == linear):
             attn, execution, _ = name.split("+")
-            dit_step.uncompile_repeated_blocks(dit)
+            uncompile_repeated_blocks(dit)
             torch._dynamo.reset()
-            counter = dit_step.configure(dit, attn, execution, linear, dev)
+            counter = variants.configure(dit, attn, execution, linear, dev)
             if ranks is not None:
                 ranks.install(SimpleNamespace(components=SimpleNamespace(dits={"dit": dit}), step_caches={}))
             entry, outputs = _measure(spread, dit, runs, job, ranks, device, counter)
@@ -179,9 +172,9 @@ def _run(rank: int, n: int, port: int, job: Job) -> dict:
             if rank == 0:
                 out["outputs"][name] = outputs
             print(f"rank {rank}/{n} {name}", {k: v for k, v in entry.items() if k != "ms"}, flush=True)
-        dit_step.uncompile_repeated_blocks(dit)
+        uncompile_repeated_blocks(dit)
         if replaced is not None:
-            dit_step.restore(dit, replaced)
+            variants.restore(dit, replaced)
     attention.set_kernel(dit, "TORCH_SDPA")
     return out
 
@@ -255,23 +248,6 @@ def _linear_order(name: str) -> int:
     return 0 if name.endswith("+BF16") else 1  # the BF16 weights first: a swap quantizes a copy, restored after
 
 
-def _layout(shape: dict, text: int):
-    from h3serve.config import Modality
-    from h3serve.pipeline.layout import MediaGeometry, build_layout
-
-    geometry = MediaGeometry.from_pixels(shape["height"], shape["width"], shape["frames"])
-    layout = build_layout([int(Modality.TEXT)] * text, geometry, ())
-    timesteps, t_index = layout.timestep_plan(0.6, 0.3)
-    return layout, timesteps, t_index
-
-
-def build_blocks(device: torch.device, blocks: int | None):
-    """The released DiT with random weights (seed 0), only its first `blocks` main blocks when given."""
-    from full_size_smoke import build_dit
-
-    return build_dit(device, blocks=blocks)
-
-
 def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) -> tuple[dict, tuple]:
     main = runs["main"]
     fn = spread.bind(dit, main.layout, main.text, main.tables)
@@ -284,21 +260,21 @@ def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) 
             ranks.group.agree(False)
 
     entry: dict = {}
-    _reset_peak(device)
+    reset_peak(device, empty_cache=True)
     start = time.perf_counter()
     forward()
-    _sync(device)
+    sync(device)
     entry["first_call_s"] = round(time.perf_counter() - start, 2)
     for _ in range(job.warmup):
         forward()
     ms = []
     for _ in range(job.iters):
         barrier()
-        ms.append(_timed(forward, device))
+        ms.append(timed(forward, device))
     entry["ms"] = [round(m, 2) for m in ms]
     entry["ms_median"] = round(statistics.median(ms), 2)
     v, a = forward()
-    entry["peak_gib"] = round(_peak(device) / 2**30, 2)
+    entry["peak_gib"] = round(peak(device) / 2**30, 2)
     if job.comm:
         barrier()
         stand_in = ranks.group if ranks is not None and isinstance(ranks.group, StandIn) else None
@@ -309,110 +285,6 @@ def _measure(spread, dit, runs, job: Job, ranks, device: torch.device, counter) 
                                                                  other.t_index, 0)  # fmt: skip
         entry["graphs"], entry["recompiles"] = counter.graphs, counter.recompiles
     return entry, (v.float().cpu().numpy(), a.float().cpu().numpy())
-
-
-TOP_KERNELS = 25  # kept per profiled forward, by time
-
-
-def comm_profile(forward, device: torch.device, stand_in: StandIn | None = None) -> dict:
-    """One `forward()` under torch.profiler: its span, the kernel time per collective kind (ms), every kernel's busy
-    time (the union of their intervals), the idle time in the span, and the other kernels' time per category
-    (`dit_step.breakdown`: GEMM, attention, element-wise, other); on a CPU the collectives' op time alone and the
-    top-level ops by category. With a `stand_in` (a simulated split), the time its copies took in the forward."""
-    import dit_step
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    if stand_in is not None:
-        stand_in.time_copies()
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        forward()
-        _sync(device)
-    kind = DeviceType.CUDA if cuda else DeviceType.CPU
-    events = [e for e in prof.events() if e.device_type == kind and e.time_range.end > e.time_range.start
-              and not e.is_user_annotation]  # fmt: skip
-    per_kind = {k: 0.0 for k, _ in COLLECTIVES} | {"other_nccl": 0.0}
-    for e in events:
-        k = collective(e.name, cuda)
-        if k is not None and not any(collective(p.name, cuda) for p in _ancestors(e)):  # CPU ops nest: the outer
-            per_kind[k] += (e.time_range.end - e.time_range.start) / 1e3
-    if not cuda:
-        events = [e for e in events if e.cpu_parent is None]  # top-level ops for the busy time
-    entry = {"collectives_ms": {k: round(v, 3) for k, v in per_kind.items()}}
-    if stand_in is not None:
-        entry["stand_in_ms"] = round(stand_in.take_ms(), 3)
-    if events:
-        span = (max(e.time_range.end for e in events) - min(e.time_range.start for e in events)) / 1e3
-        busy = _union_ms([(e.time_range.start, e.time_range.end) for e in events])
-        entry |= {"span_ms": round(span, 3), "busy_ms": round(busy, 3), "idle_ms": round(span - busy, 3)}
-    kernels: dict[str, list] = {}
-    for e in events:
-        if collective(e.name, cuda) is None:
-            calls_ms = kernels.setdefault(e.name, [0, 0.0])
-            calls_ms[0] += 1
-            calls_ms[1] += (e.time_range.end - e.time_range.start) / 1e3
-    rows = [(k, c, ms) for k, (c, ms) in kernels.items()]
-    table = dit_step.breakdown(rows, "kernels other than collectives" if cuda
-                               else "top-level CPU ops other than collectives (dry run)")  # fmt: skip
-    entry["kernels"] = {cat: v["ms"] for cat, v in table["categories"].items()} | {"total": table["total_ms"]}
-    entry["top_kernels"] = dit_step.top_kernels(rows, TOP_KERNELS)
-    return entry
-
-
-def collective(name: str, cuda: bool) -> str | None:
-    """Which collective a kernel (`cuda`) or CPU op of this name is part of, or None."""
-    if cuda and not name.startswith("nccl"):
-        return None
-    kind = next((k for k, marks in COLLECTIVES if any(m in name for m in marks)), None)
-    return kind or ("other_nccl" if cuda else None)
-
-
-def _ancestors(event):
-    while (event := event.cpu_parent) is not None:
-        yield event
-
-
-def _union_ms(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total / 1e3
-
-
-def _timed(fn, device: torch.device) -> float:
-    if device.type != "cuda":
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _peak(device: torch.device) -> int:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def scaling(groups: dict[int, list[dict]], compare: bool = True) -> dict:
