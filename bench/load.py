@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from benchlib import StatusPeaks, evict, proc_status, run_header
+from lib.host import StatusPeaks, evict, proc_status
+from lib.timing import run_header
 from safetensors import safe_open
 from safetensors.torch import save_file
 

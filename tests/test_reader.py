@@ -207,7 +207,7 @@ def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
 
 
 def bench_load(monkeypatch) -> ModuleType:
-    """bench/load.py as a module (bench/ is no package; the script imports its `benchlib` from beside it)."""
+    """bench/load.py as a module (bench/ is no package; the script imports `lib` from beside it)."""
     monkeypatch.syspath_prepend(str(BENCH))
     spec = importlib.util.spec_from_file_location("bench_load", BENCH / "load.py")
     assert spec is not None and spec.loader is not None
