@@ -1,16 +1,18 @@
-"""The documents keep up with the code: every setting is in the README under its environment name and flag, the README
-stays short, and nothing cites a document the repository does not hold."""
+"""The documents keep up with the code: the settings' tables (README, docs/operators.md) and deploy/.env.example say
+what the schema's descriptions say, and nothing cites a document the repository does not hold."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from h3serve.settings import CLI_FIELDS, Settings, env_name, flag_name
+import pytest
+
+from h3serve import settings_doc
+from h3serve.settings import CLI_FIELDS, NO_FLAG, Settings, env_name, flag_name
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-README_MAX_WORDS = 2600
 # Documents that were cited in the past but live outside the repository (research notes, the house style). Their facts
 # are in docs/ (model.md, design.md, operators.md) or cited from their public sources instead. Spelled as stems so
 # that this file does not name them itself.
@@ -32,16 +34,58 @@ def scanned_files() -> list[Path]:
     return files
 
 
-def test_every_setting_is_in_the_readme_table():
-    rows = {line.split("|")[1].strip(" `") for line in README.splitlines() if line.startswith("| `H3_")}
-    assert rows == {env_name(name) for name in Settings.model_fields}
-    for name in CLI_FIELDS:
-        assert f"`{flag_name(name)}`" in README, name
+def table_rows(text: str) -> dict[str, list[str]]:
+    """A markdown file's settings rows: {`H3_X`: [flag, meaning, default]}."""
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| `H3_"):
+            env, *cells = [cell.strip() for cell in line.strip("|").split(" | ")]
+            rows[env.strip("`")] = cells
+    return rows
 
 
-def test_readme_stays_short():
-    words = len(README.split())  # as `wc -w` counts
-    assert words <= README_MAX_WORDS, f"README.md has {words} words (at most {README_MAX_WORDS}): move detail to docs/"
+def test_every_setting_is_in_the_operators_table_and_the_readme_holds_the_newcomers():
+    operators = table_rows((ROOT / "docs" / "operators.md").read_text(encoding="utf-8"))
+    assert list(operators) == [env_name(name) for name in Settings.model_fields]
+    for name in Settings.model_fields:
+        flag = operators[env_name(name)][0]
+        assert flag == (f"`{flag_name(name)}`" if name in CLI_FIELDS else "(none: never on a command line)"), name
+    assert set(NO_FLAG) <= set(Settings.model_fields)
+    readme = table_rows(README)
+    assert list(readme) == [env_name(name) for name in settings_doc.README_SETTINGS]
+    assert all(readme[env] == operators[env] for env in readme)  # the same row in both tables
+    assert "docs/operators.md#settings" in README
+
+
+@pytest.mark.parametrize("block", [settings_doc.README, settings_doc.OPERATORS, settings_doc.ENV_EXAMPLE])
+def test_the_generated_settings_text_is_the_schemas(block):
+    """README, operators table and .env.example hold what `python -m h3serve.settings_doc --write` makes of the schema
+    now: a description changed in settings.py and not regenerated (or a row edited by hand) fails here."""
+    expected = settings_doc.generated(ROOT)[block]
+    held = block.current((ROOT / block.path).read_text(encoding="utf-8"))
+    assert held == expected, f"{block.path} is stale: run python -m h3serve.settings_doc --write"
+
+
+def test_a_changed_description_makes_every_generated_file_stale(monkeypatch):
+    """The check above can fail: a schema description changed in memory is seen in all three files, and only there."""
+    assert settings_doc.stale(ROOT) == []
+    field = Settings.model_fields["device"]  # a setting of the README's table, the full table and .env.example
+    monkeypatch.setattr(field, "description", field.description + "; and a drifted word")
+    assert settings_doc.stale(ROOT) == ["README.md", "docs/operators.md", "deploy/.env.example"]
+    assert "drifted" in settings_doc.readme_table() and "drifted" in settings_doc.env_entries({})
+
+
+def test_a_row_edited_by_hand_is_stale(tmp_path):
+    for block in settings_doc.generated(ROOT):
+        path = tmp_path / block.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text((ROOT / block.path).read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "deploy" / "compose.yaml").write_text((ROOT / "deploy" / "compose.yaml").read_text(encoding="utf-8"))
+    readme = tmp_path / "README.md"
+    readme.write_text(readme.read_text(encoding="utf-8").replace("released checkpoint folder", "checkpoint folder", 1))
+    assert settings_doc.stale(tmp_path) == ["README.md"]
+    assert settings_doc.write(tmp_path) == ["README.md"] and settings_doc.stale(tmp_path) == []
+    assert readme.read_text(encoding="utf-8") == README
 
 
 def test_no_file_cites_a_document_outside_the_repository():

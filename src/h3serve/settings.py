@@ -93,39 +93,50 @@ class EngineSettings(BaseModel):
     model: str | None = Field(
         None,
         min_length=1,
-        description="released checkpoint folder (FL2VA/ or diffusers layout); unset: the built-in tiny model",
+        description="released checkpoint folder (FL2VA/ or diffusers layout; the transformer may be one safetensors "
+        "file); unset: the built-in tiny model",
     )
     qkv_layout: Literal["stacked", "interleaved"] | None = Field(
-        None, description="QKV row order of a single-file DiT with original key names (stacked unless told)"
+        None,
+        description="QKV row order of a single-file DiT with original key names, which the file cannot tell: stacked "
+        "or interleaved; refused where it cannot apply; unset: stacked, with a warning",
     )
     # The profile -----------------------------------------------------------------------------------------------
     device: str | None = Field(None, description="cpu or cuda[:N]; unset: cuda when available, else cpu")
     dtype: DType | None = Field(
-        None, description="DiT and text-encoder precision; unset: bfloat16 on cuda, float32 on cpu"
+        None,
+        description="DiT and text-encoder precision, bfloat16 or float32 (the fp32 islands and both VAEs stay "
+        "float32); unset: bfloat16 on cuda, float32 on cpu",
     )
     vae_autocast: VaeAutocast | None = Field(
-        None, description="video-decode autocast; unset: float16 on cuda, none on cpu"
+        None,
+        description="video-decode autocast, float16 (the released recipe, cuda only) or none; unset: float16 on "
+        "cuda, none on cpu",
     )
     diffusion_attention_backend: Attention | None = Field(
-        None, description="attention kernel; unset: the device's default profile"
+        None,
+        description="attention kernel: CUDNN_ATTN, TORCH_SDPA or CUDNN_FP8 (the DiT's attention in FP8: Hopper+, one "
+        "GPU, the fp8-attention extra); unset: the device's default profile",
     )
     execution_mode: Execution | None = Field(
-        None, description="eager, or regional torch.compile of the DiT block; unset: the device's default profile"
+        None,
+        description="eager, or compile (regional torch.compile of the DiT block); unset: the device's default profile",
     )
     linear_backend: Linear | None = Field(
         None,
-        description="DiT linears: BF16 (unquantized), CUTLASS (FP8), HUMMING (FP8, batch-invariant; eager and no "
-        "cache only); unset: the device's default profile",
+        description="DiT block linears: BF16 (unquantized), CUTLASS (FP8) or HUMMING (FP8, batch-invariant; eager, no "
+        "step cache, the humming extra); unset: the device's default profile",
     )
     text_encoder_linear: TextLinear | None = Field(
         None,
-        description="text-encoder decoder-layer linears: BF16 (exact, default) or CUTLASS (FP8: -24 GB, lossy)",
+        description="text-encoder decoder-layer linears: BF16 (exact) or CUTLASS (FP8: 22.7 GiB less, lossy); unset: "
+        "BF16",
     )
     adaln_weights: AdalnWeights | None = Field(
         None,
-        description="where the DiT's AdaLN weights (13 B parameters) live: device, pinned (a page-locked host copy) "
-        "or mapped (read from the checkpoint file when a schedule's tables are made); unset: mapped on an integrated "
-        "GPU, pinned on a discrete one, device on cpu",
+        description="where the DiT's AdaLN weights (13 B parameters) live: device (on the GPU), pinned (a page-locked "
+        "host copy) or mapped (read from the checkpoint file, as page cache, when a schedule's tables are made); "
+        "unset: mapped on an integrated GPU, pinned on a discrete one, device on cpu",
     )
     adaln_tables_kept: int | None = Field(
         None,
@@ -137,34 +148,38 @@ class EngineSettings(BaseModel):
     fp8_scaling: Fp8Scaling | None = Field(
         None,
         description="how the CUTLASS FP8 GEMM applies its scales: ROWWISE (in the GEMM) or EPILOGUE (after a "
-        "per-tensor GEMM); unset (auto): whichever passes the start-up self-test on this GPU",
+        "per-tensor GEMM, for GPUs whose cuBLAS refuses rowwise scales), self-tested at start; unset (auto): the "
+        "first that passes the self-test on this GPU",
     )
     cache_backend: Literal["none", "cache_dit"] = Field(
-        "none", description="step caching (lossy): none, or cache_dit with cache_config"
+        "none", description="step caching (lossy): none, or cache_dit with H3_CACHE_CONFIG"
     )
     cache_config: str | None = Field(
         None,
-        description="Cache-DiT DBCache settings as a JSON object (cache-dit's key names); required with cache_dit, "
-        "refused without it",
+        description="cache-dit DBCache settings as a JSON object (cache-dit's key names, checked key by key); required "
+        "with cache_dit, refused without it",
     )
     cache_dir: Path | None = Field(
-        None, description="folder for persistent kernel caches (Inductor, Triton) reused across restarts"
+        None, description="folder for persistent kernel caches (Inductor, Triton, Humming) reused across restarts"
     )
     lora: str | None = Field(
         None,
         min_length=1,
         description="few-step adapters merged into the DiT at load: PATH[:SCALE], comma-separated for several; the "
-        "first adapter's trained sampler (grid points, shifts) becomes the default of requests that do not set them",
+        "first adapter's trained sampler (grid points, shifts) is the default of requests that do not set them",
     )
     encoder_threads: int = Field(
-        ENCODER_THREADS, ge=1, le=MAX_ENCODER_THREADS, description="H.264 encoder threads (pinned: repeatable bytes)"
+        ENCODER_THREADS,
+        ge=1,
+        le=MAX_ENCODER_THREADS,
+        description="H.264 encoder threads, pinned so that the same input gives the same bytes",
     )
     num_gpus: int = Field(
         1,
         ge=1,
         le=64,
         description="GPUs one render is split over (sequence parallel, one worker process per GPU; gloo processes on "
-        "cpu); the DiT's attention heads must divide by it",
+        "cpu); the DiT's attention heads must divide by it (the released DiT's 56: 1, 2, 4, 7, 8)",
     )
 
     def profile(self, *, ask_hardware: bool = True) -> Profile:
@@ -226,16 +241,22 @@ class Settings(EngineSettings):
         "memory)",
     )
     startup_warmup: bool = Field(
-        True, description="render a 2-step clip at the production shape before reporting ready"
+        True, description="render a 2-point clip at the production shape before reporting ready"
     )
     # The network -----------------------------------------------------------------------------------------------
-    bind_host: str = Field("127.0.0.1", description="address to listen on; non-loopback needs allow_remote_api + key")
-    api_port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
-    allow_remote_api: bool = Field(False, description="allow a non-loopback bind_host (requires an API key)")
-    api_key: SecretStr | None = Field(
-        None, description="bearer key, 32+ characters of [A-Za-z0-9._~-] (environment or config file only)"
+    bind_host: str = Field(
+        "127.0.0.1", description="address to listen on; a non-loopback one needs H3_ALLOW_REMOTE_API and a key"
     )
-    api_key_file: Path | None = Field(None, description="read the bearer key from this file (instead of api_key)")
+    api_port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
+    allow_remote_api: bool = Field(False, description="allow a non-loopback H3_BIND_HOST (requires an API key)")
+    api_key: SecretStr | None = Field(
+        None,
+        description="bearer key, 32+ characters of [A-Za-z0-9._~-], e.g. `openssl rand -hex 32` (environment or "
+        "config file only, never a flag); with a key, /ready and the API need it, /health stays open",
+    )
+    api_key_file: Path | None = Field(
+        None, description="read the bearer key from this file, readable by its owner only (instead of H3_API_KEY)"
+    )
     video_sync_timeout: int = Field(
         7200, ge=600, le=14400, description="seconds a /v1/videos/sync render may take before it is cancelled (504)"
     )
