@@ -101,18 +101,22 @@ def test_rows_are_split_in_contiguous_near_even_ranges():
 
 def test_a_cancel_reaches_every_rank_and_the_next_render_works(one, two):
     started = threading.Event()
+    steps: list[tuple[int, int]] = []
 
     def on_progress(p):
+        if p.stage == "denoise" and p.done:
+            steps.append((p.done, p.total))
         if p.stage == "denoise" and p.done >= 2:
             started.set()
             ctx.cancel("client went away")
 
     ctx = RenderContext(on_progress)
     request = two.validate(PROMPT, steps=40, seed=5, num_frames=22)
-    start = time.monotonic()
     with pytest.raises(RenderCancelled, match="client went away"):
         two.render(request, ctx)
-    assert started.is_set() and time.monotonic() - start < 30
+    assert started.is_set()
+    done, total = steps[-1]
+    assert total == 39 and done < total, steps  # stopped inside the denoise, not after its 39 forwards
     assert two.problem is None  # a cancel is agreed: no worker is lost
     again = two.render(two.validate(PROMPT, **REQUESTS["t2va"]))
     np.testing.assert_array_equal(again.frames, one.render(one.validate(PROMPT, **REQUESTS["t2va"])).frames)
@@ -136,20 +140,20 @@ def test_a_render_failing_on_every_rank_alike_fails_and_the_workers_stay(two):
 
 def test_a_failure_in_a_stage_only_rank_0_runs_ends_it_on_every_rank_and_the_workers_stay(two):
     pids = [p.pid for p in two.pool.procs]
-    start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 0: RuntimeError: injected text-encoder fault on rank 0"):
         two.render(two.validate(FAULT_TEXT, steps=4, seed=1))
-    assert time.monotonic() - start < 5  # no grace period waited out: the other rank was told
+    # The other rank was told and ended the render too: no grace period was waited out, which would have restarted
+    # the workers ("failed alone", `workers.ERROR_GRACE_S`); the same processes serve the next render.
     assert two.problem is None and [p.pid for p in two.pool.procs] == pids
     assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
 
 
 def test_a_rank_failing_alone_fails_the_render_with_its_message_and_the_workers_restart(two):
-    start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1: RuntimeError: injected fault on rank 1"):
         two.render(two.validate(FAULT_ONE.format(rank=1), steps=4, seed=1))
-    assert time.monotonic() - start < 20  # the others waited in a collective: not for its 600 s timeout
-    assert two.problem is not None and "rank 1" in two.problem
+    # The others waited in a collective; the parent ended the render after its grace period ("failed alone"), not
+    # after the collective's 600 s timeout (whose error would have come from rank 0).
+    assert two.problem is not None and "rank 1 failed alone" in two.problem, two.problem
     with pytest.raises(RuntimeError, match="restarting the GPU workers"):
         two.render(two.validate(PROMPT, steps=3, seed=1))
     wait_usable(two)
@@ -159,7 +163,7 @@ def test_a_rank_failing_alone_fails_the_render_with_its_message_and_the_workers_
 def test_a_killed_worker_makes_the_engine_unusable_with_the_reason_then_it_restarts(two):
     victim = two.pool.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound on a broken server only: polled, not waited out
     while two.problem is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert two.problem is not None and "rank 1" in two.problem and "SIGKILL" in two.problem, two.problem

@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from h3serve import startup
 from h3serve.errors import SettingError
@@ -199,7 +199,7 @@ def test_a_client_disconnecting_mid_upload_is_one_info_line(server, caplog):
     ).encode()
     with caplog.at_level(logging.INFO):
         raw(server.port, head, [body[:500]], read=False)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a bound on a broken server only: polled, not waited out
         while not any("disconnected" in r.getMessage() for r in caplog.records):
             assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
             time.sleep(0.05)
@@ -225,23 +225,33 @@ def test_a_stalled_body_is_408_within_the_deadline(server):
     took = time.monotonic() - start
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"H3_BODY_TIMEOUT" in answer
-    assert 1.5 < took < 10, took
+    assert took >= 2, took  # not before the deadline (a busy machine only makes it later; the 408 itself is the point)
     with server.client() as c:  # the slot is free
         assert c.get("/health").status_code == 200
 
 
 # ---- 6. uploads: limits and formats, off the event loop --------------------------------------------------------------
-def test_a_decompression_bomb_keyframe_is_refused_fast_and_health_stays_responsive(client):
+def test_a_decompression_bomb_keyframe_is_refused_from_its_header_and_health_stays_responsive(client, monkeypatch):
     buffer = io.BytesIO()
     Image.new("1", (13000, 13000)).save(buffer, format="PNG")
     bomb = buffer.getvalue()
     assert len(bomb) < 1 << 20
-    start = time.monotonic()
+    decoded: list[tuple[int, int]] = []  # every image whose pixels PIL decodes (the server runs in this process)
+    load = ImageFile.ImageFile.load
+
+    def counted(im):
+        if im.tile:  # pixels still to decode
+            decoded.append(im.size)
+        return load(im)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counted)
     r = client.post("/v1/videos", data=SMALL, files={"input_reference": ("bomb.png", bomb, "image/png")})
-    took = time.monotonic() - start
     message = error_of(r, 400, "input_reference")
     assert "13000x13000" in message
-    assert took < 0.5, took
+    assert decoded == []  # refused from the header: not one of its 169 M pixels decoded
+    r = client.post("/v1/videos", data=SMALL, files={"input_reference": ("ok.png", png_bytes(), "image/png")})
+    assert r.status_code == 200 and decoded == [(96, 64)], (r.text, decoded)  # the count can fail
+    wait_status(client, r.json()["id"], {"completed", "failed"})
 
 
 def test_formats_outside_the_allow_list_are_refused(client):
