@@ -183,7 +183,7 @@ def wait_usable(engine: ParallelEngine, timeout: float = 120) -> None:
 # ---- refusals ------------------------------------------------------------------------------------------------------
 def test_a_gpu_count_the_heads_do_not_divide_by_is_refused_with_the_allowed_counts():
     with pytest.raises(
-        ValueError, match=r"H3_NUM_GPUS \(--num-gpus\) 3: the DiT's 4 attention heads .*allowed: 1, 2, 4"
+        ValueError, match=r"H3_NUM_GPUS \(--num-gpus\): 3: the DiT's 4 attention heads .*allowed: 1, 2, 4"
     ):
         check_split(TINY_DIT, CPU, 3)
 

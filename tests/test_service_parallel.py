@@ -85,7 +85,7 @@ def test_render_splits_over_gloo_processes_and_refuses_a_count_the_heads_do_not_
     assert probe_mp4(out).frame_count == 22
     bad = tmp_path / "three.mp4"
     assert main([*args, "-o", str(bad), "--num-gpus", "3"]) == 1
-    assert "H3_NUM_GPUS (--num-gpus) 3: the DiT's 4 attention heads do not divide by it (allowed: 1, 2, 4)" in (
+    assert "H3_NUM_GPUS (--num-gpus): 3: the DiT's 4 attention heads do not divide by it (allowed: 1, 2, 4)" in (
         capsys.readouterr().err
     )
     assert not bad.exists()
