@@ -112,7 +112,7 @@ def test_warmup_passes_at_the_models_default_shape_and_fails_closed_on_nan():
     engine = Engine.load(None, Profile())
     result = run_warmup(engine)
     assert result.passed and result.error is None
-    assert result.request == "t2va 224x128 22 frames, 2 grid points (1 DiT forward(s))"
+    assert result.request == "t2va 224x128 22 frames, 2 grid points (1 DiT forward)"
     with torch.no_grad():
         next(engine.components.dit.parameters()).fill_(float("nan"))
     failed = run_warmup(engine)

@@ -203,7 +203,7 @@ def test_readiness_false_until_the_warmup_passes(tmp_path):
             engine.lock.release()
             s.wait_ready()
             health = c.get("/health").json()
-            expected = "t2va 224x128 22 frames, 2 grid points (1 DiT forward(s))"
+            expected = "t2va 224x128 22 frames, 2 grid points (1 DiT forward)"
             assert health["warmup"]["passed"] and health["warmup"]["request"] == expected
             assert c.get("/ready").status_code == 200
     finally:

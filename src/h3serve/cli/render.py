@@ -237,10 +237,9 @@ def _run_render(args: argparse.Namespace) -> int:
     for adapter in plan.adapters:
         print(f"adapter: {adapter.describe()}", file=sys.stderr)
     shifts = f"shifts {request.video_shift:g}/{request.audio_shift:g}"
-    forwards = f"{request.forwards} DiT forward{'s' if request.forwards != 1 else ''}"
     print(
-        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.steps} "
-        f"grid points ({forwards}), {shifts}, seed {request.seed} | {model_name} | "
+        f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.grid}, "
+        f"{shifts}, seed {request.seed} | {model_name} | "
         f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
         file=sys.stderr,
     )

@@ -72,6 +72,13 @@ class RenderRequest:
         grid collapses float32 collisions near sigma = 1 (`schedule.shifted_sigmas`)."""
         return self.schedule.num_steps
 
+    @property
+    def grid(self) -> str:
+        """The schedule in words, for headers and logs: "50 grid points (49 DiT forwards)", "2 grid points (1 DiT
+        forward)"."""
+        n = self.forwards
+        return f"{self.steps} grid points ({n} DiT forward{'' if n == 1 else 's'})"
+
 
 def decode_keyframe(index: int, image: Image.Image | bytes | bytearray | memoryview) -> Image.Image:
     """An RGB image from a PIL image or encoded bytes (PNG, JPEG, WebP, ...), EXIF orientation applied. Raises

@@ -66,7 +66,7 @@ def _compile_times() -> str:
 
 def describe(request: RenderRequest) -> str:
     shape = f"{request.task} {request.width}x{request.height} {request.num_frames} frames"
-    return f"{shape}, {request.steps} grid points ({request.forwards} DiT forward(s))"
+    return f"{shape}, {request.grid}"
 
 
 def run_warmup(engine: RenderEngine, threads: int = DEFAULT_THREADS) -> WarmupResult:
