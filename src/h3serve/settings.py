@@ -47,7 +47,7 @@ from h3serve.accel.profile import (
     is_integrated,
 )
 from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
-from h3serve.errors import ENV_PREFIX, NO_FLAG, SettingError, env_name, flag_name, label
+from h3serve.errors import ENV_PREFIX, NO_FLAG, env_name, flag_name, label
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
@@ -338,11 +338,6 @@ class SettingsError(ValueError):
 def refusal(field: str, message: str) -> Violation:
     """A violation of `field`, shown under its environment name and flag."""
     return Violation(f"{label(field)}: {message}", field)
-
-
-def violation(err: SettingError) -> Violation:
-    """A SettingError as one line of a SettingsError."""
-    return Violation(str(err), err.setting)
 
 
 CLI_FIELDS = tuple(f for f in Settings.model_fields if f not in NO_FLAG)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from h3serve.config import TINY_DIT, DiTConfig
 from h3serve.errors import SettingError
 from h3serve.parallel.plan import check_heads
-from h3serve.settings import EngineSettings, Settings
+from h3serve.settings import SETTING_OF, EngineSettings, Settings
 
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
@@ -174,7 +174,6 @@ def check_fp8(profile: Profile) -> tuple[Profile, str | None]:
     the test's line (None when no CUTLASS linear runs on CUDA). Nothing is loaded: the test makes its own operands."""
     from h3serve.accel.fp8_check import resolve
     from h3serve.accel.profile import ProfileError
-    from h3serve.settings import SETTING_OF
 
     try:
         chosen, result = resolve(profile)

@@ -13,6 +13,7 @@ from pathlib import Path
 from h3serve.cli.common import CliError, read_settings, refusals
 from h3serve.cli.signals import import_held, sigterm_raises
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
+from h3serve.errors import flag_name
 from h3serve.vocab import Task, dit_kind, seconds_to_frames, snap_up
 
 
@@ -150,8 +151,8 @@ def _num_frames(args: argparse.Namespace) -> int | None:
     return snapped
 
 
-# A request field's flag, where `render` has one (the prompt is an argument or --prompt-file).
-REQUEST_FLAGS = {"steps": "--steps", "video_shift": "--video-shift", "audio_shift": "--audio-shift", "seed": "--seed"}
+# Request fields whose `render` flag is the field's own name (`errors.flag_name`); the prompt is an argument.
+FLAGGED_FIELDS = ("steps", "video_shift", "audio_shift", "seed")
 
 
 def _request_error(err: ValueError, args: argparse.Namespace) -> str:
@@ -168,8 +169,8 @@ def _request_error(err: ValueError, args: argparse.Namespace) -> str:
     if field == "num_frames":
         flag = f"--seconds {args.seconds:g}" if args.seconds is not None else f"--frames {args.frames}"
         return f"{flag}: {err}"
-    if field in REQUEST_FLAGS and getattr(args, field, None) is not None:
-        return f"{REQUEST_FLAGS[field]} {getattr(args, field)}: {err}"
+    if field in FLAGGED_FIELDS and getattr(args, field, None) is not None:
+        return f"{flag_name(field)} {getattr(args, field)}: {err}"
     return str(err)
 
 
