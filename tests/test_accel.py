@@ -207,15 +207,26 @@ def test_cutlass_is_refused_on_the_cpu():
 def test_cache_dir_points_inductor_and_triton_at_one_folder(tmp_path, monkeypatch):
     from torch._inductor.runtime.runtime_utils import cache_dir
 
-    from h3serve.accel.caches import CACHES, use_cache_dir
+    from h3serve.accel.caches import CACHES, SWITCHES, use_cache_dir
 
-    for var in CACHES:
+    for var in (*CACHES, *SWITCHES):
         monkeypatch.delenv(var, raising=False)
     chosen = use_cache_dir(tmp_path / "kernels")
-    assert chosen == {var: str((tmp_path / "kernels" / sub).resolve()) for var, sub in CACHES.items()}
-    assert all(Path(p).is_dir() for p in chosen.values())
+    folders = {var: str((tmp_path / "kernels" / sub).resolve()) for var, sub in CACHES.items()}
+    assert chosen == {**folders, "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}  # FA4 persists only when switched on
+    assert all(Path(p).is_dir() for p in folders.values())
     assert cache_dir() == chosen["TORCHINDUCTOR_CACHE_DIR"]  # what Inductor itself will use
+    assert os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str((tmp_path / "kernels" / "fa4").resolve())
     assert use_cache_dir(tmp_path / "kernels") == chosen  # idempotent
+
+
+def test_fa4_persistence_switched_off_by_the_operator_is_a_conflict(tmp_path):
+    from h3serve.accel.caches import use_cache_dir
+
+    env = {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0"}
+    with pytest.raises(ValueError, match="FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1, but it is set to '0'"):
+        use_cache_dir(tmp_path / "kernels", environ=env)
+    assert env == {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0"}  # nothing set on a refusal
 
 
 def test_a_conflicting_cache_variable_is_refused(tmp_path):

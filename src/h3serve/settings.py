@@ -115,8 +115,10 @@ class EngineSettings(BaseModel):
     )
     diffusion_attention_backend: Attention | None = Field(
         None,
-        description="attention kernel: CUDNN_ATTN, TORCH_SDPA or CUDNN_FP8 (the DiT's attention in FP8: Hopper+, one "
-        "GPU, the fp8-attention extra); unset: the device's default profile",
+        description="attention kernel: auto, FA4 (the DiT's attention in FlashAttention-4, exact: sm90+, the fa4 "
+        "extra), CUDNN_ATTN, TORCH_SDPA or CUDNN_FP8 (the DiT's attention in FP8, lossy: Hopper+, one GPU, the "
+        "fp8-attention extra); unset or auto: on cuda under compile FA4 where it is installed and passes its start-up "
+        "self-test on sm90/sm100, else CUDNN_ATTN; under eager CUDNN_ATTN; on cpu TORCH_SDPA",
     )
     execution_mode: Execution | None = Field(
         None,

@@ -2,8 +2,8 @@
 --preflight`, `serve` and `render`.
 
     plan(settings, task_type)          the model folder, the adapters, the split's heads: from files, no hardware
-    preflight(plan, service=..., say)  this machine: the FP8 self-test's profile, the output folder and port (a
-                                       service), the memory plan against what is free
+    preflight(plan, service=..., say)  this machine: the FP8 GEMM's and the attention's self-tests choose the
+                                       profile; the output folder and port (a service), the memory plan
     launch(plan)                       the engine: one process, or a worker per GPU
 
 Each step refuses with a SettingError naming its setting (`h3serve.errors`), so a setting is refused the same way,
@@ -48,9 +48,9 @@ class LaunchPlan:
     task_type: str  # which DiTs load: fl2va, ref2va or both (a render's: its task's DiT)
     folder: ModelFolder | None  # None: the built-in tiny model
     adapters: tuple = ()  # checkpoint adapters, read and checked against the DiT; nothing merged yet
-    profile: Profile | None = None  # the profile that will run: the FP8 self-test's scaling chosen
+    profile: Profile | None = None  # the profile that will run: the FP8 scaling and the attention chosen
     budget: Budget | None = None  # the memory plan (a model folder only: the tiny model needs none)
-    notes: tuple[str, ...] = ()  # what the checks found worth saying (the FP8 self-test's line)
+    notes: tuple[str, ...] = ()  # what the checks found worth saying (the self-tests' lines)
 
     @property
     def dit_config(self) -> DiTConfig:
@@ -89,8 +89,9 @@ def preflight(launch_plan: LaunchPlan, *, service: bool, say: Callable[[str], No
         from h3serve.accel.caches import use_cache_dir
 
         say(f"kernel caches: {use_cache_dir(settings.cache_dir)}")
-    profile, line = check_fp8(settings.profile())
-    notes = () if line is None else (line,)
+    profile, fp8_line = check_fp8(settings.profile())
+    profile, attention_line = check_attention(profile, launch_plan.dit_config)
+    notes = tuple(line for line in (fp8_line, attention_line) if line is not None)
     for note in notes:
         say(note)
     if service:
@@ -180,6 +181,19 @@ def check_fp8(profile: Profile) -> tuple[Profile, str | None]:
     except ProfileError as err:
         raise SettingError(SETTING_OF.get(err.setting, "linear_backend"), str(err)) from err
     return chosen, None if result is None else result.describe()
+
+
+def check_attention(profile: Profile, config: DiTConfig) -> tuple[Profile, str | None]:
+    """The profile with its attention chosen on its device (`accel.attention.resolve`: `auto` becomes FA4 or
+    CUDNN_ATTN, an explicit FA4 is self-tested), and the line that says so (None when there was nothing to choose).
+    After the kernel caches are set: FA4 reads its cache folder when it is imported."""
+    from h3serve.accel.attention import resolve
+    from h3serve.accel.profile import ProfileError
+
+    try:
+        return resolve(profile, config.attention_head_dim)
+    except ProfileError as err:
+        raise SettingError(SETTING_OF.get(err.setting, "diffusion_attention_backend"), str(err)) from err
 
 
 def check_output_dir(path: Path) -> None:

@@ -1,9 +1,11 @@
 """Persistent kernel caches: one folder (`H3_CACHE_DIR`) holding Inductor's compiled graphs and Triton's kernels
-(and, when a Humming backend exists, its JIT cubins), so a restarted process, or a recreated container with the
-folder mounted, reuses compiled kernels instead of compiling again. Their contents are keyed by content hashes,
-so sharing one folder across versions is safe; a new torch simply adds entries.
+(and, when a Humming backend exists, its JIT cubins; FlashAttention-4's compiled kernels under FA4), so a restarted
+process, or a recreated container with the folder mounted, reuses compiled kernels instead of compiling again. Their
+contents are keyed by content hashes (FA4's by a fingerprint of its sources and versions), so sharing one folder
+across versions is safe; a new torch simply adds entries.
 
-Set once, at start, before anything compiles: the variables are read when the first kernel is compiled.
+Set once, at start, before anything compiles: the variables are read when the first kernel is compiled (FA4's when
+the package is imported, which `accel.fa4` defers to the start's self-test).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import sys
 from pathlib import Path
 
 # Each cache's environment variable, and its subfolder of the cache directory.
-CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton", "HUMMING_CACHE_DIR": "humming"}
+CACHES = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "HUMMING_CACHE_DIR": "humming",
+    "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "fa4",
+}
+# Switches a cache needs beside its folder: FA4 keeps its kernels in memory only unless this is 1.
+SWITCHES = {"FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1"}
 
 
 def use_cache_dir(root: str | os.PathLike[str], environ: dict | None = None) -> dict[str, str]:
@@ -29,10 +38,15 @@ def use_cache_dir(root: str | os.PathLike[str], environ: dict | None = None) -> 
         current = environ.get(var)
         if current and Path(current).expanduser().resolve() != Path(path) and not _torch_default(var, current):
             raise ValueError(f"H3_CACHE_DIR puts {var} at {path}, but {var} is already set to {current}; unset one")
+    for var, value in SWITCHES.items():
+        if environ.get(var, value) != value:
+            raise ValueError(f"H3_CACHE_DIR keeps FA4's kernels, which needs {var}={value}, but it is set to "
+                             f"{environ[var]!r}; unset one")  # fmt: skip
     for path in wanted.values():
         Path(path).mkdir(parents=True, exist_ok=True)
     environ.update(wanted)
-    return wanted
+    environ.update(SWITCHES)
+    return {**wanted, **SWITCHES}
 
 
 def _torch_default(var: str, value: str) -> bool:

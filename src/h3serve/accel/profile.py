@@ -24,11 +24,18 @@ if TYPE_CHECKING:
 class Attention(enum.StrEnum):
     """TORCH_SDPA: torch's scaled_dot_product_attention with its own backend choice (the reference).
     CUDNN_ATTN: the same call held to cuDNN's fused attention (fails rather than falls back).
+    FA4: the DiT's attention through FlashAttention-4's forward kernel (exact attention; sm90 or newer and the `fa4`
+    extra, `accel.fa4`); the decoders' attention runs CUDNN_ATTN under it.
     CUDNN_FP8: the DiT's attention in FP8 through cuDNN's FP8 SDPA, per-head scales, smoothed keys and values (opt-in,
-    lossy; Hopper or newer and the `fp8-attention` extra); the decoders' attention runs CUDNN_ATTN under it."""
+    lossy; Hopper or newer and the `fp8-attention` extra); the decoders' attention runs CUDNN_ATTN under it.
+    auto: chosen by `resolve_attention` where no hardware decides, else at start on the device
+    (`accel.attention.resolve`: FA4 where it is installed and passes its self-test on a GPU it is chosen for, else
+    CUDNN_ATTN). An engine never runs `auto`."""
 
+    AUTO = "auto"
     CUDNN_ATTN = "CUDNN_ATTN"
     CUDNN_FP8 = "CUDNN_FP8"
+    FA4 = "FA4"
     TORCH_SDPA = "TORCH_SDPA"
 
 
@@ -109,7 +116,7 @@ DEFAULTS: dict[str, dict[str, enum.StrEnum]] = {
     "cuda": {
         "dtype": DType.BFLOAT16,
         "vae_autocast": VaeAutocast.FLOAT16,
-        "attention": Attention.CUDNN_ATTN,
+        "attention": Attention.AUTO,  # FA4 where it runs, else CUDNN_ATTN (`accel.attention.resolve`)
         "execution": Execution.COMPILE,
         "linear": Linear.CUTLASS,
         "text_linear": TextLinear.BF16,
@@ -136,6 +143,7 @@ MAX_TABLES_KEPT = 64
 CPU_ONLY = ("vae_autocast", "attention", "execution", "linear", "text_linear")  # adaln_weights: device or mapped
 FP8_LINEARS = (Linear.CUTLASS, Linear.HUMMING)  # block linears stored as e4m3 weights (quantized as they load)
 CUDNN = (Attention.CUDNN_ATTN, Attention.CUDNN_FP8)  # the backends held to cuDNN (half precision only)
+HALF_ONLY = (*CUDNN, Attention.FA4)  # the backends with no float32 kernel
 DEVICE = re.compile(r"^(cpu|cuda)(?::(\d{1,3}))?$")
 FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and newer
 
@@ -205,6 +213,7 @@ class Profile:
             )
         # HUMMING's rule holds anywhere; then what the device type runs, then the dtype's kernels.
         kind = device_type(self.device)
+        object.__setattr__(self, "attention", resolve_attention(kind, self.dtype, self.execution, self.attention))
         if kind == "cpu":
             for name in CPU_ONLY:
                 allowed = DEFAULTS["cpu"][name]
@@ -218,7 +227,7 @@ class Profile:
                     "adaln_weights pinned needs a CUDA device (on cpu the weights are in host memory already: device "
                     "or mapped)",
                 )
-        if self.attention in CUDNN and self.dtype == DType.FLOAT32:
+        if self.attention in HALF_ONLY and self.dtype == DType.FLOAT32:
             raise ProfileError(
                 "attention",
                 f"attention {self.attention} has no float32 kernel: use dtype bfloat16, or attention TORCH_SDPA",
@@ -285,6 +294,21 @@ class Profile:
         return " ".join(f"{k}={v}" for k, v in self.as_dict().items())
 
 
+def resolve_attention(kind: str, dtype: DType, execution: Execution, attention: Attention) -> Attention:
+    """`attention` with `auto` chosen where no hardware decides it: on the CPU TORCH_SDPA (all it runs); on CUDA in
+    float32 CUDNN_ATTN (which the dtype rule then refuses, naming what runs: an explicit choice); under eager on CUDA
+    CUDNN_ATTN (eager is the exact and the deterministic profiles' mode, whose bits are measured with cuDNN's
+    attention: they keep it). Otherwise (compile, half precision, CUDA) `auto` stays until the start asks the device
+    (`accel.attention.resolve`). Any other value is returned as given."""
+    if attention != Attention.AUTO:
+        return attention
+    if kind == "cpu":
+        return Attention.TORCH_SDPA
+    if dtype == DType.FLOAT32 or execution == Execution.EAGER:
+        return Attention.CUDNN_ATTN
+    return Attention.AUTO
+
+
 def is_integrated(device: str) -> bool:
     """Whether `device` is an integrated GPU (its memory is the host's: a DGX Spark's GB10). Asks CUDA; False for the
     CPU or without CUDA."""
@@ -329,6 +353,12 @@ def check(profile: Profile) -> None:
         from h3serve.accel import fp8_attention
 
         missing = fp8_attention.missing(device)
+        if missing is not None:
+            raise ProfileError("attention", missing)
+    if profile.attention == Attention.FA4:  # an explicit FA4 never falls back; `auto` is resolved at start
+        from h3serve.accel import fa4
+
+        missing = fa4.missing(device)
         if missing is not None:
             raise ProfileError("attention", missing)
     fp8 = [name for name in ("linear", "text_linear") if getattr(profile, name) in FP8_LINEARS]

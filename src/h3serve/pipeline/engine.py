@@ -15,6 +15,7 @@ startup warmup is the service's (`service.warmup`).
 
 from __future__ import annotations
 
+import logging
 import resource
 import threading
 import time
@@ -27,11 +28,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from h3serve.accel import attention
 from h3serve.accel import profile as profiles
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import apply, load_plan
 from h3serve.accel.compile import Compiler, GraphCounter
-from h3serve.accel.profile import Profile
+from h3serve.accel.profile import Attention, Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
 from h3serve.checkpoint.adapters import Adapter, AdapterMerge, merge_into
@@ -52,6 +54,8 @@ from h3serve.pipeline.schedule import DualSchedule
 from h3serve.pipeline.spread import ONE_DEVICE, Spread
 from h3serve.pipeline.variants import clock_layouts, encode_conditions, encode_prompt
 from h3serve.vocab import TaskType, dit_kind
+
+log = logging.getLogger(__name__)
 
 # The render's stages in order, each with its share of a job's progress (percent; denoise is spread over its
 # forwards, video over its decode windows).
@@ -134,6 +138,9 @@ class Engine:
     ):
         _check(profile, step_cache)
         components.check()
+        if profile.attention == Attention.AUTO:  # not chosen at start (`startup.preflight`): a benchmark's or a test's
+            profile, line = attention.resolve(profile, components.dit_config.attention_head_dim)
+            log.info("%s", line)
         self.components = components
         self.profile = profile
         self.rules = rules
