@@ -1,6 +1,7 @@
 """Every profile on the GPU with the tiny model: deterministic, and close to the exact profile (BF16 eager).
 
-Marked `gpu`: skipped without CUDA (the CPU machines and CI), run on the GPU machine with `pytest -m gpu`.
+Marked `gpu`: skipped without CUDA (the CPU machines and CI), run on the GPU machine with `pytest -m gpu`; the FA4
+rows also where FA4 cannot run (`fa4.missing()`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from h3serve.accel import fa4
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
 
@@ -18,12 +20,22 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+FA4_MISSING = fa4.missing()  # why FA4 cannot run here (below sm90, not installed), or None
+
+
+def with_fa4(*values):
+    """A parameter row that runs FA4: skipped with FA4_MISSING's reason where FA4 cannot run."""
+    return pytest.param(*values, marks=() if FA4_MISSING is None else pytest.mark.skip(reason=FA4_MISSING))
+
 
 PROFILES = [
     *itertools.product(("TORCH_SDPA", "CUDNN_ATTN"), ("eager", "compile"), ("BF16", "CUTLASS")),
     ("CUDNN_ATTN", "eager", "HUMMING"),  # eager only; needs humming-kernels (the profile refuses clearly without)
     # FP8 attention (needs the cuDNN frontend: the profile refuses clearly without)
     *itertools.product(("CUDNN_FP8",), ("eager", "compile"), ("BF16", "CUTLASS")),
+    # FA4: exact attention, so CUDNN_ATTN's bounds
+    *(with_fa4("FA4", *row) for row in itertools.product(("eager", "compile"), ("BF16", "CUTLASS"))),
+    ("auto", "compile", "CUTLASS"),  # the CUDA default: FA4 or CUDNN_ATTN, as the engine resolves it on this GPU
 ]
 # Relative difference to the exact profile's float output the tiny random model may show: compile reorders bf16
 # arithmetic; FP8 rounds every block GEMM's operands.
@@ -53,7 +65,7 @@ def test_profile_is_deterministic_and_close_to_the_exact_profile(exact, attentio
     audio_err = np.linalg.norm(one.audio - exact.audio) / np.linalg.norm(exact.audio)
     frames_err = np.abs(one.frames.astype(np.float32) - exact.frames.astype(np.float32)).mean() / 255
     tolerance = FP8_ATTENTION_TOLERANCE if attention == "CUDNN_FP8" else TOLERANCE[linear]
-    print(f"{attention} {execution} {linear}: audio {audio_err:.3e}, frames {frames_err:.3e}")
+    print(f"{engine.profile.attention} {execution} {linear}: audio {audio_err:.3e}, frames {frames_err:.3e}")
     assert audio_err < tolerance, audio_err
     assert frames_err < tolerance, frames_err
 
