@@ -5,7 +5,7 @@ shape of docs/model.md §6 (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712
 `--shape default` the released default request (T2VA 1344x768, 124 frames: 537 text + 414 audio + 37296 video rows =
 38247, where attention dominates; `--warmup 1 --iters 3` unless given), then:
 
-1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN | CUDNN_FP8 | CUDNN_FP8_NAIVE) x (linear BF16 |
+1. ours, for each profile (attention TORCH_SDPA | CUDNN_ATTN | FA4 | CUDNN_FP8 | CUDNN_FP8_NAIVE) x (linear BF16 |
    CUTLASS) x (execution eager | compile), HUMMING eager, and with cuDNN attention the compile variants
    `lib.variants.EXECUTIONS` lists (the fused passes in
    part or not at all, a CUDA-graph replay, static shapes): median of `--iters` forwards after warm-up (CUDA
@@ -16,9 +16,12 @@ shape of docs/model.md §6 (T2VA 768x448, 56 frames: 537 text + 186 audio + 5712
 3. each profile's output against the peer's eager output (relative error, video and audio rows).
 
 With an FP8 attention profile in the run, `attention_op` times one attention call at the run's row count alone
-(cuDNN bfloat16, the FP8 backend with its quantization, naive, and cuDNN's FP8 kernel alone). With
-`--block-errors`, every profile's hidden state after each block is compared with the exact profile's
-(CUDNN_ATTN+eager+BF16, which must be in the run) on `--block-rows` rows: where a lossy profile's error grows.
+(cuDNN bfloat16, the FP8 backend with its quantization, naive, and cuDNN's FP8 kernel alone); with an FA4 profile,
+FA4 alone beside cuDNN bfloat16 on Q, K and V as strided views of one fused projection, as the DiT gives them
+(`attention_op["fa4"]`: ms, TFLOP/s, reruns bitwise, FA4's output against cuDNN's and both against float32
+attention). With `--block-errors`, every profile's hidden state after each block is compared with the exact
+profile's (CUDNN_ATTN+eager+BF16, which must be in the run) on `--block-rows` rows: where a lossy profile's error
+grows.
 
 Ours runs as the engine does, with the blocks' AdaLN tables made once before the forwards (bitwise the same
 modulation); the peer computes its AdaLN projection inside every forward, as it always does.
@@ -37,6 +40,17 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
 `--only` picks our profiles by name; the peer runs eager and compiled unless `--only` names a `diffusers+` profile,
 then only those named (the errors against the peer need `diffusers+eager`). A CPU dry run of the plumbing:
 `--tiny` (`--shape default` then takes a tiny canvas 4x the tiny reference's rows; CPU ops instead of kernels).
+
+FA4 (FlashAttention-4's forward kernel, `accel.fa4`) runs only on a CUDA GPU of sm90 or newer with the `fa4` extra
+installed. Where it cannot (the `--tiny` dry run, or `accel.fa4.missing()` says why), a run without `--only` leaves its
+profiles out and records why under `skipped_attentions`; `--only` naming one stops before anything is built, with the
+reason. FA4 against cuDNN attention, compiled, with BF16 and CUTLASS linears; the whole forward's errors against the
+peer's eager output and the exact profile's (the two are the same bits at the reference shape); the peer compiled:
+
+    PYTHONPATH=src python bench/dit_step.py --only CUDNN_ATTN+eager+BF16,CUDNN_ATTN+compile+BF16,FA4+compile+BF16,\
+        CUDNN_ATTN+compile+CUTLASS,FA4+compile+CUTLASS,diffusers+eager,diffusers+compile \
+        --out bench/results/dit_step_fa4.json
+    # the same with --shape default (1344x768x124) --out bench/results/dit_step_fa4_default.json
 
 The linear `CUTLASS_EPILOGUE` (profiles named in `--only` only, never in a run without it): CUTLASS's e4m3 weights
 with the EPILOGUE scaling (`accel.linear.Fp8Scaling`: a per-tensor GEMM to float32, then the row and column scales
@@ -75,6 +89,7 @@ from lib.variants import (
     NAMED_ONLY,
     GraphReplay,
     configure,
+    missing,
     naive_sdpa,
     profile_linear,
     restore,
@@ -132,10 +147,20 @@ class BlockStates:
         return [round(rel(a, b), 5) for a, b in zip(self.states, exact.states, strict=True)]
 
 
-def attention_op(rows: int, cfg, iters: int = 10) -> dict:
-    """One attention call at this row count and the DiT's heads, alone (ms, CUDA events): cuDNN bfloat16, the FP8
-    backend whole (its scales and quantization included) and naive, and cuDNN's FP8 SDPA alone on quantized inputs;
-    each FP8 output's relative error against bfloat16's."""
+def attention_op(rows: int, cfg, iters: int = 10, fp8: bool = True, fa4: bool = False) -> dict:
+    """One attention call at this row count and the DiT's heads, alone (ms, CUDA events). With `fp8`: cuDNN bfloat16,
+    the FP8 backend whole (its scales and quantization included) and naive, and cuDNN's FP8 SDPA alone on quantized
+    inputs; each FP8 output's relative error against bfloat16's. With `fa4`: FA4 beside cuDNN bfloat16 (`fa4_op`)."""
+    out: dict = {"rows": rows, "heads": cfg.num_attention_heads, "head_dim": cfg.attention_head_dim}
+    if fp8:
+        out |= fp8_op(rows, cfg, iters)
+    if fa4:
+        out["fa4"] = fa4_op(rows, cfg, iters)
+    return out
+
+
+def fp8_op(rows: int, cfg, iters: int) -> dict:
+    """`attention_op`'s FP8 part: cuDNN bfloat16 and the FP8 kernels on separate random q, k, v."""
     from h3serve.accel.attention import cudnn_sdpa
     from h3serve.accel.fp8_attention import fp8_sdpa, quantize
 
@@ -151,7 +176,7 @@ def attention_op(rows: int, cfg, iters: int = 10) -> dict:
         "cudnn_fp8_naive": lambda: naive_sdpa(q, k, v, False),
         "cudnn_fp8_op_alone": lambda: torch.ops.h3serve.cudnn_fp8_sdpa(q8, k8, v8, scales.descale),
     }
-    out: dict = {"rows": rows, "heads": h, "head_dim": d, "inputs": "randn, keys with a shared per-head offset of 2"}
+    out: dict = {"inputs": "randn, keys with a shared per-head offset of 2"}
     exact = kernels["cudnn_bf16"]()
     for name, fn in kernels.items():
         try:
@@ -162,6 +187,64 @@ def attention_op(rows: int, cfg, iters: int = 10) -> dict:
         except Exception as err:
             out[name] = {"error": f"{type(err).__name__}: {err}"[:1000]}
     return out
+
+
+def fa4_op(rows: int, cfg, iters: int) -> dict:
+    """FA4 (`accel.fa4.fa4_sdpa`) and cuDNN bfloat16 on the same operands: Q, K and V strided views of one fused
+    projection's output, as the DiT hands them over (row stride 3 x heads x head_dim; no copy). Each: ms, TFLOP/s
+    (4 S^2 H D per call), a rerun compared bit for bit, and the relative error against float32 attention of the same
+    bfloat16 operands (torch's memory-efficient kernel); FA4's output against cuDNN's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from h3serve.accel import fa4
+    from h3serve.accel.attention import cudnn_sdpa
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, d = cfg.num_attention_heads, cfg.attention_head_dim
+    qkv = torch.randn(1, rows, 3 * h * d, generator=gen, device="cuda", dtype=torch.bfloat16)  # (1, S, 3 H D)
+    qkv[..., h * d : 2 * h * d] += 2.0 * torch.randn(h * d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (t.unflatten(-1, (h, d)).transpose(1, 2) for t in qkv.chunk(3, dim=-1))  # (1, H, S, D) views
+    kernels = {"cudnn_bf16": lambda: cudnn_sdpa(q, k, v, False), "fa4": lambda: fa4.fa4_sdpa(q, k, v, False)}
+    flops = 4 * h * rows**2 * d
+    out: dict = {"version": fa4.version(), "inputs": "randn as one fused q|k|v projection (strided views), keys "
+                 "with a shared per-head offset of 2"}  # fmt: skip
+    results = {}
+    for name, fn in kernels.items():
+        try:
+            first, again = fn(), fn()  # the first call compiles FA4's kernel (or loads it from its cache)
+            ms = statistics.median(time_ms(fn, 3, iters))
+            out[name] = {"ms_median": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
+                         "rerun_bitwise_identical": bool(torch.equal(first, again))}  # fmt: skip
+            results[name] = first
+        except Exception as err:
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:1000]}
+    if len(results) == 2:
+        out["fa4"]["rel_diff_vs_cudnn_bf16"] = round(rel(results["fa4"], results["cudnn_bf16"]), 6)
+        out["fa4"]["speedup_vs_cudnn_bf16"] = round(out["cudnn_bf16"]["ms_median"] / out["fa4"]["ms_median"], 3)
+    try:  # held to the memory-efficient kernel: the math one would hold S^2 H float32 scores
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        for name, got in results.items():
+            out[name]["rel_err_vs_float32"] = round(rel(got, want), 6)
+    except Exception as err:
+        out["float32_reference_error"] = f"{type(err).__name__}: {err}"[:1000]
+    return out
+
+
+def skipped_attentions(measured: set[str], dev: str) -> dict[str, str]:
+    """The attention backends among `measured` that a run on `dev` leaves out, each with why (`variants.missing`)."""
+    return {attn: why for attn in sorted(measured) if (why := missing(attn, dev)) is not None}
+
+
+def only_refusal(only: list[str] | None, tiny: bool) -> str | None:
+    """Why `--only` names a profile this run cannot measure (its attention backend cannot run here: `missing`), or
+    None. Asked before anything is built, so a GPU run that would measure nothing of what it was asked for stops at
+    once, with the reason."""
+    for name in only or ():
+        attn = name.split("+")[0]
+        if attn in ATTENTIONS and (why := missing(attn, "cpu" if tiny else "cuda")) is not None:
+            return f"--only {name}: {why}"
+    return None
 
 
 @torch.no_grad()
@@ -187,8 +270,16 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     outputs = {}
     block_states: dict[str, BlockStates] = {}
     measured = {name.split("+")[0] for name in args.only} if args.only else set(ATTENTIONS)
-    if measured & set(FP8_ATTENTIONS) and not args.tiny:
-        rec.data["attention_op"] = attention_op(x["token_tags"].shape[0], dit.config)
+    # A backend this machine cannot run (FA4 on the CPU, or without its GPU or package) is left out of a run without
+    # --only, and the JSON says why (`--only` naming it stopped before anything was built: `only_refusal`).
+    skipped = skipped_attentions(measured, dev)
+    if skipped:
+        rec.data["skipped_attentions"] = skipped
+        measured -= set(skipped)
+        print("skipped", skipped, flush=True)
+    fp8, fa4 = bool(measured & set(FP8_ATTENTIONS)), "FA4" in measured
+    if (fp8 or fa4) and not args.tiny:
+        rec.data["attention_op"] = attention_op(x["token_tags"].shape[0], dit.config, fp8=fp8, fa4=fa4)
         rec.save()
         print("attention_op", rec.data["attention_op"], flush=True)
     for linear in LINEARS:
@@ -199,7 +290,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
         if linear in NAMED_ONLY and not args.only:
             continue  # a variant runs only where named
         replaced = swap_linears(dit, linear)
-        for attn in ATTENTIONS:
+        for attn in (a for a in ATTENTIONS if a not in skipped):
             for execution in EXECUTIONS:
                 name = f"{attn}+{execution}+{linear}"
                 named = bool(args.only) and name in args.only
@@ -405,6 +496,8 @@ def main() -> None:
     warmup, iters = TIMING[args.shape]
     args.warmup = warmup if args.warmup is None else args.warmup
     args.iters = iters if args.iters is None else args.iters
+    if (refused := only_refusal(args.only, args.tiny)) is not None:
+        raise SystemExit(refused)
     if args.num_gpus:
         return run_split(args)
     rec = Record(args.out)

@@ -7,9 +7,28 @@ request (1344x768, 124 frames) at 50 points unless `--steps` says otherwise. For
     PYTHONPATH=src python bench/render.py --num-gpus 8 --shape default --profiles compile,compile+CUTLASS \
         --warmup-steps 2 --out bench/results/render_8gpu.json
 
-Profiles in order: eager BF16, compile BF16 (cuDNN attention both), then compile with CUTLASS FP8 block linears
-(the BF16 block weights are dropped as they are quantized, so it runs after the BF16 ones), then the same with the
-text encoder's decoder layers in FP8 too (quantized in place, so last). `--profiles` picks some by name.
+Profiles in order: eager BF16, compile BF16, then compile with CUTLASS FP8 block linears (the BF16 block weights are
+dropped as they are quantized, so it runs after the BF16 ones), then the same with the text encoder's decoder layers in
+FP8 too (quantized in place, so last). `--profiles` picks some by name.
+
+The attention backend is a profile field too: `--attention` (default CUDNN_ATTN, what every profile ran before it
+was a flag) sets it for every profile named without one, and a name may end in its own, `+ATTENTION`
+(`compile+CUTLASS+FA4`), so one run can time the same profile under two backends on the same weights. ATTENTION is
+any value of `accel.profile.Attention`. `auto` is resolved as the engine's start resolves it
+(`accel.attention.resolve`: FA4 where it runs and passes its self-test, else CUDNN_ATTN; under eager CUDNN_ATTN), and
+an explicit FA4 is self-tested there too: a failure is that profile's recorded error, and the self-test's time is in
+`engine_start_s`, as it is in a start's. A profile's key in the JSON is its name, `+ATTENTION` added unless that is
+CUDNN_ATTN; its entry records the attention that ran (`attention`), the whole profile, and the start's line about
+the choice (`attention_choice`). What this machine cannot run (`accel.profile.check`: FA4 without its package or below
+sm90, CUDNN_FP8 without cuDNN's frontend) stops the script before any weight is built. Compiled CUTLASS with FA4 at
+the released default request, 9 points (8 forwards) and 50:
+
+    PYTHONPATH=src python bench/render.py --shape default --steps 9 --profiles compile+CUTLASS,compile+CUTLASS+FA4 \
+        --out bench/results/render_fa4_default_9.json
+    PYTHONPATH=src python bench/render.py --shape default --steps 50 --warmup-steps 2 \
+        --profiles compile+CUTLASS,compile+CUTLASS+FA4 --out bench/results/render_fa4_default_50.json
+
+(`compile+CUTLASS` is the same profile under cuDNN's attention, in the same run; drop it for FA4 alone.)
 
 With `--num-gpus N` (N > 1) each profile's renders run split over N spawned workers (`ParallelEngine`, every worker
 drawing the same weights from seed 0, `full_size_smoke.seeded_engine`). Every engine makes the default schedule's
@@ -24,24 +43,65 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from lib.models import build, released_dit_config, seeded_engine, t2va_prompt
 from lib.timing import run_header
 
+from h3serve.accel import attention
 from h3serve.accel.compile import uncompile_repeated_blocks
-from h3serve.accel.profile import Profile
+from h3serve.accel.profile import Attention, Profile, ProfileError, check
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.engine import Engine
 
+# (execution, linear, text_linear), in the order they run (quantization is in place: BF16 first).
 PROFILES = {
     "eager": ("eager", "BF16", "BF16"),
     "compile": ("compile", "BF16", "BF16"),
     "compile+CUTLASS": ("compile", "CUTLASS", "BF16"),
     "compile+CUTLASS+text CUTLASS": ("compile", "CUTLASS", "CUTLASS"),
 }
+ATTENTION = Attention.CUDNN_ATTN  # what a name without its own attention runs unless --attention says otherwise
 SHAPES = {"reference": (dict(width=768, height=448, num_frames=56), 20), "default": ({}, 50)}  # shape, steps
+
+
+@dataclass(frozen=True)
+class Run:
+    """One profile of the run: its key in the JSON, its name in `PROFILES` and its attention backend (as asked:
+    `auto` is resolved at its start)."""
+
+    key: str
+    base: str
+    attention: Attention
+
+    @property
+    def profile(self) -> Profile:
+        """The engine's profile (checked for its rules, not against this machine: `accel.profile.check`)."""
+        execution, linear, text_linear = PROFILES[self.base]
+        return Profile(device="cuda", dtype="bfloat16", vae_autocast="float16", attention=self.attention,
+                       execution=execution, linear=linear, text_linear=text_linear)  # fmt: skip
+
+
+def runs(names: list[str], default: Attention | str = ATTENTION) -> list[Run]:
+    """The runs `--profiles` names (each a name of `PROFILES`, alone or ending in `+ATTENTION`; `default`: the
+    attention of a name without one), in `PROFILES`' order, each once. ValueError naming what is unknown."""
+    allowed = ", ".join(Attention)
+    out: dict[str, Run] = {}
+    for name in names:
+        base, attn = name, str(default)
+        if name not in PROFILES:
+            base, _, attn = name.rpartition("+")
+            if base not in PROFILES:
+                raise ValueError(f"unknown profile {name!r} (allowed: {', '.join(PROFILES)}, each optionally "
+                                 f"+ATTENTION, one of {allowed})")  # fmt: skip
+        if attn not in tuple(Attention):
+            raise ValueError(f"profile {name!r}: unknown attention {attn!r} (allowed: {allowed})")
+        run = Run(base if attn == ATTENTION else f"{base}+{attn}", base, Attention(attn))
+        out.setdefault(run.key, run)
+    order = list(PROFILES)
+    return sorted(out.values(), key=lambda r: order.index(r.base))
 
 
 def timed(engine, request, warmup_steps: int | None) -> dict:
@@ -84,28 +144,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="grid points (default 20 at the reference shape, 50 at default)")
     parser.add_argument("--num-gpus", type=int, default=1, help="split each render over this many GPUs (workers)")
     parser.add_argument("--profiles", type=lambda v: v.split(","), default=list(PROFILES),
-                        help=f"comma-separated, from {', '.join(PROFILES)}")  # fmt: skip
+                        help=f"comma-separated, from {', '.join(PROFILES)}; each may end in +ATTENTION "
+                        "(compile+CUTLASS+FA4)")  # fmt: skip
+    parser.add_argument("--attention", choices=[str(a) for a in Attention], default=str(ATTENTION),
+                        help="the attention backend of every profile named without one (auto: chosen at start, as "
+                        "the engine's start chooses it)")  # fmt: skip
     parser.add_argument("--warmup-steps", type=int, help="warm up with a render of this many points")
     parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
     args = parser.parse_args()
-    unknown = [p for p in args.profiles if p not in PROFILES]
-    if unknown:
-        parser.error(f"--profiles: unknown {', '.join(unknown)} (allowed: {', '.join(PROFILES)})")
+    try:
+        chosen = runs(args.profiles, args.attention)
+    except ValueError as err:
+        parser.error(f"--profiles: {err}")
+    for run in chosen:  # every refusal before minutes of building weights
+        try:
+            check(run.profile)
+        except ProfileError as err:  # it names the setting and what is allowed
+            parser.error(f"profile {run.key}: {err}")
     shape, steps = SHAPES[args.shape]
     steps = args.steps or steps
     split = args.num_gpus > 1 or args.split
     components = None if split else build(torch.device("cuda"))
-    record: dict = {**run_header(), "num_gpus": args.num_gpus, "shape": args.shape, "runs": {}}
+    record: dict = {**run_header(), "num_gpus": args.num_gpus, "shape": args.shape, "attention": args.attention,
+                    "runs": {}}  # fmt: skip
     if components is not None:
         record["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN")
-    for name in (p for p in PROFILES if p in args.profiles):
-        execution, linear, text_linear = PROFILES[name]
-        profile = Profile(**base | {"execution": execution, "linear": linear, "text_linear": text_linear})
+    head_dim = released_dit_config().attention_head_dim
+    for run in chosen:
         start = time.perf_counter()
         entry: dict = {}
         engine = None
         try:
+            # FA4 is self-tested and `auto` chosen here, as at the engine's start (`startup.preflight`); the split's
+            # workers then run what was chosen.
+            profile, line = attention.resolve(run.profile, head_dim)
+            if line is not None:
+                entry["attention_choice"] = line
             if split:
                 spec = WorkerSpec(None, profile, args.num_gpus, build=seeded_engine, build_config=released_dit_config())
                 engine = ParallelEngine(spec)
@@ -116,6 +190,8 @@ def main() -> None:
                 # checkpoint load quantizes them as they are read instead); FP8 is what stays resident.
                 engine = Engine(components, profile)
                 torch.cuda.empty_cache()
+            entry["attention"] = str(engine.profile.attention)
+            entry["profile"] = engine.profile.as_dict()
             entry["engine_start_s"] = round(time.perf_counter() - start, 1)
             request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
             if not split:
@@ -127,9 +203,9 @@ def main() -> None:
         finally:
             if split and engine is not None:
                 engine.close()
-        record["runs"][name] = entry
+        record["runs"][run.key] = entry
         args.out.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(name, entry, flush=True)
+        print(run.key, entry, flush=True)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 A profile name is ATTENTION+execution+LINEAR. Each becomes a `Profile` (`profile`), `Compiler` options
 (`accel.apply.profile_compiler`) and the Triton passes (`accel.apply.Passes`), given to the DiT by the engine's own
-`accel.apply`, so a benchmark runs what the engine runs. What no profile serves is built here from the engine's
-public pieces, never as a branch in production: CUDNN_FP8_NAIVE (per-tensor FP8 attention scales, `naive_sdpa`),
-`compile-fp32accum` (FP8 GEMMs without fast accumulation, `Fp32AccumLinear`) and `compile-graph` (a CUDA-graph replay
-of each forward, `GraphReplay`).
+`accel.apply`, so a benchmark runs what the engine runs. An attention backend that some machines cannot run (FA4: a
+CUDA GPU of sm90 or newer, its package) says why in `missing`, which the benchmarks ask before they measure it. What
+no profile serves is built here from the engine's public pieces, never as a branch in production: CUDNN_FP8_NAIVE
+(per-tensor FP8 attention scales, `naive_sdpa`), `compile-fp32accum` (FP8 GEMMs without fast accumulation,
+`Fp32AccumLinear`) and `compile-graph` (a CUDA-graph replay of each forward, `GraphReplay`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from h3serve.accel import humming, linear
+from h3serve.accel import fa4, humming, linear
 from h3serve.accel.apply import Passes, apply, profile_compiler
 from h3serve.accel.compile import GraphCounter, uncompile_repeated_blocks
 from h3serve.accel.fp8_attention import Scales, dequantize, to_e4m3
@@ -35,8 +36,9 @@ LINEARS = {
 }
 NAMED_ONLY = ("CUTLASS_EPILOGUE",)
 # Our attention backends measured; CUDNN_FP8_NAIVE is CUDNN_FP8 with per-tensor scales and no K or V smoothing
-# (`naive_sdpa`: what the design's scales buy, never served).
-ATTENTIONS = ("TORCH_SDPA", "CUDNN_ATTN", "CUDNN_FP8", "CUDNN_FP8_NAIVE")
+# (`naive_sdpa`: what the design's scales buy, never served). FA4: FlashAttention-4's forward kernel (`accel.fa4`),
+# measured only where it runs (`missing`).
+ATTENTIONS = ("TORCH_SDPA", "CUDNN_ATTN", "FA4", "CUDNN_FP8", "CUDNN_FP8_NAIVE")
 FP8_ATTENTIONS = ("CUDNN_FP8", "CUDNN_FP8_NAIVE")
 # The exact profile (bit for bit the reference ops, and the peer's eager output at the reference shape).
 EXACT = "CUDNN_ATTN+eager+BF16"
@@ -123,6 +125,17 @@ def wanted(linear: str, attn: str, execution: str) -> bool:
     if attn in FP8_ATTENTIONS:
         return execution in ("eager", "compile")
     return execution in ("eager", "compile") or attn == "CUDNN_ATTN"
+
+
+def missing(attn: str, dev: str) -> str | None:
+    """Why a run on `dev` ("cuda", or "cpu": the --tiny dry run) cannot measure attention `attn`, or None. FA4 alone
+    has a kernel that cannot run everywhere and no stand-in on the CPU (`accel.fa4.missing`: CUDA, sm90 or newer, the
+    `fa4` extra); the others run, or record the error they meet, as before."""
+    if attn != "FA4":
+        return None
+    if dev != "cuda":
+        return "attention FA4 needs a CUDA GPU, and --tiny is a dry run on the CPU"
+    return fa4.missing("cuda")
 
 
 def swap_linears(dit, name: str) -> dict | None:
