@@ -92,7 +92,7 @@ def test_every_attention_call_goes_through_the_models_own_kernel(engine):
 def test_attention_registry_has_a_kernel_for_every_backend_name_and_sets_it_per_model(engine):
     from h3serve.accel.profile import Attention
 
-    assert set(attention.KERNELS) == set(Attention)
+    assert set(attention.KERNELS) == set(Attention) - {Attention.AUTO}  # auto is resolved at start, never run
     video_vae = engine.components.video_vae
     assert attention.set_kernel(video_vae, Attention.CUDNN_ATTN) > 0
     assert all(m.kernel is attention.cudnn_sdpa for m in video_vae.modules() if isinstance(m, attention.MODULES))

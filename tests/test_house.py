@@ -330,4 +330,5 @@ def test_help_lists_the_allowed_values_from_the_profile_enums():
     text = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}
     ).stdout
-    assert "CUDNN_ATTN|CUDNN_FP8|TORCH_SDPA" in text and "BF16|CUTLASS|HUMMING" in text and "compile|eager" in text
+    assert "auto|CUDNN_ATTN|CUDNN_FP8|FA4|TORCH_SDPA" in text
+    assert "BF16|CUTLASS|HUMMING" in text and "compile|eager" in text

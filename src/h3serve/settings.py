@@ -162,7 +162,7 @@ class EngineSettings(BaseModel):
         "with cache_dit, refused without it",
     )
     cache_dir: Path | None = Field(
-        None, description="folder for persistent kernel caches (Inductor, Triton, Humming) reused across restarts"
+        None, description="folder for persistent kernel caches (Inductor, Triton, Humming, FA4) reused across restarts"
     )
     lora: str | None = Field(
         None,
