@@ -108,7 +108,8 @@ def test_the_dit_alone_gets_fp8_attention_and_the_decoders_cudnn():
     kernels = {type(m): m.kernel for m in model.modules() if isinstance(m, attention.MODULES)}
     assert kernels[dit.Attention] is fp8_attention.fp8_sdpa
     assert kernels[video_vae.Attention] is attention.cudnn_sdpa
-    assert attention.DIT_ONLY == {"CUDNN_FP8": "CUDNN_ATTN"} and audio_vae.CausalAttention in attention.MODULES
+    assert attention.DIT_ONLY == {"CUDNN_FP8": "CUDNN_ATTN", "FA4": "CUDNN_ATTN"}
+    assert audio_vae.CausalAttention in attention.MODULES
 
 
 def test_fp8_attention_is_refused_where_it_cannot_run():
