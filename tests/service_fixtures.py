@@ -19,6 +19,7 @@ from PIL import Image
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
 from h3serve.service.app import create_app
+from h3serve.service.http import head_deadline_protocol
 from h3serve.settings import Settings
 
 _ENGINE: Engine | None = None
@@ -58,7 +59,9 @@ class LiveServer:
         self.app = app
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+        # As `h3serve serve` runs it: with the request head deadline (service/http.py).
+        http = head_deadline_protocol(app.state.settings.body_timeout)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10, http=http))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,12 +198,50 @@ def check_attention(profile: Profile, config: DiTConfig) -> tuple[Profile, str |
 
 
 def check_output_dir(path: Path) -> None:
+    """The output folder, its videos/ and the temporary folder each take a new file now (`folder_problems`)."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        (path / "videos").mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise SettingError("output_dir", f"{path}: cannot create it ({err})") from err
+        raise SettingError("output_dir", f"{path}: cannot create it and its videos/ folder ({err})") from err
     if not os.access(path, os.W_OK | os.X_OK):
         raise SettingError("output_dir", f"{path}: not writable")
+    folders = service_folders(path)
+    if problems := folder_problems(folders):
+        raise SettingError("output_dir", describe_folders(folders, problems))
+
+
+# ---- the folders a service writes: checked here at start, and by the service's readiness (service/scheduler.py) -----
+PROBE_PREFIX = ".h3serve-probe-"
+
+
+def service_folders(output_dir: Path) -> dict[str, Path]:
+    """The folders a service writes, by the name /health reports them under: the job store's (jobs.sqlite3 and its
+    WAL), videos/ (the async jobs' MP4s, written under a temporary name there and renamed when complete) and the
+    temporary folder (tempfile.gettempdir(), TMPDIR), where a sync render's MP4 is encoded before it is sent."""
+    return {"output_dir": output_dir, "videos": output_dir / "videos", "temp": Path(tempfile.gettempdir())}
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why a file cannot be created in `folder` now (the OS's words), or None when one can. A file is created and
+    removed: permission bits alone would pass for root, and a read-only mount or a file in place of the folder
+    refuses root too."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=folder)
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
+def folder_problems(folders: dict[str, Path]) -> dict[str, str]:
+    """{name: why} for every folder that cannot be written now; empty when all can."""
+    return {name: why for name, path in folders.items() if (why := unwritable(path)) is not None}
+
+
+def describe_folders(folders: dict[str, Path], problems: dict[str, str]) -> str:
+    """One line naming each unwritable folder by its name and path, for a refusal or the log."""
+    return "; ".join(f"the {name} folder {folders[name]} is not writable ({why})" for name, why in problems.items())
 
 
 def check_port(host: str, port: int) -> None:

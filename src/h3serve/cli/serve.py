@@ -106,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from h3serve import startup
     from h3serve.service.app import create_app
+    from h3serve.service.http import head_deadline_protocol
     from h3serve.service.page import WebPage
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
@@ -136,7 +137,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log.info("memory held after load:\n%s", engine.memory_budget().table())
         app = create_app(settings, engine, page)
         uvicorn.run(
-            app, host=settings.bind_host, port=settings.api_port, log_level="info", timeout_graceful_shutdown=30
+            app,
+            host=settings.bind_host,
+            port=settings.api_port,
+            log_level="info",
+            timeout_graceful_shutdown=30,
+            # A request's head must arrive within H3_BODY_TIMEOUT too: uvicorn has no such deadline (service/http.py).
+            http=head_deadline_protocol(settings.body_timeout),
         )
     finally:
         engine.close()

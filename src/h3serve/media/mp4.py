@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -72,12 +72,14 @@ def write_mp4(
     sample_rate: int = SAMPLE_RATE,
     crf: int = DEFAULT_CRF,
     threads: int = DEFAULT_THREADS,
+    check: Callable[[], None] | None = None,
 ) -> Path:
     """Encode `frames` (F, H, W, 3) uint8 RGB and `audio` (2, N) float32 in [-1, 1] to an MP4 at `path`.
 
     The file is written under a temporary name in the destination folder and renamed over `path` only when
-    complete, so a reader never sees a partial file; on any error the temporary file is removed and an
-    existing file at `path` is left as it was. Returns the destination path.
+    complete, so a reader never sees a partial file; on any error (a full disk, a file-size limit, a cancel) the
+    temporary file is removed and an existing file at `path` is left as it was. Returns the destination path.
+    `check` is called between frames; whatever it raises stops the encode (a service's cancel).
     """
     dest = Path(path)
     check_settings(fps, sample_rate, crf, threads)
@@ -90,7 +92,7 @@ def write_mp4(
         # Exclusive create through Python rather than av.open(path): FFmpeg parses a "name:" prefix in a path
         # as a protocol. '+' (read access) in case the faststart rewrite reads back through the handle.
         with open(tmp, "xb+") as fh:
-            _encode(fh, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads)
+            _encode(fh, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads, check=check)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, dest)
@@ -112,9 +114,10 @@ def encode_mp4(
     sample_rate: int = SAMPLE_RATE,
     crf: int = DEFAULT_CRF,
     threads: int = DEFAULT_THREADS,
+    check: Callable[[], None] | None = None,
 ) -> None:
-    """Encode to a writable binary file object (a file, a BytesIO, a socket's file), with the same checks and
-    settings as `write_mp4`. The object receives a complete MP4 or, on an error, nothing.
+    """Encode to a writable binary file object (a file, a BytesIO, a socket's file), with the same checks, settings
+    and `check` as `write_mp4`. The object receives a complete MP4 or, on an error, nothing.
 
     The encode goes through a temporary file first: FFmpeg's faststart pass re-opens its output by name to move
     `moov` to the front, which an in-memory object does not have.
@@ -124,13 +127,21 @@ def encode_mp4(
     with tempfile.TemporaryDirectory(prefix="h3serve-mp4-") as folder:
         tmp = Path(folder) / "out.mp4"
         with open(tmp, "xb+") as out:
-            _encode(out, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads)
+            _encode(out, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads, check=check)
         with open(tmp, "rb") as done:
             shutil.copyfileobj(done, fh)
 
 
 def _encode(
-    fh: BinaryIO, video: np.ndarray, pcm: np.ndarray, *, fps: int, sample_rate: int, crf: int, threads: int
+    fh: BinaryIO,
+    video: np.ndarray,
+    pcm: np.ndarray,
+    *,
+    fps: int,
+    sample_rate: int,
+    crf: int,
+    threads: int,
+    check: Callable[[], None] | None = None,
 ) -> None:
     container = av.open(fh, mode="w", format="mp4", options={"movflags": "+faststart"})
     try:
@@ -145,6 +156,8 @@ def _encode(
             key=lambda item: item[0],
         )
         for _, stream, frame in timed:
+            if check is not None:
+                check()
             container.mux(stream.encode(frame))
         container.mux(vstream.encode(None))
         container.mux(astream.encode(None))

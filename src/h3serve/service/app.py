@@ -11,8 +11,10 @@
     GET    /v1/videos                 jobs, newest first (limit, after, order)
     GET    /v1/videos/{id}            one job record (with `live`: an unfinished job's stage and step)
     GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept)
-    DELETE /v1/videos/{id}            cancel a queued or running job; delete a finished one and its MP4
-    GET    /, /web/{name}             the web page (page.py, docs/web.md): static files, no key, not in the schema
+    DELETE /v1/videos/{id}            cancel a queued or running job (answers once it has stopped; 202 if it has not
+                                      within CANCEL_WAIT_S); delete a finished one and its MP4
+    GET    /, /web/{name}             the web page (page.py, docs/web.md; HEAD / too): static files, no key, not in
+                                      the schema
 
 The app never touches kernels or tensors: it maps requests onto the engine's `RenderRequest` (schemas.py) and hands
 them to the scheduler (scheduler.py), which renders them one at a time; the records are in the store (store.py).
@@ -34,15 +36,16 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -50,10 +53,10 @@ from h3serve import __version__
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
-from h3serve.service.errors import ApiError, bad_request, escaped, internal_error, shown
+from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
 from h3serve.service.metrics import Metrics
 from h3serve.service.page import INDEX, WebPage
-from h3serve.service.scheduler import QueueFull, Scheduler, Work
+from h3serve.service.scheduler import QueueFull, Scheduler, Work, WriteFailed
 from h3serve.service.schemas import (
     MAX_KEYFRAMES,
     MAX_REFERENCES,
@@ -68,6 +71,7 @@ from h3serve.service.schemas import (
 from h3serve.service.security import BearerKey, require_key
 from h3serve.service.store import ACTIVE, JobStore, job_record, new_job_id
 from h3serve.settings import Settings
+from h3serve.startup import service_folders
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ RETRY_AFTER_S = "5"
 DECODE_WORKERS = 2  # threads that map requests and decode their uploads
 MAX_PAGE = 100
 SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected client
+CANCEL_WAIT_S = 30.0  # how long a DELETE waits for an unfinished job to stop before it answers 202
 
 
 def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = None) -> FastAPI:
@@ -87,6 +92,7 @@ def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = 
         warmup=settings.startup_warmup,
         encoder_threads=settings.encoder_threads,
         metrics=metrics,
+        folders=service_folders(settings.output_dir),
     )
     metrics.watch(scheduler, store)
     # The schema is served by a route of our own, behind the key; there is no /docs page (it would fetch its
@@ -163,7 +169,7 @@ async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 async def _query_error(_: Request, err: RequestValidationError) -> JSONResponse:
     first = err.errors()[0] if err.errors() else {}
-    param = escaped(str(first.get("loc", ["", ""])[-1])) or None
+    param = named(str(first.get("loc", ["", ""])[-1])) or None
     message = f"{param}: {first.get('msg', 'invalid value')}, got {shown(first.get('input'))}"
     return JSONResponse(bad_request(param, message).body(), status_code=400)
 
@@ -202,7 +208,7 @@ async def strict_query(request: Request) -> None:
             raise bad_request(None, f"the query parameter {shown_name} is not UTF-8 once unescaped") from None
         if key not in declared:
             allowed = ", ".join(sorted(declared)) or "none"
-            raise bad_request(escaped(key), f"unknown query parameter {shown(key)}; this route takes: {allowed}")
+            raise bad_request(named(key), f"unknown query parameter {shown(key)}; this route takes: {allowed}")
 
 
 # ---- open routes ----------------------------------------------------------------------------------------------------
@@ -232,7 +238,10 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "num_gpus": engine.num_gpus,
-        "problem": engine.problem,
+        "problem": scheduler.problem(),
+        # {name: why} for each folder the service cannot write now (output_dir, videos, temp): names, not paths,
+        # since /health answers without a key; the log has the paths.
+        "unwritable_folders": scheduler.folder_problems(),
         "version": __version__,
     }
 
@@ -243,6 +252,7 @@ page_routes = APIRouter(dependencies=[Depends(strict_query)], include_in_schema=
 
 
 @page_routes.get("/")
+@page_routes.head("/")  # a load balancer's or uptime probe's HEAD / answers as GET / does, without the body
 async def page(request: Request) -> Response:
     return request.app.state.page.response(INDEX)
 
@@ -265,9 +275,10 @@ def openapi(request: Request, settings: SettingsDep) -> dict[str, Any]:
 
 @routes.get("/ready")
 @routes.head("/ready", include_in_schema=False)
-def ready(scheduler: SchedulerDep, engine: EngineDep) -> JSONResponse:
-    body = {"ready": scheduler.ready, "readiness": scheduler.readiness.value, "problem": engine.problem}
-    return JSONResponse(body, status_code=200 if scheduler.ready else 503)
+def ready(scheduler: SchedulerDep) -> JSONResponse:
+    ready = scheduler.ready  # one check of the folders for the status and the body alike
+    body = {"ready": ready, "readiness": scheduler.readiness.value, "problem": None if ready else scheduler.problem()}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @routes.get("/metrics")
@@ -294,6 +305,8 @@ def _require_ready(scheduler: Scheduler, metrics: Metrics) -> None:
     if scheduler.readiness.value == "failed":
         error = scheduler.warmup_result.error if scheduler.warmup_result else "unknown"
         message = f"the startup warmup failed ({error}); this server does not render (see /health)"
+    elif scheduler.readiness.value == "ready":
+        message = f"the server cannot render now: {scheduler.problem() or 'see /health'}; retry later"
     else:
         message = "the server is warming up (the startup warmup has not passed yet); retry shortly"
     metrics.rejected.labels("not_ready").inc()
@@ -366,6 +379,8 @@ async def create_sync(
         mp4 = future.result()
     except RenderCancelled as err:
         raise ApiError(503, "cancelled", f"the render was cancelled: {err}") from err
+    except WriteFailed as err:  # the scheduler has logged the OS error with the path
+        raise ApiError(500, "write_failed", str(err), None, {"x-request-id": work.id}) from err
     except Exception as err:  # the scheduler has logged it with its traceback, under this id
         raise internal_error("render_failed", "the render failed", work.id) from err
     result = work.result
@@ -431,6 +446,9 @@ def get_job(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str
 
 @routes.get("/v1/videos/{video_id}/content")
 def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
+    """The MP4, from a file opened here: an open file survives a DELETE that unlinks it (POSIX), so a download that
+    has been answered 200 always sends its whole Content-Length. Starlette's FileResponse would check the path here and
+    open it later, after a racing DELETE (a 500, or a 200 header and no body)."""
     if variant != "video":
         raise bad_request(
             "variant", f"variant {shown(variant)} is not kept here: a job has only its MP4 (variant=video)"
@@ -439,21 +457,72 @@ def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
     path = store.path(job)
     if job.status != JobStatus.COMPLETED or path is None:
         raise ApiError(409, "not_completed", f"job {video_id} is {job.status}; only a completed job has content")
-    if not path.is_file():
-        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id")
-    return FileResponse(path, media_type="video/mp4", filename=job.file_name)
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 (the response closes it: when sent, or when dropped unsent)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        _find(store, video_id)  # deleted since it was read (a DELETE drops the record, then the file): a 404
+        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
+    return OpenFileResponse(fh, job.file_name or path.name)
 
 
-@routes.delete("/v1/videos/{video_id}")
-def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str, Any]:
+class OpenFileResponse(Response):
+    """An already open file, streamed in chunks off the event loop; its length is the open file's (fstat), which no
+    later unlink changes. The file is closed when the response ends, however it ends."""
+
+    chunk_size = 1 << 20
+    media_type = "video/mp4"
+
+    def __init__(self, fh: BinaryIO, filename: str):
+        self.fh = fh
+        size = os.fstat(fh.fileno()).st_size
+        super().__init__(
+            content=None,
+            media_type=self.media_type,
+            headers={
+                "content-length": str(size),
+                "content-disposition": f'attachment; filename="{filename}"',  # a server-chosen name: <id>.mp4
+            },
+        )
+        self.size = size
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if scope["method"] == "HEAD":
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            left = self.size
+            while left > 0:
+                chunk = await asyncio.to_thread(self.fh.read, min(self.chunk_size, left))
+                if not chunk:  # the file shrank under an open fd: only a truncation in place does that
+                    raise OSError(f"the MP4 ended {left} bytes short of its length")
+                left -= len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
+        finally:
+            self.fh.close()
+
+    def __del__(self) -> None:  # a response built and never sent (an exception in between): its file still closes
+        fh = getattr(self, "fh", None)
+        if fh is not None:
+            fh.close()
+
+
+@routes.delete("/v1/videos/{video_id}", responses={202: {"description": "cancel requested; the job has not stopped"}})
+def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
+    """A finished job: its record and MP4 go (200, `video.deleted`). An unfinished one is cancelled, and the answer
+    waits until it has stopped (a render stops within one denoise step or decode window, an encode before its next
+    frame): 200 with the record, now `cancelled`. Only a job still not stopped after CANCEL_WAIT_S (a GPU worker that
+    does not answer) is a 202 with the record as it is then; its cancel stands, and a later GET shows the end."""
     job = _find(store, video_id)
     if job.status in ACTIVE:
-        scheduler.cancel(video_id, "cancelled by DELETE /v1/videos/{id}")  # returns once the job has stopped
+        scheduler.cancel(video_id, "cancelled by DELETE /v1/videos/{id}", wait=CANCEL_WAIT_S)
         job = _find(store, video_id)
-        if job.status in (JobStatus.CANCELLED, *ACTIVE):
-            return shown_record(job, scheduler.live())
+        if job.status in ACTIVE:
+            return JSONResponse(shown_record(job, scheduler.live()), status_code=202)
+        if job.status == JobStatus.CANCELLED:
+            return JSONResponse(shown_record(job, scheduler.live()))
     store.delete(video_id)
-    return {"id": video_id, "object": "video.deleted", "deleted": True}
+    return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
 def shown_record(job: VideoJob, live: dict[str, dict[str, Any]]) -> dict[str, Any]:

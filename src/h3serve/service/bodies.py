@@ -28,7 +28,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 from starlette.requests import Request
 
-from h3serve.service.errors import ApiError, bad_request, escaped, shown
+from h3serve.service.errors import ApiError, bad_request, named, shown
 
 FILE_FIELDS = ("input_reference", "input_references")
 MAX_FIELD_BYTES = 1 << 20  # any non-file form field or JSON string (the prompt cap is far below this)
@@ -173,7 +173,7 @@ def load_json(text: str | bytes, param: str | None = None) -> Any:
     try:
         value = json.loads(text, object_pairs_hook=_object, parse_int=_integer, parse_constant=_constant)
     except _Duplicate as err:
-        name = escaped(err.key)
+        name = named(err.key)
         raise bad_request(param or name, f"{where}{shown(err.key)} is given twice; give each key once") from None
     except RecursionError:
         raise bad_request(param, f"{where}the JSON is nested too deeply") from None
@@ -202,7 +202,7 @@ def _no_surrogates(value: Any, param: str | None) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             if _surrogate(key):
-                raise bad_request(escaped(key), f"the key {shown(key)} holds a lone surrogate escape, not text")
+                raise bad_request(named(key), f"the key {shown(key)} holds a lone surrogate escape, not text")
             _no_surrogates(item, param or key)
 
 
@@ -245,6 +245,7 @@ def _upload(name: str, data: bytes, cap: int, filename: str = "") -> Upload:
 
 
 def _field_too_large(name: str, cap: int) -> ApiError:
+    name = named(name)  # any part name: the fields are checked by name after the body is read
     return ApiError(413, "too_large", f"{name} is over the limit of {cap} bytes for a field", name, CLOSE)
 
 
@@ -342,8 +343,8 @@ class _MultipartReader:
         part.data.extend(data[start:end])
         if part.filename is not None and len(part.data) > self.limits.upload_cap:
             cap = self.limits.upload_cap
-            message = f"{part.name}: the file is larger than H3_MAX_UPLOAD_MB ({cap >> 20} MiB)"
-            self._fail(ApiError(413, "too_large", message, part.name, CLOSE))
+            message = f"{named(part.name)}: the file is larger than H3_MAX_UPLOAD_MB ({cap >> 20} MiB)"
+            self._fail(ApiError(413, "too_large", message, named(part.name), CLOSE))
         if part.filename is None and len(part.data) > self.limits.field_cap:
             self._fail(_field_too_large(part.name, self.limits.field_cap))
 
@@ -358,11 +359,12 @@ class _MultipartReader:
             except ApiError as err:
                 self._fail(err)
             return
+        said = named(name)  # any part name here: the fields are checked by name after the body is read
         if part.filename is not None:
-            self._fail(bad_request(name, f"{name} must be a text field, not a file"))
+            self._fail(bad_request(said, f"{said} must be a text field, not a file"))
         if name in self.fields:
-            self._fail(bad_request(name, f"{name} is given more than once; give it once"))
+            self._fail(bad_request(said, f"{said} is given more than once; give it once"))
         try:
             self.fields[name] = bytes(part.data).decode("utf-8")
         except UnicodeDecodeError as err:
-            self._fail(bad_request(name, f"{name} is not valid UTF-8 text (byte {err.start})"))
+            self._fail(bad_request(said, f"{said} is not valid UTF-8 text (byte {err.start})"))

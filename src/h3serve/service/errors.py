@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import json
 
+ECHO_CHARS = 80  # the most of a client's value a message echoes (docs/api.md)
+# A backstop, not the rule: each message echoes values through `shown` and names through `named`, which cap them at
+# ECHO_CHARS; a message longer than this (the longest written here lists the accepted fields, ~600 characters)
+# can only be one that echoes something unchecked, and is cut rather than sent whole.
+MAX_MESSAGE_CHARS = 2000
+MAX_PARAM_CHARS = ECHO_CHARS + 40  # a field's name, with its prefix (extra_params.) and index
+
 
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, param: str | None = None, headers: dict | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + f"... (cut at {MAX_MESSAGE_CHARS} characters)"
+        if param is not None and len(param) > MAX_PARAM_CHARS:
+            param = named(param, MAX_PARAM_CHARS)
         super().__init__(message)
         self.status = status
         self.code = code
@@ -34,7 +45,14 @@ def escaped(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def shown(value: object, limit: int = 80) -> str:
+def named(name: str, limit: int = ECHO_CHARS) -> str:
+    """A client-chosen name (an unknown field or key, a part or file name) as a message or `param` may echo it, bare:
+    lone surrogates escaped, cut at `limit` characters with its length said."""
+    text = escaped(name)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(name)} characters)"
+
+
+def shown(value: object, limit: int = ECHO_CHARS) -> str:
     """A client's value as a message may echo it: in JSON's spelling (null, true, "text"), text cut at `limit`
     characters, lone surrogates escaped, a long integer by its digit count, an array or object by its size; never a
     Python repr."""

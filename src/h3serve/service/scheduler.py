@@ -8,10 +8,15 @@ Sync and async renders share the queue and the worker, so one render uses the GP
 CPU beside the next render.
 
 Cancellation is real wherever a job is. Waiting in the queue or the hand-off, it is removed at once. Rendering, it
-stops within one denoise step or decode window (`RenderContext`). Encoding, it cannot stop midway (PyAV has no hook
-between frames): the encode finishes, its MP4 is removed and the job is cancelled. `cancel` returns once the job has
-stopped, in every case. A shutdown (`stop`) ends every job not yet finished the same way: failed, code
-`interrupted` (as a crash leaves them once the store reopens).
+stops within one denoise step or decode window (`RenderContext`). Encoding, it stops before the next frame goes to
+the encoder (`write_mp4`'s `check`), and the half-written file is removed. `cancel` returns once the job has stopped
+(or after its `wait`, saying whether it had). A shutdown (`stop`) ends every job not yet finished the same way:
+failed, code `interrupted` (as a crash leaves them once the store reopens).
+
+An MP4 that cannot be written (a full disk, a file-size limit, a folder made read-only or replaced by a file) fails
+its job with code `write_failed` and the OS's reason; the write is atomic, so no partial MP4 is left and the record
+names no file. Readiness covers the folders the service writes (`startup.service_folders`): a server that cannot
+write them is not ready.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from h3serve.media.mp4 import encode_mp4, write_mp4
@@ -36,6 +42,7 @@ from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
 from h3serve.service.store import JobStore
 from h3serve.service.warmup import WarmupResult, run_warmup
+from h3serve.startup import describe_folders, folder_problems
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +67,27 @@ def _live(stage: str, done: int, total: int, elapsed: float | None, ahead: int |
 
 class QueueFull(Exception):
     pass
+
+
+class WriteFailed(Exception):
+    """An MP4 that could not be written; the message is for the client (the OS's reason, no path)."""
+
+
+# Words for the refusals `write_mp4` raises itself (they carry a message with the path, and no strerror).
+_OS_WORDS = {
+    FileNotFoundError: "the folder does not exist",
+    NotADirectoryError: "the folder is not a folder",
+    PermissionError: "permission denied",
+    IsADirectoryError: "a folder is in the way",
+}
+
+
+def write_failure(err: OSError, request_id: str) -> str:
+    why = err.strerror or _OS_WORDS.get(type(err), "an OS error")
+    return (
+        f"the MP4 could not be written ({why}): the output folder is full or not writable; no file was kept. See "
+        f"/health and the server log, request id {request_id}"
+    )
 
 
 @dataclass(eq=False)  # identity: two jobs are never equal, and their frames are never compared
@@ -95,8 +123,11 @@ class Scheduler:
         warmup: bool,
         encoder_threads: int,
         metrics: Metrics,
+        folders: dict[str, Path] | None = None,
     ):
         self.engine = engine
+        self.folders = folders or {}  # name -> folder the service writes (startup.service_folders), checked for ready
+        self._folder_problems: dict[str, str] = {}  # the last check's, to log a change once
         self.store = store
         self.max_queue = max_queue
         self.encoder_threads = encoder_threads
@@ -140,8 +171,30 @@ class Scheduler:
 
     @property
     def ready(self) -> bool:
-        """Warmed up, and the engine can render (its GPU workers are all up: `RenderEngine.problem`)."""
-        return self.readiness is Readiness.READY and self.engine.problem is None
+        """Warmed up, the engine can render (its GPU workers are all up: `RenderEngine.problem`) and every folder the
+        service writes can be written now."""
+        return self.readiness is Readiness.READY and self.engine.problem is None and not self.folder_problems()
+
+    def folder_problems(self) -> dict[str, str]:
+        """{folder name: why} for each folder the service cannot write now (a file is created and removed in each);
+        a change is logged once, with the paths."""
+        problems = folder_problems(self.folders)
+        with self._cond:
+            changed, self._folder_problems = problems != self._folder_problems, problems
+        if changed and problems:
+            log.error("not ready: %s", describe_folders(self.folders, problems))
+        elif changed:
+            log.info("every folder the service writes is writable again")
+        return problems
+
+    def problem(self) -> str | None:
+        """Why the server cannot render now, beyond the warmup: the engine's problem or an unwritable folder."""
+        if self.engine.problem is not None:
+            return self.engine.problem
+        problems = self.folder_problems()
+        if problems:
+            return "; ".join(f"the {name} folder is not writable ({why})" for name, why in problems.items())
+        return None
 
     @property
     def depth(self) -> int:
@@ -295,6 +348,12 @@ class Scheduler:
             return
         try:
             payload = self._write(work)
+        except RenderCancelled:  # cancelled between frames: write_mp4 has removed the partial file
+            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            return
+        except OSError as err:  # the encode's own errors are ValueErrors; an OSError is the disk's or the folder's
+            self._finish_unwritten(work, err)
+            return
         except Exception as err:
             self._finish_failed(work, err, "MP4 encode")
             return
@@ -308,7 +367,12 @@ class Scheduler:
     def _write(self, work: Work) -> str | bytes:
         """The MP4 of a rendered job: an async job's file (its name returned) or a sync render's bytes."""
         result = work.result
-        settings = {"fps": result.fps, "sample_rate": result.sample_rate, "threads": self.encoder_threads}
+        settings = {
+            "fps": result.fps,
+            "sample_rate": result.sample_rate,
+            "threads": self.encoder_threads,
+            "check": work.ctx.check,  # a cancel stops the encode before the next frame
+        }
         if work.persist:
             path = self.store.videos / f"{work.id}.mp4"  # the server's name: nothing a client sent
             write_mp4(path, result.frames, result.audio, **settings)  # atomic: a failed write leaves no file
@@ -359,6 +423,17 @@ class Scheduler:
             error = JobError(code="render_failed", message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
         work.future.set_exception(err)
+
+    def _finish_unwritten(self, work: Work, err: OSError) -> None:
+        """An MP4 the disk or the folder refused: failed with code write_failed and the OS's reason (no path)."""
+        log.error("job %s: the MP4 could not be written: %s", work.id, err)
+        self.metrics.render_finished("failed", None)
+        message = write_failure(err, work.id)
+        if work.persist:
+            error = JobError(code="write_failed", message=message)
+            self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
+        work.result = None
+        work.future.set_exception(WriteFailed(message))
 
     def _finish_cancelled(self, work: Work, reason: str, ran: bool = False) -> None:
         """A job stopped before it finished: cancelled by its client (or a timeout), or failed by a shutdown.

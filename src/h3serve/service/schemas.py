@@ -48,7 +48,7 @@ from h3serve.pipeline.rules import (
     resolve_canvas,
 )
 from h3serve.service.bodies import LongInt, Upload, load_json
-from h3serve.service.errors import ApiError, bad_request, escaped, shown
+from h3serve.service.errors import ApiError, bad_request, named, shown
 from h3serve.vocab import ANCHORS, TASK_ANCHORS, ReferenceKind, Task, seconds_to_frames
 
 FIELDS = (
@@ -126,8 +126,8 @@ def _extra_params(value: Any) -> dict[str, Any]:
     for key, item in value.items():
         if key not in EXTRA_PARAMS:
             raise bad_request(
-                f"extra_params.{escaped(key)}",
-                f"extra_params.{escaped(key)} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}",
+                f"extra_params.{named(key)}",
+                f"extra_params.{named(key)} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}",
             )
         if item is None:
             raise bad_request(f"extra_params.{key}", f"extra_params.{key} is null; leave it out for its default")
@@ -141,7 +141,7 @@ def _check_fields(fields: dict[str, Any]) -> None:
         if name in NOT_USED:
             raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
         if name not in FIELDS:
-            raise bad_request(escaped(name), f"unknown field {shown(name)}; accepted: {', '.join(FIELDS)}")
+            raise bad_request(named(name), f"unknown field {shown(name)}; accepted: {', '.join(FIELDS)}")
         if value is None:
             raise bad_request(name, f"{name} is null; leave the field out for its default")
         if name in TEXT_FIELDS and not isinstance(value, str):
@@ -198,7 +198,7 @@ def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tu
         raise bad_request(
             "extra_params.frame_indices",
             f"frame_indices must give one distinct index from [0, -1] per keyframe ({n} given), got "
-            f"{[shown(i) for i in indices]}",
+            + (f"[{', '.join(shown(i) for i in indices)}]" if len(indices) <= 4 else shown(indices)),
         )
     ordered = [u for _, u in sorted(zip(indices, uploads, strict=True), key=lambda p: p[0] != 0)]
     resolved = FRAME_INDEX_TASKS[tuple(sorted(indices, key=lambda i: i != 0))]
@@ -224,7 +224,8 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
                 param, f"mute_references: position {shown(i)} is not one of the {n} reference(s) (0..{n - 1})"
             )
     if len(set(value)) != len(value):
-        raise bad_request(param, f"mute_references lists a position twice: {value}")
+        twice = next(i for i in value if value.count(i) > 1)
+        raise bad_request(param, f"mute_references lists position {twice} twice")
     return value
 
 
@@ -239,25 +240,25 @@ def _check_lora(value: Any, adapters) -> None:
     for key in value:
         if key not in LORA_KEYS:
             raise bad_request(
-                f"lora.{escaped(key)}", f"lora.{escaped(key)} is not accepted; allowed: {', '.join(LORA_KEYS)}"
+                f"lora.{named(key)}", f"lora.{named(key)} is not accepted; allowed: {', '.join(LORA_KEYS)}"
             )
-    named = [value[k] for k in ("path", "local_path", "name", "lora_name") if value.get(k) is not None]
-    if not named or not all(isinstance(n, str) and n for n in named):
+    names = [value[k] for k in ("path", "local_path", "name", "lora_name") if value.get(k) is not None]
+    if not names or not all(isinstance(n, str) and n for n in names):
         raise bad_request(
             "lora", f"lora must name the adapter by path or name (a non-empty string), got {shown(value)}"
         )
     scale = _float("lora.scale", value["scale"]) if "scale" in value else None
-    serve = f"adapters are merged into the weights at load: start a server with H3_LORA={escaped(named[0])}"
+    serve = f"adapters are merged into the weights at load: start a server with H3_LORA={named(names[0])}"
     if not adapters:
         raise bad_request("lora", f"this server runs no adapter; {serve} (--lora)")
     loaded = ", ".join(f"{a.path.name}:{a.scale:g}" for a in adapters)
     for adapter in adapters:
-        if all(n in (str(adapter.path), adapter.path.name, adapter.path.stem) for n in named):
+        if all(n in (str(adapter.path), adapter.path.name, adapter.path.stem) for n in names):
             if scale is not None and scale != adapter.scale:
                 raise bad_request("lora.scale", f"lora.scale {scale:g}: the server merged {adapter.path.name} at "
                                                 f"{adapter.scale:g}; {serve}:{scale:g}")  # fmt: skip
             return
-    raise bad_request("lora", f"lora names {shown(named[0])}, but this server merged {loaded} and a request cannot "
+    raise bad_request("lora", f"lora names {shown(names[0])}, but this server merged {loaded} and a request cannot "
                               f"switch adapters; {serve}[:SCALE]")  # fmt: skip
 
 
@@ -382,7 +383,8 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     if "audio_flow_shift" in extra:
         kwargs["audio_shift"] = _float("extra_params.audio_flow_shift", extra["audio_flow_shift"])
     if task == REF2VA:
-        kwargs["references"] = [(u.filename or None, u.data) for u in ordered]
+        # The file name only appears in the engine's messages: capped as every echo is.
+        kwargs["references"] = [(named(u.filename) if u.filename else None, u.data) for u in ordered]
         kwargs["mute_references"] = mute
     else:
         kwargs["keyframes"] = [u.data for u in ordered]
