@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from h3serve.cli import main
-from h3serve.service.store import STORE_FILE, JobStore, StoreDamaged, check_store, inspect_store
+from h3serve.service.store import STORE_FILE, JobStore, StoreDamaged, check_store, inspect_store, rebuild_store
 from service_fixtures import live_server, settings, wait_status
 
 JOBS = 6
@@ -304,8 +304,13 @@ def test_store_check_reports_the_files_beside_the_store_and_exits_by_its_verdict
     assert [p.name for p in unrecorded.iterdir()] == [f"{stray}.mp4"]  # moved aside, never deleted
 
 
-def test_rebuild_leaves_a_sound_store_alone_without_force(folder, capsys):
+def test_rebuild_leaves_a_sound_store_alone_without_force_and_never_replaces_a_kept_one(made, folder, capsys):
     before = (folder / STORE_FILE).read_bytes()
     code, out = store_cli(capsys, "rebuild", folder)
     assert code == 0 and "nothing rebuilt" in out
     assert (folder / STORE_FILE).read_bytes() == before and not list(folder.glob(f"{STORE_FILE}.damaged-*"))
+    for _ in range(2):  # twice within the same second: the first store kept aside is not replaced by the second
+        rebuild_store(folder, now=0.0)
+    kept = sorted(p for p in folder.glob(f"{STORE_FILE}.damaged-*") if not p.name.endswith(("-wal", "-shm")))
+    assert len(kept) == 2 and kept[0].read_bytes() == before
+    assert stored(folder) == made[1]

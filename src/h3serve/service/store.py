@@ -697,8 +697,11 @@ def rebuild_store(output_dir: Path, now: float | None = None) -> Rebuilt:
     record names, and sidecars that do not read, are moved to `unrecorded-<UTC time>/`, so that the folder the new
     store describes is consistent (and its next start is not refused). The
     new store is built under a temporary name and renamed into place. Run it with the server stopped."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     path, videos = output_dir / STORE_FILE, output_dir / "videos"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    taken = (f"{STORE_FILE}.damaged-{stamp}", f"unrecorded-{stamp}")
+    if any((output_dir / name).exists() for name in taken):  # a second rebuild within the second: never replace
+        stamp = f"{stamp}-{uuid.uuid4().hex[:8]}"
     videos.mkdir(parents=True, exist_ok=True)
     rows: list[VideoJob] = []
     report = inspect_store(output_dir, rows)
