@@ -128,7 +128,9 @@ def test_cancel_works_while_a_job_waits_hands_off_or_encodes(tmp_path):
             "cancelled",
             "cancelled mid-MP4",
         )
-        assert record.file_name is None and list(videos.iterdir()) == []  # no MP4, no partial file
+        # No MP4, no partial file: only the finished jobs' records beside where their MP4s would be.
+        assert record.file_name is None and [p for p in videos.iterdir() if p.suffix != ".json"] == []
+        assert sorted(p.stem for p in videos.glob("*.json")) == sorted(w.id for w in (first, second, third, queued))
 
         # The scheduler goes on: the next job completes, with its file.
         after = job(scheduler, 5)
@@ -164,7 +166,7 @@ def test_a_shutdown_fails_every_unfinished_job_with_the_reason(tmp_path):
         for work in works:  # encoding, waiting for the encoder, handing off, queued
             record = store.get(work.id)
             assert (record.status, record.error.code) == (JobStatus.FAILED, "interrupted"), record
-        assert list(store.videos.iterdir()) == []
+        assert sorted(p.name for p in store.videos.iterdir()) == sorted(f"{w.id}.json" for w in works)
 
 
 # ---- the store ------------------------------------------------------------------------------------------------------

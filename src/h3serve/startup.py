@@ -3,7 +3,8 @@
 
     plan(settings, task_type)          the model folder, the adapters, the split's heads: from files, no hardware
     preflight(plan, service=..., say)  this machine: the FP8 GEMM's and the attention's self-tests choose the
-                                       profile; the output folder and port (a service), the memory plan
+                                       profile; the output folder, its job store and the port (a service), the
+                                       memory plan
     launch(plan)                       the engine: one process, or a worker per GPU
 
 Each step refuses with a SettingError naming its setting (`h3serve.errors`), so a setting is refused the same way,
@@ -80,12 +81,22 @@ def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
     return LaunchPlan(settings, task_type, folder, adapters)
 
 
-def preflight(launch_plan: LaunchPlan, *, service: bool, say: Callable[[str], None]) -> LaunchPlan:
+def preflight(
+    launch_plan: LaunchPlan,
+    *,
+    service: bool,
+    say: Callable[[str], None],
+    store_check: Callable[[Path], object] | None = None,
+) -> LaunchPlan:
     """The plan on this machine: the kernel caches set up, the FP8 GEMM's scaling chosen by its self-test, and, for a
-    service, the output folder and the port; then the memory plan against what is free (a model folder only). The
-    settings were checked against the hardware by `load_settings(check_profile=True)`. `say`: where the self-test's
-    line goes."""
+    service, the output folder, its job store and the port; then the memory plan against what is free (a model folder
+    only). The settings were checked against the hardware by `load_settings(check_profile=True)`. `say`: where the
+    self-test's line goes. `store_check`: the job store's check (`service.store.check_store`, a ValueError naming the
+    file and what is wrong), required for a service; it comes in as a value because the service sits above this
+    layer."""
     settings = launch_plan.settings
+    if service and store_check is None:
+        raise ValueError("a service's preflight checks its job store: pass store_check (service.store.check_store)")
     if settings.cache_dir is not None:  # before the self-test, which may compile kernels
         from h3serve.accel.caches import use_cache_dir
 
@@ -98,6 +109,7 @@ def preflight(launch_plan: LaunchPlan, *, service: bool, say: Callable[[str], No
     if service:
         assert isinstance(settings, Settings)
         check_output_dir(settings.output_dir)
+        check_job_store(settings.output_dir, store_check)
         check_port(settings.bind_host, settings.api_port)
     budget = None
     if launch_plan.folder is not None:
@@ -242,6 +254,16 @@ def folder_problems(folders: dict[str, Path]) -> dict[str, str]:
 def describe_folders(folders: dict[str, Path], problems: dict[str, str]) -> str:
     """One line naming each unwritable folder by its name and path, for a refusal or the log."""
     return "; ".join(f"the {name} folder {folders[name]} is not writable ({why})" for name, why in problems.items())
+
+
+def check_job_store(path: Path, store_check: Callable[[Path], object]) -> None:
+    """The job store in the output folder, opened read-only and checked (integrity, its table, every record, jobs the
+    folder holds that the store lacks) before any weight loads: a damaged store is H3_OUTPUT_DIR's refusal, naming
+    the file and what is wrong."""
+    try:
+        store_check(path)
+    except ValueError as err:  # store.StoreDamaged: its text starts with the store's path
+        raise SettingError("output_dir", str(err)) from err
 
 
 def check_port(host: str, port: int) -> None:

@@ -1,4 +1,5 @@
-"""`h3serve` command line. `render`: a prompt (and optional keyframes) to an MP4 with sound.
+"""`h3serve` command line. `render`: a prompt (and optional keyframes) to an MP4 with sound; `serve`, `check`, `ready`
+(cli/serve.py); `accept`, `bench` (cli/tools.py); `store check`, `store rebuild` (cli/store.py).
 
 Everything the user gives is checked before any weight loads: the prompt, the keyframe files, the output path, the
 profile and the request against the model's rules. Any failure prints one line and exits non-zero, and no partial
@@ -16,7 +17,7 @@ import logging
 import sys
 
 from h3serve import __version__
-from h3serve.cli import render, serve, tools
+from h3serve.cli import render, serve, store, tools
 from h3serve.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, CliError
 from h3serve.cli.signals import Terminated
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parsers(sub)
     tools.add_accept_parser(sub)
     tools.add_bench_parser(sub)
+    store.add_parser(sub)
     return parser
 
 

@@ -60,6 +60,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_ready)
 
 
+def _store_check():
+    """The job store's check for the preflight (the service's, passed down: startup sits below the service)."""
+    from h3serve.service.store import check_store
+
+    return check_store
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from h3serve import startup
 
@@ -73,13 +80,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         if not args.preflight:
             print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
             return 0
-        plan = startup.preflight(plan, service=True, say=print)
+        plan = startup.preflight(plan, service=True, say=print, store_check=_store_check())
     if plan.budget is not None:
         print(plan.budget.table())
         if settings.num_gpus > 1:
             print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
                   f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
-    checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, port, memory"
+    checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, job store, port, memory"
     print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
     return 0
 
@@ -116,7 +123,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = read_settings(args)
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
     with refusals():
-        plan = startup.preflight(startup.plan(settings, settings.task_type), service=True, say=log.info)
+        plan = startup.plan(settings, settings.task_type)
+        plan = startup.preflight(plan, service=True, say=log.info, store_check=_store_check())
     if plan.budget is not None:
         log.info("memory budget before load:\n%s", plan.budget.table())
     for adapter in plan.adapters:

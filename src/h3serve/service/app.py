@@ -8,7 +8,8 @@
     POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout); step caching in
                                       the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`)
     POST   /v1/videos                 queue an async job; returns its record at once
-    GET    /v1/videos                 jobs, newest first (limit, after, order)
+    GET    /v1/videos                 jobs, newest first (limit, after, order); a record the store cannot read is
+                                      listed with status `damaged` (store.DamagedRecord), the rest are served
     GET    /v1/videos/{id}            one job record (with `live`: an unfinished job's stage and step)
     GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept)
     DELETE /v1/videos/{id}            cancel a queued or running job (answers once it has stopped; 202 if it has not
@@ -69,7 +70,7 @@ from h3serve.service.schemas import (
     step_cache_mode,
 )
 from h3serve.service.security import BearerKey, require_key
-from h3serve.service.store import ACTIVE, JobStore, job_record, new_job_id
+from h3serve.service.store import ACTIVE, DamagedRecord, JobStore, RecordDamaged, job_record, new_job_id
 from h3serve.settings import Settings
 from h3serve.startup import service_folders
 
@@ -105,6 +106,7 @@ def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = 
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
     app.state.page = page or WebPage.load()
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RecordDamaged, _damaged_record)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -159,6 +161,13 @@ MetricsDep = Annotated[Metrics, Depends(_metrics)]
 # ---- errors: always {"error": {"code", "message", "param"}} ---------------------------------------------------------
 async def _api_error(_: Request, err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def _damaged_record(request: Request, err: RecordDamaged) -> JSONResponse:
+    """A job whose stored record does not decode, asked for by a route that needs the record (its content, its
+    delete): 409, which a retry does not change; the list and the job's own record show it as `damaged`."""
+    message = f"the record of job {shown(err.record.id)} is damaged in the server's store (h3serve store check)"
+    return await _api_error(request, ApiError(409, "damaged_record", message, "video_id"))
 
 
 async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -423,7 +432,7 @@ def list_jobs(
     the job of that id in the same order."""
     if not 1 <= limit <= MAX_PAGE:
         raise bad_request("limit", f"limit must be 1..{MAX_PAGE}, got {limit}")
-    if after is not None and store.get(after) is None:
+    if after is not None and store.entry(after) is None:
         raise bad_request("after", f"after: no job {shown(after)}")
     jobs, more = store.list(limit, after, oldest_first=order == "asc")
     live = scheduler.live()
@@ -441,7 +450,10 @@ def _find(store: JobStore, video_id: str) -> VideoJob:
 
 @routes.get("/v1/videos/{video_id}")
 def get_job(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str, Any]:
-    return shown_record(_find(store, video_id), scheduler.live())
+    job = store.entry(video_id)  # a record that does not decode is shown as damaged, as in the list
+    if job is None:
+        raise ApiError(404, "not_found", f"no video job {shown(video_id)}", "video_id")
+    return shown_record(job, scheduler.live())
 
 
 @routes.get("/v1/videos/{video_id}/content")
@@ -525,7 +537,7 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
-def shown_record(job: VideoJob, live: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def shown_record(job: VideoJob | DamagedRecord, live: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A job record as the API shows it: the stored fields, and `live` (`Scheduler.live`: where an unfinished job is
     now, its stage and step; null once its record says it has finished, even while the scheduler still lets go of
     it)."""

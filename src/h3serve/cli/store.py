@@ -1,0 +1,76 @@
+"""`h3serve store check` and `h3serve store rebuild`: the job store in H3_OUTPUT_DIR, checked as a start checks it, and
+rebuilt from the job records kept beside the MP4s (`service.store`; docs/operators.md, "Job store")."""
+
+from __future__ import annotations
+
+import argparse
+
+from h3serve.cli.common import EXIT_ERROR, CliError, read_settings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from h3serve.settings import add_flags
+
+    p = sub.add_parser(
+        "store",
+        help="check the job store in the output folder, or rebuild it from the records beside the MP4s",
+        description="The job store (H3_OUTPUT_DIR/jobs.sqlite3) and the folder it describes. `check` reports what a "
+        "start checks; `rebuild` makes a new store from the records beside the MP4s, with the damaged one kept.",
+    )
+    commands = p.add_subparsers(dest="store_command", required=True)
+    c = commands.add_parser(
+        "check",
+        allow_abbrev=False,
+        help="report the store's integrity, its rows and the files beside it; exit 1 if a start would refuse it",
+        description="Read the settings as `serve` does and check the job store in the output folder without changing "
+        "it: SQLite's integrity check, its jobs table, every record, the MP4s without a record and the records whose "
+        "MP4 is missing. Exit 0 if it is sound, 1 if `serve` would refuse it.",
+    )
+    add_flags(c)
+    c.set_defaults(func=cmd_check)
+    r = commands.add_parser(
+        "rebuild",
+        allow_abbrev=False,
+        help="move the store aside (never deleted) and build a new one from the records beside the MP4s",
+        description="With the server stopped: move jobs.sqlite3 aside as jobs.sqlite3.damaged-<UTC time> and build "
+        "a new store from every finished job's record in videos/ and every readable row of the old store; MP4s no "
+        "record names are moved to unrecorded-<UTC time>/. Nothing is deleted. A sound store is left as it is unless "
+        "--force is given.",
+    )
+    add_flags(r)
+    r.add_argument("--force", action="store_true", help="rebuild even when the check finds the store sound")
+    r.set_defaults(func=cmd_rebuild)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from h3serve.service.store import inspect_store
+
+    settings = read_settings(args, check_profile=False)  # the store is the output folder's: no hardware asked
+    report = inspect_store(settings.output_dir)
+    for line in report.lines():
+        print(line)
+    return EXIT_ERROR if report.refusals() else 0
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    from h3serve.service.store import JobStore, inspect_store, rebuild_store
+
+    settings = read_settings(args, check_profile=False)
+    output_dir = settings.output_dir
+    if not output_dir.is_dir():
+        raise CliError(f"{output_dir}: no such folder (H3_OUTPUT_DIR, --output-dir): nothing to rebuild")
+    before = inspect_store(output_dir)
+    if not before.refusals() and not args.force:
+        print(f"{before.path}: sound, {before.rows} job(s); nothing rebuilt (--force rebuilds it anyway)")
+        return 0
+    for line in before.lines():
+        print(line)
+    rebuilt = rebuild_store(output_dir)
+    for line in rebuilt.lines(before.path):
+        print(line)
+    try:  # opened as a start opens it: checked, and the sidecars of the jobs it marks failed written
+        JobStore(output_dir).close()
+    except ValueError as err:
+        raise CliError(f"the rebuilt store is refused too: {err}") from err
+    print(f"{before.path}: rebuilt; `h3serve store check` reports it")
+    return 0
