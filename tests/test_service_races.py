@@ -137,7 +137,9 @@ def test_delete_during_the_encode_stops_it_and_answers_cancelled(server, client)
     record = answer.json()
     assert record["status"] == "cancelled" and record["live"] is None
     assert record["error"]["code"] == "cancelled" and record["file_name"] is None
-    assert [p.name for p in videos_of(server).iterdir() if job["id"] in p.name] == []  # no MP4, no temporary file
+    left = sorted(p.name for p in videos_of(server).iterdir() if job["id"] in p.name)
+    assert left == [f"{job['id']}.json"]  # no MP4, no temporary file: only the finished job's record (the sidecar)
+    assert json.loads((videos_of(server) / left[0]).read_text())["status"] == "cancelled"
 
 
 def test_the_encode_stops_between_frames_when_cancelled_and_leaves_no_file(tmp_path):
@@ -326,7 +328,9 @@ def test_a_render_over_the_disk_limit_fails_clearly_and_loses_nothing(tmp_path):
             assert big["status"] == "failed", big
             assert big["error"]["code"] == "write_failed" and big["file_name"] is None
             assert "File too large" in big["error"]["message"]
-            assert sorted(p.name for p in (output / "videos").iterdir()) == [before["file_name"]]  # no partial file
+            # No partial file: the earlier MP4, and the two finished jobs' records (sidecars), the failed one's too.
+            names = sorted(p.name for p in (output / "videos").iterdir())
+            assert names == sorted([before["file_name"], f"{before['id']}.json", f"{big['id']}.json"]), names
             sync = c.post("/v1/videos/sync", data=LONG)  # encoded in the temporary folder: refused the same way
             assert sync.status_code == 500 and sync.json()["error"]["code"] == "write_failed", sync.text
             after = wait_status(c, c.post("/v1/videos", data=SMALL).json()["id"], {"completed"})
