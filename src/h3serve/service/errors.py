@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from h3serve.errors import escaped, shown  # noqa: F401 (the one echo rule, shared with the settings' refusals)
 
 
 class ApiError(Exception):
@@ -27,36 +27,3 @@ def internal_error(code: str, what: str, request_id: str) -> ApiError:
     never to the client (their text can hold paths, names and internals)."""
     message = f"{what} (internal error); see the server log, request id {request_id}"
     return ApiError(500, code, message, headers={"x-request-id": request_id})
-
-
-def escaped(text: str) -> str:
-    """`text` with any lone surrogate written as its escape (\\ud800): always encodable, so safe in a response."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """A client's value as a message may echo it: in JSON's spelling (null, true, "text"), text cut at `limit`
-    characters, lone surrogates escaped, a long integer by its digit count, an array or object by its size; never a
-    Python repr."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        digits = len(str(abs(value))) if abs(value) < 10**40 else None
-        return str(value) if digits is not None and digits <= 24 else "an integer of more than 24 digits"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, bytes):
-        value = value.decode("latin-1")
-    if isinstance(value, str):
-        text = escaped(value)
-        if len(text) > limit:
-            return json.dumps(text[:limit], ensure_ascii=False)[:-1] + f'..." ({len(value)} characters)'
-        return json.dumps(text, ensure_ascii=False)
-    if isinstance(value, list | tuple):
-        return f"an array of {len(value)} item(s)"
-    if isinstance(value, dict):
-        return f"an object with {len(value)} key(s)"
-    text = str(value)  # a value type of our own (bodies.LongInt says "an integer of N digits")
-    return text if len(text) <= limit and " object at 0x" not in text else f"a value of type {type(value).__name__}"
