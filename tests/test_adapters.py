@@ -414,7 +414,7 @@ def test_parse_lora_setting(value, expected):
     [
         ("", "empty"),
         ("turbo.safetensors:", "nothing after"),
-        ("turbo.safetensors:strong", "'strong' is not a number"),
+        ("turbo.safetensors:strong", '"strong" is not a number'),
         (":0.5", "no path"),
         ("turbo.safetensors:nan", "finite"),
     ],

@@ -168,7 +168,7 @@ def test_a_refused_old_flag_is_named_as_typed(tmp_path, capsys, monkeypatch):
         assert main(["render", "a fox", "-o", str(tmp_path / "fox.mp4"), flag, "0"]) == 1
         err = capsys.readouterr().err
         assert "H3_ENCODER_THREADS (--encoder-threads): Input should be greater than or equal to 1" in err, err
-        assert f"got '0' (from {flag})" in err, err
+        assert f'got "0" (from {flag})' in err, err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -132,7 +132,7 @@ def test_no_import_cycle_in_bench_and_no_bench_module_imports_the_tests():
 
 # The layers, lowest first: a module imports only from its own layer or below (the data flow of docs/design.md).
 LAYERS = (
-    ("h3serve.vocab", "h3serve.config", "h3serve.errors", "h3serve"),
+    ("h3serve.vocab", "h3serve.config", "h3serve.errors", "h3serve.files", "h3serve"),
     ("h3serve.model", "h3serve.media"),
     ("h3serve.checkpoint",),  # reads checkpoints into model/'s architecture; accel's load hooks come in as values
     ("h3serve.accel",),

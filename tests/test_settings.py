@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from h3serve.cli import build_parser, main
+from h3serve.errors import shown
 from h3serve.settings import CLI_FIELDS, REDACTED, Settings, SettingsError, add_flags, load_settings
 
 KEY = "k3y-" + "abcdefghijklmnopqrstuvwxyz0123456789._~"  # 43 characters of [A-Za-z0-9._~-]
@@ -93,7 +94,7 @@ def test_boolean_from_environment(value, expected):
 
 
 def test_bad_boolean_refused():
-    refused({"H3_STARTUP_WARMUP": "maybe"}, "H3_STARTUP_WARMUP", "'maybe'")
+    refused({"H3_STARTUP_WARMUP": "maybe"}, "H3_STARTUP_WARMUP", '"maybe"')
 
 
 # Enumerations and what this build runs --------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def test_bad_boolean_refused():
     ],
 )
 def test_enum_refuses_a_bad_value(var, bad, allowed):
-    refused({var: bad}, var, repr(bad), *allowed)
+    refused({var: bad}, var, shown(bad), *allowed)
 
 
 @no_cuda
@@ -150,7 +151,7 @@ def test_float16_vae_autocast_refused_on_cpu():
 
 @pytest.mark.parametrize("port", ["0", "65536", "-1", "abc"])
 def test_bad_port_refused(port):
-    refused({"H3_API_PORT": port}, "H3_API_PORT (--api-port)", repr(port))
+    refused({"H3_API_PORT": port}, "H3_API_PORT (--api-port)", shown(port))
 
 
 @pytest.mark.parametrize("port", [1, 65535])
@@ -180,7 +181,7 @@ def test_video_sync_timeout_bounds_accepted(timeout):
         ({"H3_CACHE_BACKEND": "cache_dit"}, ("H3_CACHE_BACKEND", "requires an explicit", "H3_CACHE_CONFIG")),
         (
             {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"Fn_compute_block": 1}'},
-            ("H3_CACHE_CONFIG", "'Fn_compute_block'", "unknown", "did you mean 'Fn_compute_blocks'"),
+            ("H3_CACHE_CONFIG", '"Fn_compute_block"', "unknown", "did you mean 'Fn_compute_blocks'"),
         ),
         (
             {"H3_CACHE_BACKEND": "cache_dit", "H3_CACHE_CONFIG": '{"max_warmup_steps": "4"}'},
@@ -247,7 +248,7 @@ def test_loopback_host_needs_no_key(host):
 
 
 def test_malformed_host_refused():
-    refused({"H3_BIND_HOST": "bad host!"}, "H3_BIND_HOST (--bind-host)", "[A-Za-z0-9.:-]+", "'bad host!'")
+    refused({"H3_BIND_HOST": "bad host!"}, "H3_BIND_HOST (--bind-host)", "[A-Za-z0-9.:-]+", '"bad host!"')
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.5"])
@@ -302,7 +303,7 @@ def test_key_file_readable_by_others_refused(tmp_path):
 
 
 def test_missing_key_file_refused(tmp_path):
-    refused({"H3_API_KEY_FILE": str(tmp_path / "absent")}, "H3_API_KEY_FILE", "cannot read the key file")
+    refused({"H3_API_KEY_FILE": str(tmp_path / "absent")}, "H3_API_KEY_FILE", "does not exist (no such file)")
 
 
 def test_weak_key_in_file_refused(tmp_path):
@@ -374,7 +375,7 @@ def test_bad_value_in_config_file_names_setting_and_source(tmp_path):
 def test_unknown_key_in_config_file_refused(tmp_path):
     path = tmp_path / "h3.json"
     path.write_text('{"api_prot": 9000}')
-    refused(None, str(path), "unknown setting 'api_prot'", "api_port", config_file=path)
+    refused(None, str(path), 'unknown setting "api_prot"', "api_port", config_file=path)
 
 
 @pytest.mark.parametrize(
@@ -383,8 +384,8 @@ def test_unknown_key_in_config_file_refused(tmp_path):
         ("h3.json", '{"api_port": 9000', "not valid JSON"),
         ("h3.toml", "api_port = = 9000", "not valid TOML"),
         ("h3.json", "[1, 2]", "must hold a table/object"),
-        ("absent.json", None, "cannot read it"),
-        ("a-folder.toml", "", "cannot read it"),
+        ("absent.json", None, "does not exist (no such file)"),
+        ("a-folder.toml", "", "is a directory, not a regular file"),
     ],
     ids=["bad-json", "bad-toml", "json-list", "missing", "folder"],
 )

@@ -392,10 +392,10 @@ def test_the_balanced_profile_and_the_defaults_are_cache_dits():
 @pytest.mark.parametrize(
     ("text", "needles"),
     [
-        ('{"Fn_compute_block": 1}', ("'Fn_compute_block'", "unknown", "did you mean 'Fn_compute_blocks'")),
+        ('{"Fn_compute_block": 1}', ('"Fn_compute_block"', "unknown", "did you mean 'Fn_compute_blocks'")),
         ('{"residual_diff_treshold": 0.1}', ("unknown", "did you mean 'residual_diff_threshold'")),
-        ('{"speed": 2}', ("'speed'", "unknown", "known: Fn_compute_blocks")),
-        ('{"Fn_compute_blocks": "1"}', ("Fn_compute_blocks", "must be an integer", "'1'")),
+        ('{"speed": 2}', ('"speed"', "unknown", "known: Fn_compute_blocks")),
+        ('{"Fn_compute_blocks": "1"}', ("Fn_compute_blocks", "must be an integer", '"1"')),
         ('{"Fn_compute_blocks": 1.0}', ("Fn_compute_blocks", "must be an integer")),
         ('{"max_warmup_steps": true}', ("max_warmup_steps", "must be an integer")),
         ('{"residual_diff_threshold": "0.1"}', ("residual_diff_threshold", "finite number")),

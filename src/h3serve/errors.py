@@ -4,13 +4,23 @@ formatted here, the one place that knows how a setting is named to people (`H3_X
 Everything below `settings.py` (the checkpoint readers, the admission, the split's plan, the start-up checks) raises
 SettingError with the field name and a message that does not repeat the label; whoever shows it (the CLI, the
 settings' violation list, the service's log) reads `err.setting` rather than parsing the text.
+
+A value a message echoes, a setting's or a client's, is written by `shown`: at most ECHO_CHARS characters of it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 ENV_PREFIX = "H3_"
 # The key is never a flag: a command line is visible to every user of the host (ps).
 NO_FLAG = frozenset({"api_key"})
+# The most characters of a value a message echoes (docs/api.md promises it for the API; the settings keep it too).
+ECHO_CHARS = 80
+# A path is echoed longer: it is the operator's own, and its file name, the part that tells, is at its end. Longer
+# than this it names no file anyway (PATH_MAX is 4096 bytes, a name at most 255), so nothing useful is cut.
+PATH_ECHO_CHARS = 300
 
 
 def env_name(setting: str) -> str:
@@ -36,3 +46,41 @@ class SettingError(ValueError):
         super().__init__(f"{label(setting)}: {message}")
         self.setting = setting
         self.message = message
+
+
+def escaped(text: str) -> str:
+    """`text` with any lone surrogate written as its escape (\\ud800): always encodable, so safe in a response."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shown(value: object, limit: int = ECHO_CHARS) -> str:
+    """A value as a message may echo it (a client's in the API, an operator's in a settings refusal): in JSON's
+    spelling (null, true, "text"), text cut at `limit` characters and followed by its length, lone surrogates escaped,
+    a long integer by its digit count, an array or object by its size; never a Python repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        digits = len(str(abs(value))) if abs(value) < 10**40 else None
+        return str(value) if digits is not None and digits <= 24 else "an integer of more than 24 digits"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str):
+        text = escaped(value)
+        if len(text) > limit:
+            return json.dumps(text[:limit], ensure_ascii=False)[:-1] + f'..." ({len(value)} characters)'
+        return json.dumps(text, ensure_ascii=False)
+    if isinstance(value, list | tuple):
+        return f"an array of {len(value)} item(s)"
+    if isinstance(value, dict):
+        return f"an object with {len(value)} key(s)"
+    text = str(value)  # a value type of our own (bodies.LongInt says "an integer of N digits")
+    return text if len(text) <= limit and " object at 0x" not in text else f"a value of type {type(value).__name__}"
+
+
+def shown_path(path: Path | str) -> str:
+    """A path as a message names it: quoted as `shown` writes text, cut at PATH_ECHO_CHARS characters."""
+    return shown(str(path), PATH_ECHO_CHARS)

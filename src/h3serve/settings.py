@@ -47,7 +47,8 @@ from h3serve.accel.profile import (
     is_integrated,
 )
 from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
-from h3serve.errors import ENV_PREFIX, NO_FLAG, env_name, flag_name, label
+from h3serve.errors import ECHO_CHARS, ENV_PREFIX, NO_FLAG, SettingError, env_name, flag_name, label, shown, shown_path
+from h3serve.files import FileRefused, open_regular, read_regular, read_setting_file
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 # H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
@@ -56,6 +57,11 @@ LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
 REDACTED = "<redacted>"
+# The most bytes read of a file a setting names: a key is 32-some characters, a settings file a few hundred bytes.
+# Anything near the cap is not the file the setting means (a 200 MiB key file, /dev/zero), and is never read whole.
+KEY_FILE_CAP = 4 << 10
+CONFIG_FILE_CAP = 1 << 20
+SERVED_NAME_CHARS = 256
 # Settings that were renamed: the old H3_ variable or config key is refused with what replaces it.
 RENAMED = {"adaln_resident": "H3_ADALN_WEIGHTS (device: on the GPU; pinned: the former default)"}
 # The profile's field for each setting that feeds it (`accel.profile.Profile`); a ProfileError names the former.
@@ -167,8 +173,9 @@ class EngineSettings(BaseModel):
     lora: str | None = Field(
         None,
         min_length=1,
-        description="few-step adapters merged into the DiT at load: PATH[:SCALE], comma-separated for several; the "
-        "first adapter's trained sampler (grid points, shifts) is the default of requests that do not set them",
+        description="few-step adapters merged into the DiT at load: PATH[:SCALE] of a readable regular file, "
+        "comma-separated for several; the first adapter's trained sampler (grid points, shifts) is the default of "
+        "requests that do not set them",
     )
     encoder_threads: int = Field(
         ENCODER_THREADS,
@@ -235,7 +242,11 @@ class Settings(EngineSettings):
     """Every setting of `h3serve serve` (and `check`, `ready`): the engine's and the service's."""
 
     served_model_name: str | None = Field(
-        None, min_length=1, max_length=256, description="model id in /v1/models; unset: the model path as given"
+        None,
+        min_length=1,
+        max_length=SERVED_NAME_CHARS,
+        description=f"model id in /v1/models: 1 to {SERVED_NAME_CHARS} printable characters, no leading or trailing "
+        "space (no newline, tab or other control character); unset: the model path as given",
     )
     task_type: TaskType = Field(
         TaskType.FL2VA,
@@ -257,7 +268,9 @@ class Settings(EngineSettings):
         "config file only, never a flag); with a key, /ready and the API need it, /health stays open",
     )
     api_key_file: Path | None = Field(
-        None, description="read the bearer key from this file, readable by its owner only (instead of H3_API_KEY)"
+        None,
+        description=f"read the bearer key from this file: a regular file of at most {KEY_FILE_CAP >> 10} KiB, "
+        "readable by its owner only (instead of H3_API_KEY)",
     )
     video_sync_timeout: int = Field(
         7200, ge=600, le=14400, description="seconds a /v1/videos/sync render may take before it is cancelled (504)"
@@ -279,7 +292,8 @@ class Settings(EngineSettings):
     # ---------------------------------------------------------------------------------------------------------
     @property
     def key(self) -> str | None:
-        """The bearer key in effect (from api_key or api_key_file), or None. Valid once load_settings returned."""
+        """The bearer key in effect (from api_key or api_key_file), or None. Valid once load_settings returned; the
+        file is read again at each call (SettingError naming api_key_file if it has gone bad since)."""
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         if self.api_key_file is not None:
@@ -415,15 +429,14 @@ def load_settings(
 
     config_file = config_file or (getattr(args, "config", None) if args is not None else None)
     if config_file is not None:
+        where = f"--config {shown_path(config_file)}"
         for key, value in _read_config(config_file, violations).items():
             if key in RENAMED:
-                violations.append(Violation(f"{config_file}: {key!r} was replaced by {RENAMED[key]}", key))
+                violations.append(Violation(f"{where}: {shown(key)} was replaced by {RENAMED[key]}", key))
             elif key not in Settings.model_fields:
-                violations.append(
-                    f"{config_file}: unknown setting {key!r}; allowed: {', '.join(Settings.model_fields)}"
-                )
+                violations.append(f"{where}: unknown setting {shown(key)}; allowed: {', '.join(Settings.model_fields)}")
             elif key in fields:
-                raw[key], source[key] = value, f"{config_file}:{key}"
+                raw[key], source[key] = value, f"{where}, key {key}"
     for var, value in env.items():
         if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
             continue
@@ -432,8 +445,9 @@ def load_settings(
             violations.append(Violation(f"{var}: was replaced by {RENAMED[name]}", name))
             continue
         if name not in Settings.model_fields:
+            named = var if len(var) <= ECHO_CHARS and var.isprintable() else shown(var)
             violations.append(
-                f"{var}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
+                f"{named}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
             )
             continue
         if value == "" or name not in fields:  # compose passes unset variables as empty strings
@@ -453,8 +467,8 @@ def load_settings(
             field = str(e["loc"][0]) if e["loc"] else ""
             failed.add(field)
             got = raw.get(field)
-            shown = REDACTED if field == "api_key" else repr(got)
-            violations.append(refusal(field, f"{e['msg']}, got {shown} (from {source.get(field, 'default')})"))
+            echo = REDACTED if field == "api_key" else shown(got)
+            violations.append(refusal(field, f"{e['msg']}, got {echo} (from {source.get(field, 'default')})"))
     settings = schema.model_validate({k: v for k, v in raw.items() if k not in failed})
     violations += _engine_rules(settings, failed, env, check_profile)
     if isinstance(settings, Settings):
@@ -465,19 +479,29 @@ def load_settings(
 
 
 def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
+    """The settings file's table, checked (a regular file of at most CONFIG_FILE_CAP, UTF-8, JSON or TOML, an
+    object); a violation naming --config and the file otherwise, and an empty table."""
+    kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        violations.append(f"--config {path}: cannot read it ({err})")
+        text = read_regular(path, CONFIG_FILE_CAP).decode("utf-8")
+    except FileRefused as err:
+        violations.append(f"--config {err}")
+        return {}
+    except UnicodeDecodeError as err:
+        violations.append(f"--config {shown_path(path)}: not UTF-8 text ({err.reason} at byte {err.start})")
         return {}
     try:
-        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        kind = "TOML" if path.suffix.lower() == ".toml" else "JSON"
-        violations.append(f"--config {path}: not valid {kind} ({err})")
+        violations.append(f"--config {shown_path(path)}: not valid {kind} ({err})")
+        return {}
+    except RecursionError:
+        violations.append(f"--config {shown_path(path)}: not valid {kind} (nested too deeply to parse)")
         return {}
     if not isinstance(data, dict):
-        violations.append(f"--config {path}: must hold a table/object of settings, got {type(data).__name__}")
+        violations.append(
+            f"--config {shown_path(path)}: must hold a table/object of settings, got {type(data).__name__}"
+        )
         return {}
     return data
 
@@ -511,14 +535,17 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             try:
                 path, scale = parse_lora_setting(item.strip())
             except ValueError as err:
-                out.append(refusal("lora", f"{err} (in {s.lora!r}; entries are comma-separated)"))
+                out.append(refusal("lora", f"{err} (in {shown(s.lora)}; entries are comma-separated)"))
                 continue
             if scale == 0:
-                out.append(refusal("lora", f"{item.strip()}: a scale of 0 merges nothing; leave the adapter out"))
-            elif not path.is_file():
-                out.append(refusal("lora", f"{path}: no such file"))
-            elif not os.access(path, os.R_OK):
-                out.append(refusal("lora", f"{path}: not readable"))
+                message = f"{shown(item.strip())}: a scale of 0 merges nothing; leave the adapter out"
+                out.append(refusal("lora", message))
+                continue
+            try:  # a regular file that opens (no cap: adapters are large; what it holds is read before weights load)
+                with open_regular(path):
+                    pass
+            except FileRefused as err:
+                out.append(refusal("lora", str(err)))
     # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
     if ok("cache_dir") and s.cache_dir is not None:
         try:
@@ -526,8 +553,10 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
 
             use_cache_dir(s.cache_dir, environ=dict(env))  # a dry run on a copy of the environment
             if not os.access(s.cache_dir, os.W_OK | os.X_OK):
-                out.append(refusal("cache_dir", f"{s.cache_dir} is not writable"))
-        except (OSError, ValueError) as err:
+                out.append(refusal("cache_dir", f"{shown_path(s.cache_dir)} is not writable"))
+        except OSError as err:  # its own text repeats the path, uncapped
+            out.append(refusal("cache_dir", f"{shown_path(s.cache_dir)}: {err.strerror or type(err).__name__}"))
+        except ValueError as err:
             out.append(refusal("cache_dir", f"{err}"))
     # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck, `check`
     # without --preflight) does not ask the machine: an unset device resolves by asking torch for CUDA, which costs
@@ -573,18 +602,20 @@ def parse_lora_setting(value: str) -> tuple[Path, float]:
     if not colon or "/" in tail:
         return Path(value), 1.0
     if not tail:
-        raise ValueError(f"adapter setting {value!r}: nothing after ':' (write PATH:SCALE, e.g. {head}:0.8)")
+        raise ValueError(
+            f"adapter setting {shown(value)}: nothing after ':' (write PATH:SCALE, e.g. {shown(head + ':0.8')})"
+        )
     try:
         scale = float(tail)
     except ValueError:
         raise ValueError(
-            f"adapter setting {value!r}: scale {tail!r} is not a number (write PATH:SCALE; a path that holds ':' "
-            "needs an explicit :SCALE)"
+            f"adapter setting {shown(value)}: scale {shown(tail)} is not a number (write PATH:SCALE; a path that "
+            "holds ':' needs an explicit :SCALE)"
         ) from None
     if not math.isfinite(scale):
-        raise ValueError(f"adapter setting {value!r}: scale must be finite, got {tail!r}")
+        raise ValueError(f"adapter setting {shown(value)}: scale must be finite, got {shown(tail)}")
     if not head:
-        raise ValueError(f"adapter setting {value!r}: no path before ':{tail}'")
+        raise ValueError(f"adapter setting {shown(value)}: no path before ':'")
     return Path(head), scale
 
 
@@ -605,8 +636,8 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
         else:
             try:
                 key = s.key
-            except ValueError as err:
-                out.append(refusal("api_key_file", f"{err}"))
+            except SettingError as err:
+                out.append(refusal(err.setting, err.message))
                 key, key_ok = None, False
             if key is not None and not KEY_PATTERN.fullmatch(key):
                 field = "api_key" if s.api_key is not None else "api_key_file"
@@ -620,29 +651,46 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
                 key_ok = False
     if ok("bind_host"):
         if not HOST_PATTERN.fullmatch(s.bind_host):
-            out.append(refusal("bind_host", f"must match [A-Za-z0-9.:-]+, got {s.bind_host!r}"))
+            out.append(refusal("bind_host", f"must match [A-Za-z0-9.:-]+, got {shown(s.bind_host)}"))
         elif s.bind_host not in LOOPBACK_HOSTS and ok("allow_remote_api"):
             if not s.allow_remote_api:
                 out.append(
                     refusal(
                         "bind_host",
-                        f"{s.bind_host} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); "
+                        f"{shown(s.bind_host)} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); "
                         "a remote bind requires H3_ALLOW_REMOTE_API=true and an API key",
                     )
                 )
             elif s.api_key is None and s.api_key_file is None and key_ok:
                 out.append(
-                    refusal("bind_host", f"a remote bind ({s.bind_host}) requires H3_API_KEY or H3_API_KEY_FILE")
+                    refusal("bind_host", f"a remote bind ({shown(s.bind_host)}) requires H3_API_KEY or H3_API_KEY_FILE")
                 )
+    if ok("served_model_name") and s.served_model_name is not None:
+        name = s.served_model_name
+        if name != name.strip() or not name.isprintable():  # a blank name is all surrounding space
+            out.append(
+                refusal(
+                    "served_model_name",
+                    f"must be 1 to {SERVED_NAME_CHARS} printable characters with no leading or trailing space (no "
+                    f"newline, tab or other control character), got {shown(name)}",
+                )
+            )
     return out
 
 
 def _read_key_file(path: Path) -> str:
+    """The key in the file (stripped): a regular file of at most KEY_FILE_CAP bytes, UTF-8, readable by its owner only;
+    SettingError("api_key_file") naming the file otherwise. The key itself is never in a message."""
+    data = read_setting_file("api_key_file", path, KEY_FILE_CAP)
     try:
-        mode = path.stat().st_mode
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read the key file {path} ({err})") from err
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingError("api_key_file", f"the key file {shown_path(path)} is not UTF-8 text") from None
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        raise SettingError("api_key_file", f"the key file {shown_path(path)}: {err.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"the key file {path} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it")
+        message = f"the key file {shown_path(path)} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it"
+        raise SettingError("api_key_file", message)
     return text.strip()

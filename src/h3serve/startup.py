@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3serve.config import TINY_DIT, DiTConfig
-from h3serve.errors import SettingError
+from h3serve.errors import SettingError, shown_path
 from h3serve.parallel.plan import check_heads
 from h3serve.settings import SETTING_OF, EngineSettings, Settings
 
@@ -135,10 +135,11 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
             num_gpus=settings.num_gpus,
         )
     except WorkerError as err:
-        setting = "model" if err.input_error else "num_gpus"
-        raise SettingError(setting, f"{getattr(settings, setting)}: {err}") from err
+        if err.input_error:
+            raise SettingError("model", f"{shown_path(settings.model)}: {err}") from err
+        raise SettingError("num_gpus", f"{settings.num_gpus}: {err}") from err
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
-        raise SettingError("model", f"{settings.model}: {err}") from err
+        raise SettingError("model", f"{shown_path(settings.model)}: {err}") from err
 
 
 # ---- the checks, each one setting's -----------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def model_folder(settings: EngineSettings, task_type: str) -> ModelFolder | None
     try:
         folder = resolve_model_folder(settings.model, qkv_layout=settings.qkv_layout)
     except (ValueError, OSError) as err:
-        raise SettingError("model", f"{settings.model}: {err}") from err
+        raise SettingError("model", f"{shown_path(settings.model)}: {err}") from err
     try:
         folder.check_task_type(task_type)
     except ValueError as err:

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from h3serve.errors import shown
+
 
 @dataclass(frozen=True)
 class StepCacheConfig:
@@ -65,7 +67,7 @@ class StepCacheConfig:
             _check_value(name, getattr(self, name), kind, low, high)
         if self.force_refresh_step_policy not in ("once", "repeat"):
             raise ValueError(
-                f"force_refresh_step_policy: {self.force_refresh_step_policy!r}; allowed: 'once', 'repeat'"
+                f"force_refresh_step_policy: {shown(self.force_refresh_step_policy)}; allowed: 'once', 'repeat'"
             )
 
     def check_blocks(self, num_blocks: int) -> None:
@@ -143,13 +145,13 @@ def _check_value(name: str, value: Any, kind: str, low: float | None, high: floa
         raise ValueError(f"{name}: must be {'an integer' if kind == 'int' else 'a number'}, got null")
     # bool is an int in Python; JSON true/false is never a count or a threshold.
     if kind.startswith("int") and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ValueError(f"{name}: must be an integer{' or null' if optional else ''}, got {value!r}")
+        raise ValueError(f"{name}: must be an integer{' or null' if optional else ''}, got {shown(value)}")
     number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
     if kind.startswith("float") and not number:
-        raise ValueError(f"{name}: must be a finite number{' or null' if optional else ''}, got {value!r}")
+        raise ValueError(f"{name}: must be a finite number{' or null' if optional else ''}, got {shown(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: {value!r} is out of range; must be {bounds}")
+        raise ValueError(f"{name}: {shown(value)} is out of range; must be {bounds}")
 
 
 # quality=high: the conservative profile the other H3 engines ship for that request option (a request-scoped
@@ -177,17 +179,17 @@ def config_from_dict(options: dict[str, Any]) -> StepCacheConfig:
         if key not in KNOWN_KEYS:
             close = difflib.get_close_matches(str(key), KNOWN_KEYS, n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"{key!r}: unknown cache-dit DBCache option{hint} (known: {', '.join(KNOWN_KEYS)})")
+            raise ValueError(f"{shown(key)}: unknown cache-dit DBCache option{hint} (known: {', '.join(KNOWN_KEYS)})")
         if key in _FIXED:
             allowed, why = _FIXED[key]
             if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
-                shown = " or ".join(json.dumps(a) for a in allowed)
-                raise ValueError(f"{key}: {json.dumps(value)} is not supported ({why}); allowed: {shown}")
+                allowed_text = " or ".join(json.dumps(a) for a in allowed)
+                raise ValueError(f"{key}: {shown(value)} is not supported ({why}); allowed: {allowed_text}")
         elif key in _INERT:
             kind, choices = _INERT[key]
             if not isinstance(value, kind) or (choices is not None and value not in choices):
                 want = " or ".join(repr(c) for c in choices) if choices else kind.__name__
-                raise ValueError(f"{key}: must be {want}, got {value!r}")
+                raise ValueError(f"{key}: must be {want}, got {shown(value)}")
         elif key in _CALIBRATOR_KEYS:
             raise ValueError(f"{key}: configures a calibrator (TaylorSeer, DMD, FoCa), which is not built")
         elif key in _NESTED_KEYS:
@@ -205,6 +207,8 @@ def parse_cache_config(text: str) -> StepCacheConfig:
         options = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err}); expected a JSON object") from None
+    except RecursionError:  # json's own limit on nesting: a flat object needs none of it
+        raise ValueError("not valid JSON (nested too deeply to parse); expected one flat JSON object") from None
     if not isinstance(options, dict):
         raise ValueError(f"must be a JSON object, got {type(options).__name__}")
     return config_from_dict(options)

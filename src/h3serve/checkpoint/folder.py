@@ -27,6 +27,7 @@ from h3serve.checkpoint.safetensors import LoadHook, open_checkpoint
 from h3serve.checkpoint.text_encoder import load_text_encoder
 from h3serve.checkpoint.vae import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
 from h3serve.config import DiTConfig
+from h3serve.errors import shown_path
 from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.model.components import Components, check_compatible
 from h3serve.model.dit import H3DiT
@@ -126,13 +127,14 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
 
 def _component_root(root: Path) -> Path:
     if not root.is_dir():
-        raise FileNotFoundError(f"model folder {root} does not exist")
+        raise FileNotFoundError(f"model folder {shown_path(root)} does not exist")
     if (root / "FL2VA" / "transformer").is_dir() and not (root / "transformer").is_dir():
         root = root / "FL2VA"
     for name in _SHARED:
         if not (root / name).is_dir():
             raise FileNotFoundError(
-                f"model folder {root} has no {name}/ (expected the released FL2VA/ layout or the diffusers layout)"
+                f"model folder {shown_path(root)} has no {name}/ (expected the released FL2VA/ layout or the "
+                "diffusers layout)"
             )
     return root
 
@@ -149,7 +151,9 @@ def _video_vae_dir(root: Path) -> Path:
     for name in ("video_vae", "vae"):  # original, diffusers
         if (root / name).is_dir():
             return root / name
-    raise FileNotFoundError(f"model folder {root} has no video_vae/ (original layout) or vae/ (diffusers layout)")
+    raise FileNotFoundError(
+        f"model folder {shown_path(root)} has no video_vae/ (original layout) or vae/ (diffusers layout)"
+    )
 
 
 def _text_encoder_shape(folder: Path) -> tuple[int, int]:

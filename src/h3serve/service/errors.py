@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
+from h3serve.errors import ECHO_CHARS, escaped, shown  # noqa: F401 (the one echo rule, shared with the settings')
 
-ECHO_CHARS = 80  # the most of a client's value a message echoes (docs/api.md)
 # A backstop, not the rule: each message echoes values through `shown` and names through `named`, which cap them at
 # ECHO_CHARS; a message longer than this (the longest written here lists the accepted fields, ~600 characters)
 # can only be one that echoes something unchecked, and is cut rather than sent whole.
@@ -40,41 +39,8 @@ def internal_error(code: str, what: str, request_id: str) -> ApiError:
     return ApiError(500, code, message, headers={"x-request-id": request_id})
 
 
-def escaped(text: str) -> str:
-    """`text` with any lone surrogate written as its escape (\\ud800): always encodable, so safe in a response."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def named(name: str, limit: int = ECHO_CHARS) -> str:
     """A client-chosen name (an unknown field or key, a part or file name) as a message or `param` may echo it, bare:
     lone surrogates escaped, cut at `limit` characters with its length said."""
     text = escaped(name)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(name)} characters)"
-
-
-def shown(value: object, limit: int = ECHO_CHARS) -> str:
-    """A client's value as a message may echo it: in JSON's spelling (null, true, "text"), text cut at `limit`
-    characters, lone surrogates escaped, a long integer by its digit count, an array or object by its size; never a
-    Python repr."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        digits = len(str(abs(value))) if abs(value) < 10**40 else None
-        return str(value) if digits is not None and digits <= 24 else "an integer of more than 24 digits"
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, bytes):
-        value = value.decode("latin-1")
-    if isinstance(value, str):
-        text = escaped(value)
-        if len(text) > limit:
-            return json.dumps(text[:limit], ensure_ascii=False)[:-1] + f'..." ({len(value)} characters)'
-        return json.dumps(text, ensure_ascii=False)
-    if isinstance(value, list | tuple):
-        return f"an array of {len(value)} item(s)"
-    if isinstance(value, dict):
-        return f"an object with {len(value)} key(s)"
-    text = str(value)  # a value type of our own (bodies.LongInt says "an integer of N digits")
-    return text if len(text) <= limit and " object at 0x" not in text else f"a value of type {type(value).__name__}"

@@ -9,6 +9,7 @@ the preset (`presets`); merging is `merge`'s.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from h3serve.checkpoint.adapters.formats import (
 from h3serve.checkpoint.adapters.presets import Preset, num, preset_of
 from h3serve.checkpoint.rows import deinterleave_qkv, swap_halves
 from h3serve.config import DiTConfig
+from h3serve.files import FileRefused, open_regular
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,14 @@ def read_adapter(path: Path | str, scale: float = 1.0, *, config: DiTConfig) -> 
     path = Path(path)
     if not math.isfinite(scale):
         raise AdapterError(path, f"scale must be a finite number, got {scale!r}")
-    if not path.is_file():
-        raise AdapterError(path, "no such adapter file")
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
+        with open_regular(path) as fd:  # a FIFO or a device is refused, never opened to block or read without end
+            # The descriptor's own path where there is one: the file checked is the file read, even if the path is
+            # swapped meanwhile. No cap: adapters are large, and safetensors maps the file rather than reading it.
+            fd_path = f"/proc/self/fd/{fd}"
+            handle = safe_open(fd_path if os.path.exists(fd_path) else str(path), framework="pt", device="cpu")
+    except FileRefused as err:
+        raise AdapterError(path, err.reason) from None
     except Exception as err:  # safetensors raises its own error types for a corrupt header
         raise AdapterError(path, f"not a readable safetensors file: {err}") from err
     meta = dict(handle.metadata() or {})
