@@ -283,7 +283,11 @@ class Settings(EngineSettings):
         20, ge=1, le=512, description="largest upload (a keyframe or a reference file) accepted, in MiB"
     )
     body_timeout: int = Field(
-        120, ge=1, le=3600, description="seconds a client has to send a request's whole body; slower is answered 408"
+        120,
+        ge=1,
+        le=3600,
+        description="seconds a client has to send a request's headers (slower: the connection is closed) and its "
+        "whole body (slower: 408)",
     )
     api_schema: bool = Field(
         True, description="serve the OpenAPI schema at /openapi.json (behind the key like every API route)"
