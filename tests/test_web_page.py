@@ -350,3 +350,40 @@ def test_the_page_in_a_browser(browser, shot, server):  # the browser first: wit
 
     # 9. At 200% zoom the page still reads in one column, without a horizontal scroll (`shot` checks).
     shot("zoom-200", zoom=2)
+
+
+def test_a_damaged_record_is_a_card_that_says_so_and_the_rest_are_listed(browser, tmp_path):
+    """A row the store cannot read (docs/api.md: status `damaged`) is listed as a card with its id and the error,
+    without the settings it lost and without reuse buttons, and the page's other jobs are listed beside it."""
+    import sqlite3
+
+    from selenium.webdriver.common.by import By
+
+    with live_server(settings(tmp_path, api_key=KEY)) as server:
+        with server.client(KEY) as api:
+            jobs = [api.post("/v1/videos", data={"prompt": f"job {i}", "num_inference_steps": "2"}).json()["id"]
+                    for i in range(2)]  # fmt: skip
+            for job_id in jobs:
+                wait_status(api, job_id, {"completed"})
+        db = sqlite3.connect(tmp_path / "jobs.sqlite3")
+        assert db.execute("UPDATE jobs SET status='exploded' WHERE id=?", (jobs[0],)).rowcount == 1
+        db.commit()
+        db.close()
+        browser.get(server.url + "/")
+        key = until(lambda: browser.find_elements(By.ID, "key"), "the key field")[0]
+        key.send_keys(KEY + "\n")
+
+        def card(job_id: str):
+            found = browser.find_elements(By.CSS_SELECTOR, f'li.job[data-job-id="{job_id}"]')
+            return found[0] if found else None
+
+        damaged = until(lambda: card(jobs[0]), "the damaged record's card")
+        until(lambda: card(jobs[1]) and "Completed" in card(jobs[1]).text, "the sound record's card")
+        assert damaged.get_attribute("data-status") == "damaged"
+        assert "Damaged record" in damaged.text and "damaged_record" in damaged.text
+        assert "could not be read" in damaged.find_element(By.CLASS_NAME, "job-settings").text
+        assert "undefined" not in damaged.text
+        assert not damaged.find_element(By.CLASS_NAME, "job-reuse").is_displayed()
+        # No script error (the 401 of the page's first call, before the key, is the network's log, not the page's).
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert errors == [], errors

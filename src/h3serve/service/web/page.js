@@ -15,6 +15,7 @@ const LATENTS_PER_CLIP = 5;
 const ACTIVE = new Set(["queued", "in_progress"]);
 const STATUS_NAMES = {
   queued: "Queued", in_progress: "Rendering", completed: "Completed", failed: "Failed", cancelled: "Cancelled",
+  damaged: "Damaged record",
 };
 const STAGE_NAMES = {
   starting: "starting", text: "text encoding", keyframes: "keyframes", layout: "layout", tables: "tables",
@@ -585,16 +586,21 @@ class Page {
     if (active) this.watched.add(job.id);
     const q = (cls) => card.querySelector(`.${cls}`);
     q("job-status").textContent = `${STATUS_NAMES[job.status] || job.status} · ${job.id}`;
-    q("job-progress").value = job.progress;
+    q("job-progress").value = job.progress || 0;
     q("job-progress").hidden = !active;
     q("job-stage").textContent = Page.stageLine(job);
     const cache = job.step_cache && job.step_cache !== "off"
       ? `, step cache ${job.step_cache} (${(job.cached_steps || []).length} cached)` : "";
-    q("job-settings").textContent =
-      `${job.task}, ${job.size}, ${job.num_frames} frames (${job.seconds} s), ${job.num_inference_steps} steps, ` +
-      `seed ${job.seed}, shifts ${job.flow_shift}/${job.audio_flow_shift}` +
-      (job.quality ? `, quality ${job.quality}` : "") + cache +
-      `; created ${new Date(job.created_at * 1000).toLocaleString()}`;
+    // A record the store could not read (status "damaged", docs/api.md) has only its id and the error.
+    const damaged = job.status === "damaged";
+    q("job-settings").textContent = damaged
+      ? "The stored record could not be read: `h3serve store check` on the server says why."
+      : `${job.task}, ${job.size}, ${job.num_frames} frames (${job.seconds} s), ${job.num_inference_steps} steps, ` +
+        `seed ${job.seed}, shifts ${job.flow_shift}/${job.audio_flow_shift}` +
+        (job.quality ? `, quality ${job.quality}` : "") + cache +
+        `; created ${new Date(job.created_at * 1000).toLocaleString()}`;
+    q("job-reuse").hidden = damaged;
+    q("job-reuse-seed").hidden = damaged;
     q("job-error").textContent = job.error ? `${job.error.code}: ${job.error.message}` : "";
     const done = job.status === "completed";
     const loaded = this.videos.has(job.id);
