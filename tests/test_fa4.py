@@ -101,7 +101,7 @@ def test_a_setting_of_fa4_on_the_cpu_is_refused_naming_the_variable_and_the_flag
         load_settings(env=env, check_profile=False)
     text = str(err.value)
     assert label("diffusion_attention_backend") in text and "needs a CUDA device (allowed on cpu: TORCH_SDPA)" in text
-    with pytest.raises(SettingsError, match="'auto', 'CUDNN_ATTN', 'CUDNN_FP8', 'FA4' or 'TORCH_SDPA', got 'FA3'"):
+    with pytest.raises(SettingsError, match="'auto', 'CUDNN_ATTN', 'CUDNN_FP8', 'FA4' or 'TORCH_SDPA', got \"FA3\""):
         load_settings(env={"H3_DIFFUSION_ATTENTION_BACKEND": "FA3", "H3_DEVICE": "cpu"}, check_profile=False)
     chosen = load_settings(env={"H3_DIFFUSION_ATTENTION_BACKEND": "auto", "H3_DEVICE": "cpu"}, check_profile=False)
     assert chosen.profile().attention == Attention.TORCH_SDPA
