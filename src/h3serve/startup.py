@@ -220,7 +220,7 @@ def check_output_dir(path: Path) -> None:
         raise SettingError("output_dir", f"{path}: not writable")
     folders = service_folders(path)
     if problems := folder_problems(folders):
-        raise SettingError("output_dir", describe_folders(folders, problems))
+        raise SettingError("output_dir", describe_folders(problems, folders))
 
 
 # ---- the folders a service writes: checked here at start, and by the service's readiness (service/scheduler.py) -----
@@ -252,9 +252,13 @@ def folder_problems(folders: dict[str, Path]) -> dict[str, str]:
     return {name: why for name, path in folders.items() if (why := unwritable(path)) is not None}
 
 
-def describe_folders(folders: dict[str, Path], problems: dict[str, str]) -> str:
-    """One line naming each unwritable folder by its name and path, for a refusal or the log."""
-    return "; ".join(f"the {name} folder {folders[name]} is not writable ({why})" for name, why in problems.items())
+def describe_folders(problems: dict[str, str], folders: dict[str, Path] | None = None) -> str:
+    """One line naming each unwritable folder by its name, and its path where `folders` is given (a refusal, the log;
+    not /health, which answers without a key)."""
+    return "; ".join(
+        f"the {name} folder{'' if folders is None else f' {folders[name]}'} is not writable ({why})"
+        for name, why in problems.items()
+    )
 
 
 def check_job_store(path: Path, store_check: Callable[[Path], object]) -> None:

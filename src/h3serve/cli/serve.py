@@ -60,13 +60,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_ready)
 
 
-def _store_check():
-    """The job store's check for the preflight (the service's, passed down: startup sits below the service)."""
-    from h3serve.service.store import check_store
-
-    return check_store
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     from h3serve import startup
 
@@ -80,7 +73,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         if not args.preflight:
             print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
             return 0
-        plan = startup.preflight(plan, service=True, say=print, store_check=_store_check())
+        from h3serve.service.store import check_store  # passed down: startup sits below the service
+
+        plan = startup.preflight(plan, service=True, say=print, store_check=check_store)
     if plan.budget is not None:
         print(plan.budget.table())
         if settings.num_gpus > 1:
@@ -115,6 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from h3serve.service.app import create_app
     from h3serve.service.http import head_deadline_protocol
     from h3serve.service.page import WebPage
+    from h3serve.service.store import check_store  # passed to the preflight: startup sits below the service
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
     log = logging.getLogger("h3serve.serve")
@@ -124,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
     with refusals():
         plan = startup.plan(settings, settings.task_type)
-        plan = startup.preflight(plan, service=True, say=log.info, store_check=_store_check())
+        plan = startup.preflight(plan, service=True, say=log.info, store_check=check_store)
     if plan.budget is not None:
         log.info("memory budget before load:\n%s", plan.budget.table())
     for adapter in plan.adapters:

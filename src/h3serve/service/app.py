@@ -228,10 +228,11 @@ open_routes = APIRouter(dependencies=[Depends(strict_query)])
 @open_routes.head("/health", include_in_schema=False)
 def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) -> dict[str, Any]:
     warm = scheduler.warmup_result
+    standing = scheduler.standing()  # one look at the folders for ready, problem and unwritable_folders alike
     return {
         "status": "ok",
         "live": True,
-        "ready": scheduler.ready,
+        "ready": standing.ready,
         "readiness": scheduler.readiness.value,
         "warmup": {
             "enabled": settings.startup_warmup,
@@ -247,10 +248,10 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "num_gpus": engine.num_gpus,
-        "problem": scheduler.problem(),
+        "problem": standing.problem,
         # {name: why} for each folder the service cannot write now (output_dir, videos, temp): names, not paths,
         # since /health answers without a key; the log has the paths.
-        "unwritable_folders": scheduler.folder_problems(),
+        "unwritable_folders": standing.unwritable,
         "version": __version__,
     }
 
@@ -285,9 +286,10 @@ def openapi(request: Request, settings: SettingsDep) -> dict[str, Any]:
 @routes.get("/ready")
 @routes.head("/ready", include_in_schema=False)
 def ready(scheduler: SchedulerDep) -> JSONResponse:
-    ready = scheduler.ready  # one check of the folders for the status and the body alike
-    body = {"ready": ready, "readiness": scheduler.readiness.value, "problem": None if ready else scheduler.problem()}
-    return JSONResponse(body, status_code=200 if ready else 503)
+    standing = scheduler.standing()  # one look at the folders for the status and the body alike
+    body = {"ready": standing.ready, "readiness": scheduler.readiness.value,
+            "problem": None if standing.ready else standing.problem}  # fmt: skip
+    return JSONResponse(body, status_code=200 if standing.ready else 503)
 
 
 @routes.get("/metrics")
@@ -309,13 +311,14 @@ def models(settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
 
 
 def _require_ready(scheduler: Scheduler, metrics: Metrics) -> None:
-    if scheduler.ready:
+    standing = scheduler.standing()
+    if standing.ready:
         return
     if scheduler.readiness.value == "failed":
         error = scheduler.warmup_result.error if scheduler.warmup_result else "unknown"
         message = f"the startup warmup failed ({error}); this server does not render (see /health)"
     elif scheduler.readiness.value == "ready":
-        message = f"the server cannot render now: {scheduler.problem() or 'see /health'}; retry later"
+        message = f"the server cannot render now: {standing.problem or 'see /health'}; retry later"
     else:
         message = "the server is warming up (the startup warmup has not passed yet); retry shortly"
     metrics.rejected.labels("not_ready").inc()

@@ -90,6 +90,16 @@ def write_failure(err: OSError, request_id: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Standing:
+    """Where the server stands now (`Scheduler.standing`): `ready` to render, `problem` (why not, beyond the warmup:
+    the engine's, or the unwritable folders without their paths) and `unwritable` ({folder name: why})."""
+
+    ready: bool
+    problem: str | None
+    unwritable: dict[str, str]
+
+
 @dataclass(eq=False)  # identity: two jobs are never equal, and their frames are never compared
 class Work:
     """One render on its way through the scheduler. `persist`: an async job (record + MP4 file); else a sync render
@@ -173,7 +183,14 @@ class Scheduler:
     def ready(self) -> bool:
         """Warmed up, the engine can render (its GPU workers are all up: `RenderEngine.problem`) and every folder the
         service writes can be written now."""
-        return self.readiness is Readiness.READY and self.engine.problem is None and not self.folder_problems()
+        return self.standing().ready
+
+    def standing(self) -> Standing:
+        """Readiness, why the server cannot render now beyond the warmup (the engine's problem or an unwritable
+        folder), and the unwritable folders, from one look at the folders."""
+        unwritable = self.folder_problems()
+        problem = self.engine.problem or (describe_folders(unwritable) if unwritable else None)
+        return Standing(self.readiness is Readiness.READY and problem is None, problem, unwritable)
 
     def folder_problems(self) -> dict[str, str]:
         """{folder name: why} for each folder the service cannot write now (a file is created and removed in each);
@@ -182,19 +199,10 @@ class Scheduler:
         with self._cond:
             changed, self._folder_problems = problems != self._folder_problems, problems
         if changed and problems:
-            log.error("not ready: %s", describe_folders(self.folders, problems))
+            log.error("not ready: %s", describe_folders(problems, self.folders))
         elif changed:
             log.info("every folder the service writes is writable again")
         return problems
-
-    def problem(self) -> str | None:
-        """Why the server cannot render now, beyond the warmup: the engine's problem or an unwritable folder."""
-        if self.engine.problem is not None:
-            return self.engine.problem
-        problems = self.folder_problems()
-        if problems:
-            return "; ".join(f"the {name} folder is not writable ({why})" for name, why in problems.items())
-        return None
 
     @property
     def depth(self) -> int:
