@@ -314,3 +314,15 @@ def test_rebuild_leaves_a_sound_store_alone_without_force_and_never_replaces_a_k
     kept = sorted(p for p in folder.glob(f"{STORE_FILE}.damaged-*") if not p.name.endswith(("-wal", "-shm")))
     assert len(kept) == 2 and kept[0].read_bytes() == before
     assert stored(folder) == made[1]
+
+
+def test_a_start_removes_an_mp4_no_record_names_as_a_stopped_delete_left_it(tmp_path):
+    """A DELETE killed between its record and its file (or a job killed between its MP4's rename and its completion)
+    leaves an MP4 that nothing names and no sidecar claims: the next start finishes the job of removing it."""
+    from h3serve.service.store import JobStore
+
+    JobStore(tmp_path).close()
+    orphan = tmp_path / "videos" / "video_gen_0123456789abcdef0123456789abcdef.mp4"
+    orphan.write_bytes(b"an mp4 nobody can reach")
+    JobStore(tmp_path).close()
+    assert not orphan.exists()

@@ -333,6 +333,16 @@ class JobStore:
             n = db.execute(f"UPDATE jobs SET {assign} WHERE {_STATUS} IN (?, ?)", (*values, *ACTIVE)).rowcount
         for partial in self.videos.glob(".*.tmp"):
             partial.unlink(missing_ok=True)
+        # An MP4 no completed record names is what a stop left between two steps: a job killed after its MP4 was
+        # renamed into place but before it was marked completed (failed above, its record names no file), or a DELETE
+        # stopped between its record and its file. Neither is served; each is removed, as the DELETE or the failure
+        # would have. A finished job's sidecar beside it means the store lost the record instead (`check_store`
+        # refuses that before this runs), so such an MP4 is never touched here.
+        named = {row[0] for row in self._read(f"SELECT {_column('file_name')} FROM jobs WHERE {_STATUS}=?",
+                                              (JobStatus.COMPLETED,))}  # fmt: skip
+        for mp4 in self.videos.glob("*.mp4"):
+            if mp4.name not in named and not mp4.with_suffix(SIDECAR).exists():
+                mp4.unlink(missing_ok=True)
         if n:
             log.warning("%d job(s) interrupted by the previous stop are marked failed", n)
         return n
