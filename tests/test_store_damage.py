@@ -316,13 +316,14 @@ def test_rebuild_leaves_a_sound_store_alone_without_force_and_never_replaces_a_k
     assert stored(folder) == made[1]
 
 
-def test_a_start_removes_an_mp4_no_record_names_as_a_stopped_delete_left_it(tmp_path):
+def test_a_start_removes_an_mp4_no_record_names_as_a_stopped_delete_left_it(folder):
     """A DELETE killed between its record and its file (or a job killed between its MP4's rename and its completion)
-    leaves an MP4 that nothing names and no sidecar claims: the next start finishes the job of removing it."""
-    from h3serve.service.store import JobStore
-
-    JobStore(tmp_path).close()
-    orphan = tmp_path / "videos" / "video_gen_0123456789abcdef0123456789abcdef.mp4"
+    leaves an MP4 that nothing names and no sidecar claims: the next start finishes the job of removing it, and
+    leaves every recorded MP4 alone."""
+    videos = folder / "videos"
+    kept = sorted(p.name for p in videos.glob("*.mp4"))
+    orphan = videos / "video_gen_0123456789abcdef0123456789abcdef.mp4"
     orphan.write_bytes(b"an mp4 nobody can reach")
-    JobStore(tmp_path).close()
+    JobStore(folder).close()  # a start: its recovery runs
     assert not orphan.exists()
+    assert sorted(p.name for p in videos.glob("*.mp4")) == kept and kept
