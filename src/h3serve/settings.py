@@ -38,6 +38,7 @@ from h3serve.accel.profile import (
     Execution,
     Fp8Scaling,
     Linear,
+    Offload,
     Profile,
     ProfileError,
     TextLinear,
@@ -189,6 +190,22 @@ class EngineSettings(BaseModel):
         le=64,
         description="GPUs one render is split over (sequence parallel, one worker process per GPU; gloo processes on "
         "cpu); the DiT's attention heads must divide by it (the released DiT's 56: 1, 2, 4, 7, 8)",
+    )
+
+    offload: Offload = Field(
+        Offload.AUTO,
+        description="what waits in page-locked host memory and streams to the GPU when it runs: auto (only what the "
+        "device memory cannot hold: the text encoder's layers, then the video VAE, then DiT blocks, until the largest "
+        "request fits; where none does, the largest that fits is served), all (every DiT block, the text encoder's "
+        "layers and the video VAE; the least device memory) or none (everything resident); one memory pool (an "
+        "integrated GPU) streams nothing",
+    )
+    device_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        le=4096,
+        description="device memory (GiB) the memory plan places the model within, at most what is free (to leave "
+        "room for other processes, or to plan as a smaller GPU would); unset: the device's free memory at start",
     )
 
     def profile(self, *, ask_hardware: bool = True) -> Profile:
@@ -583,6 +600,9 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             if (s.device is not None or visible) and s.num_gpus > visible:  # unset without CUDA: the cpu
                 out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible (gloo "
                                                "processes on the CPU: H3_DEVICE=cpu)"))  # fmt: skip
+    if ok("offload", "linear_backend") and s.offload == Offload.ALL and s.linear_backend == Linear.HUMMING:
+        out.append(refusal("offload", "all: HUMMING's FP8 layout does not stream; use auto or none with HUMMING, or "
+                                      "another H3_LINEAR_BACKEND"))  # fmt: skip
     if check_profile and ok(*PROFILE_FIELDS):
         try:
             check(s.profile())

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from h3serve.accel.profile import Offload
 from h3serve.config import TINY_DIT, DiTConfig
 from h3serve.errors import SettingError, shown_path
 from h3serve.parallel.plan import check_heads
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from h3serve.pipeline.admission import Admission
     from h3serve.pipeline.budget import Budget
     from h3serve.pipeline.engine import RenderEngine
+    from h3serve.pipeline.placement import Placement
 
 
 class StartupError(ValueError):
@@ -51,7 +53,8 @@ class LaunchPlan:
     folder: ModelFolder | None  # None: the built-in tiny model
     adapters: tuple = ()  # checkpoint adapters, read and checked against the DiT; nothing merged yet
     profile: Profile | None = None  # the profile that will run: the FP8 scaling and the attention chosen
-    budget: Budget | None = None  # the memory plan (a model folder only: the tiny model needs none)
+    budget: Budget | None = None  # the memory plan (a model folder, or the tiny model with a placement asked for)
+    placement: Placement | None = None  # where each part lives (`pipeline.placement`); None: all resident
     notes: tuple[str, ...] = ()  # what the checks found worth saying (the self-tests' lines)
 
     @property
@@ -67,7 +70,8 @@ class LaunchPlan:
 
         rules = TINY_RULES if self.folder is None else RELEASED_RULES
         step_cache = self.settings.cache_backend != "none"
-        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters)
+        max_rows = self.placement.max_rows if self.placement is not None else None
+        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters, max_rows=max_rows)
 
 
 def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
@@ -111,10 +115,13 @@ def preflight(
         check_output_dir(settings.output_dir)
         check_job_store(settings.output_dir, store_check)
         check_port(settings.bind_host, settings.api_port)
-    budget = None
-    if launch_plan.folder is not None:
-        budget = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type)
-    return dataclasses.replace(launch_plan, profile=profile, budget=budget, notes=notes)
+    budget, placement = None, None
+    tiny_default = settings.offload == Offload.AUTO and settings.device_memory_gib is None
+    if launch_plan.folder is not None or not tiny_default:  # the tiny model needs no plan unless one is asked for
+        budget, placement = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type)
+        if placement.streams or settings.device_memory_gib is not None:
+            say(f"placement: {placement.describe()}")
+    return dataclasses.replace(launch_plan, profile=profile, budget=budget, placement=placement, notes=notes)
 
 
 def launch(launch_plan: LaunchPlan) -> RenderEngine:
@@ -123,6 +130,7 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
     if launch_plan.profile is None:
         raise ValueError("launch needs a preflighted plan (startup.preflight): the machine was not asked")
     from h3serve.parallel.workers import WorkerError, load_engine
+    from h3serve.pipeline.placement import RESIDENT
 
     settings = launch_plan.settings
     try:
@@ -133,6 +141,7 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
             step_cache=settings.step_cache(),
             adapters=launch_plan.adapters,
             num_gpus=settings.num_gpus,
+            placement=launch_plan.placement or RESIDENT,
         )
     except WorkerError as err:
         if err.input_error:
@@ -287,20 +296,22 @@ def check_port(host: str, port: int) -> None:
 
 def check_memory(
     settings: EngineSettings,
-    folder: ModelFolder,
+    folder: ModelFolder | None,
     free: tuple[float, float, bool] | list | None = None,
     profile: Profile | None = None,
     task_type: str | None = None,
-) -> Budget:
-    """The profile's memory budget for `folder` against the free memory (`free`: device GiB, host GiB, shared, or one
-    such tuple per GPU; read from the machine when None). With H3_NUM_GPUS > 1 on CUDA every GPU must hold the whole
-    budget (each rank loads the whole model; the activations are counted whole, an upper bound) and the host every
-    rank's host part. `profile`: the one that will run (the FP8 self-test's choice made); None: the settings'.
-    `task_type`: the DiTs that load (None: the settings'). Returns the budget; StartupError naming what does not fit,
-    and where."""
+) -> tuple[Budget, Placement]:
+    """The profile's memory budget for `folder` (None: the built-in tiny model) and the placement of its parts
+    (`pipeline.placement`: H3_OFFLOAD within H3_DEVICE_MEMORY_GIB or the free device memory) against the free memory
+    (`free`: device GiB, host GiB, shared, or one such tuple per GPU; read from the machine when None). With
+    H3_NUM_GPUS > 1 on CUDA every GPU must hold its placement (each rank loads the whole model; the activations are
+    counted whole, an upper bound) and the host every rank's host part. `profile`: the one that will run (the FP8
+    self-test's choice made); None: the settings'. `task_type`: the DiTs that load (None: the settings'). Returns
+    both; StartupError naming what does not fit, and where."""
     import torch
 
-    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget
+    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget, tiny_budget
+    from h3serve.pipeline.placement import PlacementError, place
     from h3serve.pipeline.rules import RELEASED_RULES
 
     profile = settings.profile() if profile is None else profile
@@ -310,19 +321,58 @@ def check_memory(
     devices = [torch.device("cuda", rank) if gpus > 1 else profile.torch_device for rank in range(gpus)]
     frees = [given or free_memory(device) for given, device in zip(frees[:gpus], devices, strict=True)]
     shared = any(one_pool for _, _, one_pool in frees)
-    budget = plan_budget(folder, profile, RELEASED_RULES, task_type=task_type, shared=shared)
+    if folder is None:
+        budget = tiny_budget(profile, task_type, shared=shared)
+    else:
+        budget = plan_budget(folder, profile, RELEASED_RULES, task_type=task_type, shared=shared)
+    planned = settings.device_memory_gib
+    device_free = min(device for device, _, _ in frees)
+    if planned is not None and planned > device_free:
+        raise SettingError(
+            "device_memory_gib",
+            f"{planned:g} GiB is more than the {device_free:.1f} GiB free on {profile.device}"
+            + (" (the least free of its GPUs)" if gpus > 1 else ""),
+        )
+    offload = settings.offload
+    if profile.linear == "HUMMING":
+        offload = Offload.NONE  # its layout does not stream (H3_OFFLOAD=all is refused with it)
+    try:
+        one_pool = shared and profile.cuda  # an integrated GPU; the CPU streams when told to (the tests' path)
+        placement = place(budget, device_free if planned is None else planned, offload, one_pool=one_pool)
+    except PlacementError as err:
+        raise StartupError(
+            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: {err}"
+            f"\n{budget.table()}\n{SMALLER}"
+        ) from None
     problems = []
-    for rank, (device_free, host_free, shared) in enumerate(frees):
-        where = f"cuda:{rank}: " if gpus > 1 else ""
-        for problem in check_fits(budget, device_free, host_free, shared, ranks=gpus):
-            problem = problem if "host memory" in problem else where + problem  # one host for every rank
-            if problem not in problems:
-                problems.append(problem)
+    if not placement.streams:
+        for rank, (device_gib, host_free, one_pool) in enumerate(frees):
+            where = f"cuda:{rank}: " if gpus > 1 else ""
+            device_gib = device_gib if planned is None else planned
+            for problem in check_fits(budget, device_gib, host_free, one_pool, ranks=gpus):
+                problem = problem if "host memory" in problem else where + problem  # one host for every rank
+                if problem not in problems:
+                    problems.append(problem)
+    elif placement.streams:
+        host_free = min(host for _, host, _ in frees)
+        need = (budget.host_need + placement.pinned_gib) * gpus
+        if need > host_free:
+            copies = f" ({gpus} ranks)" if gpus > 1 else ""
+            problems.append(
+                f"the placement ({placement.describe()}) needs {need:.1f} GiB of page-locked host memory{copies} "
+                f"({placement.pinned_gib:.1f} GiB streamed, {budget.host_need:.1f} GiB AdaLN weights and tables), "
+                f"{host_free:.1f} GiB available: {need - host_free:.1f} GiB missing"
+            )
     if problems:
         raise StartupError(
             f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
             + "; ".join(problems)
-            + f"\n{budget.table()}\n(what makes it smaller: H3_LINEAR_BACKEND=CUTLASS, H3_TEXT_ENCODER_LINEAR=CUTLASS "
-            "(FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
+            + f"\n{budget.table()}\n{SMALLER}"
         )
-    return budget
+    return budget, placement
+
+
+SMALLER = (
+    "(what makes it smaller: H3_OFFLOAD=auto or all (weights streamed from host memory), H3_LINEAR_BACKEND=CUTLASS, "
+    "H3_TEXT_ENCODER_LINEAR=CUTLASS (FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
+)

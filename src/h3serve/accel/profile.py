@@ -85,6 +85,15 @@ class Fp8Scaling(enum.StrEnum):
     ROWWISE = "ROWWISE"
 
 
+class Offload(enum.StrEnum):
+    """Where the weights wait between their uses (`pipeline.placement`): auto (in page-locked host memory, streamed in,
+    only what the device memory cannot hold), all (every streamable part), none (everything resident)."""
+
+    AUTO = "auto"
+    ALL = "all"
+    NONE = "none"
+
+
 class DType(enum.StrEnum):
     """The DiT block stack's and text encoder's precision (the DiT's fp32 islands and both VAEs stay float32)."""
 

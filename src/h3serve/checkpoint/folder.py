@@ -198,12 +198,14 @@ def load_components(
     text_hook: LoadHook | None = None,
     dit_mapped: Callable[[str], bool] | None = None,
     video_dtype_of: Callable[[str], torch.dtype] | None = None,
+    video_vae_device: torch.device | str | None = None,
 ) -> Components:
     """Load every component of a resolved folder. `dtype`: the DiT block stack and the text encoder (the DiT's fp32
     islands and both VAEs stay float32). `task_type`: which DiTs (`TASK_TYPES`), checked before anything loads.
     `dit_hook`, `text_hook`: per-tensor transforms for the DiTs' and the text encoder's weights as they load.
     `dit_mapped`: the DiT tensors left as their file's mapping, unread (`safetensors.assign_from_checkpoint`).
-    `video_dtype_of`: the video VAE's tensors' dtypes as read (float32 unless told)."""
+    `video_dtype_of`: the video VAE's tensors' dtypes as read (float32 unless told). `video_vae_device`: where the video
+    VAE loads (None: `device`; host memory when it only visits the device: `pipeline.placement`)."""
     folder.check_task_type(task_type)
     kinds = TASK_TYPES[task_type]
     dit = ref_dit = None
@@ -225,7 +227,10 @@ def load_components(
             folder.text_encoder, folder.tokenizer, folder.processor, device=device, dtype=dtype, hook=text_hook
         ),
         video_vae=load_video_vae(
-            folder.video_vae, device=device, config=folder.video_vae_config, dtype_of=video_dtype_of
+            folder.video_vae,
+            device=device if video_vae_device is None else video_vae_device,
+            config=folder.video_vae_config,
+            dtype_of=video_dtype_of,
         ),
         audio_vae=load_audio_vae(folder.audio_vae, device=device, config=folder.audio_vae_config),
         name=str(folder.root),

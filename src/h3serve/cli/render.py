@@ -232,6 +232,11 @@ def _run_render(args: argparse.Namespace) -> int:
         raise CliError(_request_error(err, args)) from err
     with refusals():
         plan = startup.preflight(plan, service=False, say=say)
+    try:  # what the device memory admits is known now (`pipeline.placement`), still before any weight loads
+        plan.admission.check_memory(request)
+        plan.admission.check_rows(request)
+    except ValueError as err:
+        raise CliError(_request_error(err, args)) from err
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
@@ -241,7 +246,8 @@ def _run_render(args: argparse.Namespace) -> int:
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.grid}, "
         f"{shifts}, seed {request.seed} | {model_name} | "
-        f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}",
+        f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}"
+        f"{f' | {plan.placement.describe()}' if plan.placement is not None and plan.placement.streams else ''}",
         file=sys.stderr,
     )
 

@@ -42,6 +42,7 @@ from h3serve.pipeline.admission import Admission
 from h3serve.pipeline.budget import Budget
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine, RenderResult
+from h3serve.pipeline.placement import RESIDENT, Placement
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import RequestRules
 from h3serve.vocab import TaskType
@@ -81,6 +82,7 @@ class WorkerSpec:
     # the config of the DiT it builds, which the split is checked against (without it: the tiny model's).
     build: Callable[[Profile], Engine] | None = None
     build_config: DiTConfig | None = None
+    placement: Placement = RESIDENT  # what each rank keeps in host memory and streams (its own copy)
 
 
 def load_engine(
@@ -92,14 +94,17 @@ def load_engine(
     adapters: Sequence[Adapter] = (),
     num_gpus: int = 1,
     timeout_s: float = 600.0,
+    placement: Placement = RESIDENT,
 ) -> Engine | ParallelEngine:
     """`Engine.load` for one GPU (or the CPU), else a `ParallelEngine` of `num_gpus` workers."""
     if num_gpus == 1:
-        return Engine.load(model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters)
+        return Engine.load(
+            model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters, placement=placement
+        )
     from h3serve.checkpoint.folder import resolve_model_folder
 
     folder = model if model is None or isinstance(model, ModelFolder) else resolve_model_folder(model)
-    spec = WorkerSpec(folder, profile, num_gpus, task_type, step_cache, tuple(adapters), timeout_s)
+    spec = WorkerSpec(folder, profile, num_gpus, task_type, step_cache, tuple(adapters), timeout_s, placement=placement)
     return ParallelEngine(spec)
 
 
@@ -114,6 +119,7 @@ class ParallelEngine:
                     spec.num_gpus)  # fmt: skip
         self.spec = spec
         self.profile = spec.profile
+        self.placement = spec.placement
         self.pool = WorkerPool(spec)
 
     @property
@@ -398,7 +404,12 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
             engine = spec.build(profile)
         else:
             engine = Engine.load(
-                spec.model, profile, task_type=spec.task_type, step_cache=spec.step_cache, adapters=spec.adapters
+                spec.model,
+                profile,
+                task_type=spec.task_type,
+                step_cache=spec.step_cache,
+                adapters=spec.adapters,
+                placement=spec.placement,
             )
         ranks = Ranks(group)
         ranks.install(engine)

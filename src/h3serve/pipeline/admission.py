@@ -11,10 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
+from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
 from h3serve.errors import SettingError, label
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
-from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
+from h3serve.pipeline.layout import MediaGeometry, build_layout, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
 from h3serve.pipeline.request import RenderRequest, validate_request
 from h3serve.pipeline.rules import RequestError, RequestRules
@@ -103,10 +103,17 @@ class Admission:
     step_cache: bool  # whether a step cache is attached (quality=high needs one)
     sampler: Sampler = Sampler()
     trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
+    max_rows: int | None = None  # packed rows the device memory admits (`pipeline.placement`; None: the rules')
 
     @classmethod
     def build(
-        cls, task_type: str, rules: RequestRules, dit_config: DiTConfig, step_cache: bool, adapters: Sequence = ()
+        cls,
+        task_type: str,
+        rules: RequestRules,
+        dit_config: DiTConfig,
+        step_cache: bool,
+        adapters: Sequence = (),
+        max_rows: int | None = None,
     ) -> Admission:
         """What an engine that loads the DiTs of `task_type` (with `adapters` merged, and a step cache or not)
         accepts: the one constructor, used by the engine and by the start-up plan before any weight loads."""
@@ -119,6 +126,7 @@ class Admission:
             step_cache=step_cache,
             sampler=Sampler.for_adapters(adapters),
             trained_tasks=trained_tasks(adapters),
+            max_rows=max_rows,
         )
 
     def check_task(self, task: str) -> None:
@@ -154,6 +162,37 @@ class Admission:
                 "H3_CACHE_BACKEND=cache_dit",
             )
 
+    def media_rows(self, task: str, width: int, height: int, num_frames: int) -> int:
+        """Packed rows of a base-mode request's video and audio (its prompt's rows apart)."""
+        geometry = MediaGeometry.from_pixels(height, width, num_frames)
+        layout = build_layout([], geometry, TASK_ANCHORS[task], patch_size=self.dit_config.patch_size)
+        return int(layout.token_tags.numel())
+
+    def check_memory(self, request: RenderRequest) -> None:
+        """RequestError("num_frames") for a base-mode request larger than the device memory admits
+        (`pipeline.placement`: on a GPU that holds less than the largest request the rules allow), naming the limit
+        and the most frames that fit at the request's size."""
+        if self.max_rows is None or request.task == REF2VA:
+            return  # Ref2VA: `check_rows`, against the same limit
+        limit = self.max_rows - PLANNED_TEXT_ROWS
+        rows = self.media_rows(request.task, request.width, request.height, request.num_frames)
+        if rows <= limit:
+            return
+        frames = range(self.rules.frames.min_frames, request.num_frames, CLIP_FRAMES)  # the 17n+5 grid below it
+        fitting = [n for n in frames if self.media_rows(request.task, request.width, request.height, n) <= limit]
+        fits = (
+            f"at {request.width}x{request.height} up to {max(fitting)} frames fit"
+            if fitting
+            else f"no frame count fits at {request.width}x{request.height}; use a smaller size"
+        )
+        raise RequestError(
+            "num_frames",
+            f"num_frames: {request.num_frames} frames at {request.width}x{request.height} pack {rows:,} rows of video "
+            f"and audio; this server's device memory admits {limit:,} (frames x size, its prompt's "
+            f"{PLANNED_TEXT_ROWS:,} rows apart: H3_DEVICE_MEMORY_GIB or the GPU's free memory, `h3serve check "
+            f"--preflight`); {fits}",
+        )
+
     def check_rows(self, request: RenderRequest) -> None:
         """RequestError("references") for a Ref2VA request that packs more rows than the memory plan covers.
 
@@ -183,7 +222,8 @@ class Admission:
     def row_limit(self) -> int:
         """Reference and target rows the memory plan covers: its largest request's rows less the prompt's allowance
         (made once: that layout has over a hundred thousand rows)."""
-        return largest_request_rows(self.dit_config, self.rules) - PLANNED_TEXT_ROWS
+        largest = largest_request_rows(self.dit_config, self.rules)
+        return (largest if self.max_rows is None else min(largest, self.max_rows)) - PLANNED_TEXT_ROWS
 
     def validate(self, prompt: str, **fields: Any) -> RenderRequest:
         """`validate_request(prompt, **fields)` under this engine's rules, for a served task (its keywords: task,
@@ -194,5 +234,6 @@ class Admission:
         self.check_trained_task(fields.get("task", Task.T2VA))
         self.check_quality(fields.get("quality"))
         request = validate_request(prompt, rules=self.rules, **self.sampler.fill(fields))
+        self.check_memory(request)
         self.check_rows(request)
         return request

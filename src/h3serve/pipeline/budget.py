@@ -85,6 +85,22 @@ def default_request_rows(cfg: DiTConfig, rules: RequestRules, text_rows: int = P
 
 
 DEVICE, HOST, MAPPED = "device", "host", "mapped"  # where a counted tensor is (`LoadPlan.where`)
+STREAMED = "streamed"  # waiting in host memory to stream in (`pipeline.placement`): the engine counts those apart
+TEXT_LAYERS = "language_model.layers"  # the text encoder's decoder layers, in the Qwen3-VL model
+
+
+@dataclass(frozen=True)
+class Streamable:
+    """What could wait in host memory and stream in (`pipeline.placement`), in GiB: one DiT block's weights (its AdaLN
+    weights apart: they live where the profile puts them), one text-encoder decoder layer, the video VAE (both its
+    encoder and decoder visit the device when they run); and the DiT's activations per packed row."""
+
+    dit_block: float
+    dit_blocks: int
+    text_layer: float
+    text_layers: int
+    video_vae: float
+    activation_per_row: float
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,7 @@ class Budget:
     activations_default: float = 0.0
     default_rows: int = 0
     shared: bool = False
+    streamable: Streamable | None = None
 
     @property
     def device_weights(self) -> float:
@@ -157,7 +174,7 @@ def count_bytes(module: nn.Module, where: Callable[[str], str]) -> dict[str, int
     """Bytes of a module's parameters and buffers by where they are (`where(name)`: DEVICE, HOST or MAPPED), each
     counted once at its dtype; in page-locked host memory at the power of two the pinned allocator takes for it
     (`pinned_bytes`). The one counter of the plan (meta tensors) and of a load."""
-    out = {DEVICE: 0, HOST: 0, MAPPED: 0}
+    out = {DEVICE: 0, HOST: 0, MAPPED: 0, STREAMED: 0}
     seen: set[int] = set()
     for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
         if id(t) in seen:
@@ -188,6 +205,7 @@ def _budget(
     tables_on_device: bool,
     shared: bool,
     epilogue: str | None = None,
+    parts: tuple[float, int, float, int] | None = None,
 ) -> Budget:
     """A budget from each component's bytes by place (`count_bytes`) and the kept tables' bytes (on the device, or
     in page-locked host memory when the AdaLN weights are off it)."""
@@ -197,6 +215,12 @@ def _budget(
     host: dict[str, float] = {"adaln_weights (page-locked)": pinned / GIB} if pinned else {}
     (device if tables_on_device else host)[tables_label] = tables_bytes / GIB
     largest, default = largest_request_rows(cfg, rules), default_request_rows(cfg, rules)
+    streamable = None
+    if parts is not None:
+        block, blocks, layer, layers = parts
+        per_row = dit_activation_bytes(cfg, 1, epilogue) / GIB
+        video = sum(sizes["video_vae"].values()) / GIB  # wherever it is now (a visiting one waits in host memory)
+        streamable = Streamable(block, blocks, layer, layers, video, per_row)
     return Budget(
         device=device,
         host=host,
@@ -207,6 +231,7 @@ def _budget(
         activations_default=dit_activation_bytes(cfg, default, epilogue) / GIB,
         default_rows=default,
         shared=shared,
+        streamable=streamable,
     )
 
 
@@ -264,7 +289,37 @@ def plan_budget(
     sizes |= {"text_encoder": count_bytes(text, on_device)}
     sizes |= {"video_vae": count_bytes(video, on_device), "audio_vae": count_bytes(audio, on_device)}
     tables, label = _tables(folder.dit, profile, len(dits))
-    return _budget(sizes, folder.dit, rules, tables, label, not plan.off_device, shared, _epilogue(profile))
+    parts = _parts(dit, text)
+    return _budget(sizes, folder.dit, rules, tables, label, not plan.off_device, shared, _epilogue(profile), parts)
+
+
+def _parts(dit: nn.Module, text: nn.Module) -> tuple[float, int, float, int]:
+    """(one DiT block's streamable GiB, blocks, one text decoder layer's GiB, layers): what `Streamable` holds."""
+    from h3serve.accel.adaln import is_block_adaln
+
+    block = count_bytes(dit.blocks[0], lambda name: MAPPED if is_block_adaln(f"blocks.0.{name}") else DEVICE)
+    layers = text.get_submodule(TEXT_LAYERS)
+    layer = count_bytes(layers[0], lambda name: DEVICE)
+    return block[DEVICE] / GIB, len(dit.blocks), layer[DEVICE] / GIB, len(layers)
+
+
+def tiny_budget(profile: Profile, task_type: str = TaskType.FL2VA, shared: bool = False) -> Budget:
+    """The budget of the built-in tiny model under `profile` (built on the CPU to be counted: it is small), for a
+    placement asked of it (`pipeline.placement`: H3_OFFLOAD, H3_DEVICE_MEMORY_GIB)."""
+    from h3serve.accel.apply import load_plan
+    from h3serve.model.tiny import tiny_components
+    from h3serve.pipeline.rules import TINY_RULES
+
+    components = tiny_components(device="cpu", dtype=profile.torch_dtype, task_type=task_type)
+    on_device = lambda _: DEVICE  # noqa: E731
+    sizes = {_dit_name(k): count_bytes(dit, on_device) for k, dit in components.dits.items()}
+    for name in ("text_encoder", "video_vae", "audio_vae"):
+        sizes[name] = count_bytes(getattr(components, name), on_device)
+    cfg = components.dit_config
+    tables, label = _tables(cfg, profile, len(components.dits))
+    parts = _parts(next(iter(components.dits.values())), components.text_encoder.model)
+    off_device = load_plan(profile).off_device
+    return _budget(sizes, cfg, TINY_RULES, tables, label, not off_device, shared, None, parts)
 
 
 def _epilogue(profile: Profile) -> str | None:
@@ -286,12 +341,16 @@ def loaded_budget(components: Components, profile: Profile, rules: RequestRules,
     kind = profile.torch_device.type
 
     def where(module: nn.Module, dit: bool) -> Callable[[str], str]:
-        tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+        tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(
+            module.named_buffers(remove_duplicate=False)
+        )
 
         def place(name: str) -> str:
             if dit and plan.where(name) == MAPPED:
                 return MAPPED
-            return DEVICE if tensors[name].device.type == kind else HOST
+            if tensors[name].device.type == kind:
+                return DEVICE
+            return HOST if dit else STREAMED  # a visiting video VAE
 
         return place
 
@@ -300,7 +359,9 @@ def loaded_budget(components: Components, profile: Profile, rules: RequestRules,
         module = getattr(components, name)
         sizes[name] = count_bytes(module, where(module, False))
     tables, label = _tables(components.dit_config, profile, len(components.dits))
-    return _budget(sizes, components.dit_config, rules, tables, label, not plan.off_device, shared, _epilogue(profile))
+    parts = _parts(next(iter(components.dits.values())), components.text_encoder.model)
+    epilogue = _epilogue(profile)
+    return _budget(sizes, components.dit_config, rules, tables, label, not plan.off_device, shared, epilogue, parts)
 
 
 def free_memory(device: torch.device) -> tuple[float, float, bool]:

@@ -15,12 +15,13 @@ startup warmup is the service's (`service.warmup`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from h3serve.accel import attention
+from h3serve.accel import attention, offload
 from h3serve.accel import profile as profiles
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import apply, load_plan
@@ -47,6 +48,7 @@ from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite
+from h3serve.pipeline.placement import RESIDENT, Placement
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES, RequestRules
 from h3serve.pipeline.sampling import denoise, draw_layout_noise, initial_rows, request_generator, step_timesteps
@@ -85,6 +87,7 @@ class RenderEngine(Protocol):
     admission: Admission  # what a request may ask (`pipeline.admission`)
     adapters: tuple[Adapter, ...]  # few-step adapters merged at load
     merge_seconds: float  # what merging them took, part of the load
+    placement: Placement  # what waits in host memory and streams in (`pipeline.placement`)
 
     @property
     def name(self) -> str: ...
@@ -135,6 +138,7 @@ class Engine:
         adapters: Sequence[Adapter] = (),
         merge_seconds: float = 0.0,
         spread: Spread = ONE_DEVICE,
+        placement: Placement = RESIDENT,
     ):
         _check(profile, step_cache)
         components.check()
@@ -149,6 +153,19 @@ class Engine:
         self.spread = spread  # one process, or this rank's part of a render over several GPUs (`h3serve.parallel`)
         # The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled.
         self.compiled: GraphCounter | None = apply(components, profile, compiler)
+        # What waits in host memory and streams in when it runs (`pipeline.placement`, `accel.offload`): after every
+        # transform of the weights, before anything reads them (the AdaLN tables read the blocks' device).
+        self.placement = placement
+        self.offloaded = offload.attach(
+            components,
+            profile.torch_device,
+            placement.dit_streamed,
+            placement.text_streamed,
+            placement.video_vae_visits,
+            placement.slots,
+        )
+        if placement.streams:
+            log.info("placement: %s", placement.describe())
         # One AdaLN table cache per DiT (FL2VA, Ref2VA); mapped weights take the adapters' merge as they stream in.
         merge = AdapterMerge(adapters) if adapters and components.adaln_mapped else None
         self.tables = {kind: AdalnTables(dit, weights=profile.adaln_weights, cache_size=profile.adaln_tables_kept,
@@ -162,7 +179,12 @@ class Engine:
         self.adapters = tuple(adapters)
         self.merge_seconds = merge_seconds
         self.admission = Admission.build(
-            components.task_type, rules, components.dit_config, bool(self.step_caches), self.adapters
+            components.task_type,
+            rules,
+            components.dit_config,
+            bool(self.step_caches),
+            self.adapters,
+            max_rows=placement.max_rows,
         )
 
     @classmethod
@@ -173,12 +195,14 @@ class Engine:
         task_type: str = TaskType.FL2VA,
         step_cache: StepCacheConfig | None = None,
         adapters: Sequence[Adapter] = (),
+        placement: Placement = RESIDENT,
     ) -> Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
         every request runs with unless it asks otherwise (None: no caching). `adapters`: few-step adapters
         (`checkpoint.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
-        they load, before FP8 quantization and before any AdaLN table is made. The profile is checked against the
+        they load, before FP8 quantization and before any AdaLN table is made. `placement`: what waits in host memory
+        (`pipeline.placement`); a load sends those tensors there as they are read. The profile is checked against the
         machine before any weight loads."""
         _check(profile, step_cache)
         check_adapter_kinds(adapters, task_type)
@@ -188,19 +212,24 @@ class Engine:
             for dit in components.dits.values():
                 merge_into(dit, adapters)
             merged = time.perf_counter() - start
-            return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged)
+            return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged,
+                       placement=placement)  # fmt: skip
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
         hooks = load_plan(profile).hooks(folder)  # with the video decoder's float16 weights converted as read
         merge = AdapterMerge(adapters) if adapters else None
-        hooks["dit_hook"] = chain(merge, hooks["dit_hook"])  # merged in BF16, then quantized and placed
+        # Merged in BF16, then quantized and placed; what streams goes to host memory as it is read.
+        hooks["dit_hook"] = chain(merge, hooks["dit_hook"], offload.OffloadHook(placement.dit_host_names()))
+        hooks["text_hook"] = chain(hooks["text_hook"], offload.OffloadHook(placement.text_host_names()))
+        video_device = torch.device("cpu") if placement.video_vae_visits else None
         components = load_components(folder, device=profile.torch_device, dtype=profile.torch_dtype,
-                                     task_type=task_type, **hooks)  # fmt: skip
+                                     task_type=task_type, video_vae_device=video_device, **hooks)  # fmt: skip
         config = folder.processor / "video_preprocessor_config.json"
         video_processing = VideoProcessing.from_folder(folder.processor) if config.is_file() else None
         merged = merge.seconds if merge is not None else 0.0
         processing = video_processing or RELEASED_VIDEO_PROCESSING
-        return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged)
+        return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged,
+                   placement=placement)  # fmt: skip
 
     # The RenderEngine interface: one process renders on one device, and has no workers to lose or stop.
     num_gpus = 1
@@ -224,7 +253,11 @@ class Engine:
 
     def memory_budget(self) -> Budget:
         """What the loaded components hold, counted as the plan counts it (`pipeline.budget.loaded_budget`)."""
-        return loaded_budget(self.components, self.profile, self.rules)
+        budget = loaded_budget(self.components, self.profile, self.rules)
+        if not self.placement.streams:
+            return budget
+        host = {**budget.host, "streamed weights (page-locked)": self.offloaded.host_bytes / 2**30}
+        return dataclasses.replace(budget, host=host)
 
     @contextmanager
     def _stage(self, timings: dict[str, float], name: str, ctx: RenderContext) -> Iterator[None]:
@@ -234,6 +267,11 @@ class Engine:
         if self.profile.cuda:
             torch.cuda.synchronize(self.profile.torch_device)
         timings[name] = time.perf_counter() - start
+
+    def _video_vae(self, needed: bool):
+        """The video VAE on the device for a stage that runs it (it visits when the placement keeps it in host
+        memory)."""
+        return self.offloaded.visiting() if needed else nullcontext()
 
     def render(
         self,
@@ -278,7 +316,7 @@ class Engine:
         spread = self.spread
         with self._stage(timings, "text", ctx):
             text, keyframes = spread.share(lambda: encode_prompt(components, request, self.video_processing))
-        with self._stage(timings, "keyframes", ctx):
+        with self._stage(timings, "keyframes", ctx), self._video_vae(bool(keyframes or request.references)):
             conditions = spread.share(lambda: encode_conditions(components, request, text, keyframes))
         with self._stage(timings, "layout", ctx):
             layout = conditions.layout(request, cfg.patch_size)
@@ -302,7 +340,7 @@ class Engine:
             finally:
                 cache_report = cache.end_request() if cache is not None else None
         check_finite(video_rows, audio_rows)
-        with self._stage(timings, "video", ctx):
+        with self._stage(timings, "video", ctx), self._video_vae(True):
             autocast = self.profile.vae_autocast_dtype
             report = lambda i, n: ctx.report("video", i, n)  # noqa: E731
             frames = spread.decode_video(components.video_vae, video_rows, layout, autocast, report)

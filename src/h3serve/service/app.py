@@ -248,6 +248,9 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "num_gpus": engine.num_gpus,
+        # Where the weights live (`pipeline.placement`): what streams from page-locked host memory, the largest
+        # request the device memory admits.
+        "placement": engine.placement.as_dict(),
         "problem": standing.problem,
         # {name: why} for each folder the service cannot write now (output_dir, videos, temp): names, not paths,
         # since /health answers without a key; the log has the paths.
