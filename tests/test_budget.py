@@ -213,7 +213,7 @@ def test_preflight_refuses_too_little_memory_with_the_budget(checkpoint, tmp_pat
     from h3serve.startup import StartupError, check_memory
 
     settings = load_settings(env={"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path)})
-    assert check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True)).device_weights > 0
+    assert check_memory(settings, _folder(checkpoint), free=(64.0, 64.0, True))[0].device_weights > 0
     with pytest.raises(StartupError) as err:
         check_memory(settings, _folder(checkpoint), free=(1e-4, 64.0, True))
     message = str(err.value)
@@ -226,7 +226,7 @@ def test_preflight_with_several_gpus_checks_each_gpu_and_every_ranks_host_part(c
 
     env = {"H3_MODEL": str(checkpoint), "H3_OUTPUT_DIR": str(tmp_path), "H3_DEVICE": "cuda", "H3_NUM_GPUS": "2"}
     settings = load_settings(env=env, check_profile=False)  # the profile is a value; no GPU is asked here
-    budget = check_memory(settings, _folder(checkpoint), free=[(64.0, 64.0, False)] * 2)
+    budget, _ = check_memory(settings, _folder(checkpoint), free=[(64.0, 64.0, False)] * 2)
     assert budget.host_need > 0  # the AdaLN weights wait in host memory on CUDA: one copy per rank
     with pytest.raises(StartupError) as err:  # the second GPU is full
         check_memory(settings, _folder(checkpoint), free=[(64.0, 64.0, False), (1e-4, 64.0, False)])

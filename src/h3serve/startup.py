@@ -334,14 +334,16 @@ def check_memory(
             + (" (the least free of its GPUs)" if gpus > 1 else ""),
         )
     offload = settings.offload
-    if profile.linear == "HUMMING":
-        offload = Offload.NONE  # its layout does not stream (H3_OFFLOAD=all is refused with it)
+    if profile.linear == "HUMMING" or (offload == Offload.AUTO and not profile.cuda):
+        offload = Offload.NONE  # HUMMING's layout does not stream (all is refused with it); the CPU streams if told to
     try:
         one_pool = shared and profile.cuda  # an integrated GPU; the CPU streams when told to (the tests' path)
         placement = place(budget, device_free if planned is None else planned, offload, one_pool=one_pool)
     except PlacementError as err:
+        least = min(range(gpus), key=lambda rank: frees[rank][0])
+        where = f"cuda:{least}: " if gpus > 1 and planned is None else ""
         raise StartupError(
-            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: {err}"
+            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: {where}{err}"
             f"\n{budget.table()}\n{SMALLER}"
         ) from None
     problems = []

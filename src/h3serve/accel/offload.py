@@ -206,8 +206,12 @@ class Streamer:
             self._copy(i)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+        busy = {slot}
         for ahead in range(1, self.num_slots):
             j = (i + ahead) % self.num_modules  # after the last, the first (the next forward's)
+            if j % self.num_slots in busy:  # the ring wraps onto a slot still to be used first (modules % slots)
+                break
+            busy.add(j % self.num_slots)
             if self.loaded[j % self.num_slots] != j:
                 self._copy(j)
 

@@ -166,7 +166,10 @@ def place(
     options = [_Option(blocks, True, True)]
     if offload == Offload.AUTO:
         options = [_Option(0, False, False), _Option(0, True, False), _Option(0, True, True)]
-        options += [_Option(s, True, True) for s in range(1, blocks + 1)]
+        # Whole turns of the ring (a multiple of the slots): a count that wraps onto a busy slot copies one block a
+        # forward without overlap.
+        counts = sorted({min(blocks, -(-s // slots) * slots) for s in range(1, blocks + 1)})
+        options += [_Option(s, True, True) for s in counts]
     for option in options:
         weights = _weights(budget, option, slots)
         decode = weights + (st.video_vae if option.video else 0.0) + OVERHEAD_GIB
@@ -180,10 +183,10 @@ def place(
     default_need = max(weights + budget.activations_default + OVERHEAD_GIB, decode)
     if rows < budget.default_rows or decode > device_gib:
         raise PlacementError(
-            f"{device_gib:.1f} GiB of device memory cannot hold the default request even with every part streamed: "
-            f"it needs {default_need:.1f} GiB ({weights:.1f} GiB of resident weights and slots, "
-            f"{budget.activations_default:.1f} GiB of activations for its {budget.default_rows:,} rows, "
-            f"{OVERHEAD_GIB:.1f} GiB overhead), {default_need - device_gib:.1f} GiB missing"
+            f"needs {default_need:.1f} GiB on the device for the default request even with every part streamed "
+            f"({weights:.1f} GiB of resident weights and slots, {budget.activations_default:.1f} GiB of activations "
+            f"for its {budget.default_rows:,} rows, {OVERHEAD_GIB:.1f} GiB overhead), {device_gib:.1f} GiB to plan "
+            f"within: {default_need - device_gib:.1f} GiB missing"
         )
     rows = min(rows, budget.largest_rows)
     peak = max(weights + rows * st.activation_per_row + OVERHEAD_GIB, decode)
