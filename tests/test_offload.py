@@ -267,7 +267,7 @@ def test_render_refuses_it_before_any_weight_loads(tmp_path, capsys):
 
     _, gib = _admitting(200)
     out = tmp_path / "o.mp4"
-    code = main(["render", "a cat", "--num-frames", "90", "--offload", "all", "--device-memory-gib", f"{gib!r}",
+    code = main(["render", "a cat", "--frames", "90", "--offload", "all", "--device-memory-gib", f"{gib!r}",
                  "--output", str(out), "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert code != 0 and "device memory admits" in err and not out.exists()
