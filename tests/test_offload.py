@@ -271,3 +271,16 @@ def test_render_refuses_it_before_any_weight_loads(tmp_path, capsys):
                  "--output", str(out), "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert code != 0 and "device memory admits" in err and not out.exists()
+
+
+def test_one_pool_admits_the_largest_request_that_fits_instead_of_refusing_the_start():
+    """BF16 on a 128 GB DGX Spark: the default request fits the pool, the largest the rules allow does not."""
+    import dataclasses
+
+    from h3serve.pipeline.budget import plan_budget
+
+    spark = cuda_profile("BF16", "BF16", integrated=True)
+    budget = dataclasses.replace(plan_budget(released_configs(), spark, RELEASED_RULES), shared=True)
+    assert budget.pool_need(budget.activations_default) < 118 < budget.pool_need()
+    p = place(budget, 118)
+    assert not p.streams and budget.default_rows < p.max_rows < budget.largest_rows and p.device_gib <= 118

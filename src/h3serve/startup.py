@@ -338,7 +338,8 @@ def check_memory(
         offload = Offload.NONE  # HUMMING's layout does not stream (all is refused with it); the CPU streams if told to
     try:
         one_pool = shared and profile.cuda  # an integrated GPU; the CPU streams when told to (the tests' path)
-        placement = place(budget, device_free if planned is None else planned, offload, one_pool=one_pool)
+        pool = min(device_free, min(host for _, host, _ in frees)) if one_pool else device_free
+        placement = place(budget, pool if planned is None else planned, offload, one_pool=one_pool)
     except PlacementError as err:
         least = min(range(gpus), key=lambda rank: frees[rank][0])
         where = f"cuda:{least}: " if gpus > 1 and planned is None else ""
@@ -347,7 +348,7 @@ def check_memory(
             f"\n{budget.table()}\n{SMALLER}"
         ) from None
     problems = []
-    if not placement.streams:
+    if not placement.streams and placement.max_rows is None:  # a limited one was planned against the pool
         for rank, (device_gib, host_free, one_pool) in enumerate(frees):
             where = f"cuda:{rank}: " if gpus > 1 else ""
             device_gib = device_gib if planned is None else planned

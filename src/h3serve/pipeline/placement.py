@@ -161,7 +161,13 @@ def place(
                 "H3_OFFLOAD=all: this GPU's memory is the host's (one pool), so there is nowhere to stream from; use "
                 "auto or none"
             )
-        return RESIDENT
+        # Nothing streams; where the pool holds the default request but not the largest (BF16 on a 128 GB Spark),
+        # the largest that fits is admitted.
+        fixed = budget.pool_need(0.0)
+        rows = math.floor((device_gib - fixed) / st.activation_per_row)
+        if rows >= budget.largest_rows or rows < budget.default_rows:
+            return RESIDENT  # everything fits, or nothing does (`check_fits` says by how much)
+        return Placement(max_rows=rows, budget_gib=device_gib, device_gib=fixed + rows * st.activation_per_row)
     blocks = st.dit_blocks
     options = [_Option(blocks, True, True)]
     if offload == Offload.AUTO:
