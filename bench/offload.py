@@ -55,6 +55,7 @@ import gc
 import hashlib
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -282,6 +283,11 @@ def child(args: argparse.Namespace) -> None:
             "host_need_gib": round(budget.host_need + placement.pinned_gib, 2),
         }  # fmt: skip
         log(f"{label}: {placement.describe()}")
+        available = host_memory().get("available_gib")
+        if available is not None and entry["planned"]["host_need_gib"] > available:
+            entry["warning"] = (f"the plan pins {entry['planned']['host_need_gib']} GiB of host memory, "
+                                f"{available} GiB available: the load may fail or be killed")  # fmt: skip
+            log(f"{label}: {entry['warning']}")
         save()
 
         start = time.perf_counter()
@@ -483,7 +489,9 @@ def parent(args: argparse.Namespace) -> None:
         caps = {cap: e for cap, e in earlier.get("caps", {}).items() if "error" not in e}
         log(f"--resume: keeping {', '.join(caps) or 'nothing'} from {args.out}")
     # No CUDA in this process (the children's device stays free of a context): the GPU's name comes from a child.
-    record: dict = {**run_header("cpu"), **run, "caps_asked": args.caps, "caps": caps}
+    record: dict = {**run_header("cpu"), "gpu": "unknown (no child reported it)", **run, "caps_asked": args.caps,
+                    "caps": caps}  # fmt: skip
+    record["command"] = shlex.join(sys.argv)  # quoted: a profile name has a space
     args.out.parent.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # `run_child` stops its child
     for cap in args.caps:
@@ -517,7 +525,8 @@ def series(data: dict) -> tuple[str, list[tuple[float, float, str]]]:
         if y is None:
             continue
         x = e.get("device_total_gib", 141.0) if cap == RESIDENT_CAP else float(cap)
-        note = "resident" if cap == RESIDENT_CAP else f"x{e.get('per_forward_vs_resident', '?')}"
+        ratio = e.get("per_forward_events_vs_resident" if "per_forward_events_s" in e else "per_forward_vs_resident")
+        note = "resident" if cap == RESIDENT_CAP else f"x{ratio if ratio is not None else '?'}"
         if e.get("bitwise_equal_to_resident") is False:
             note += " NOT bitwise"
         points.append((x, y, note))
