@@ -30,6 +30,8 @@ README_SETTINGS = (
     "cache_backend",
     "lora",
     "num_gpus",
+    "offload",
+    "device_memory_gib",
     "bind_host",
     "api_key",
     "output_dir",
