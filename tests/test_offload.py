@@ -284,3 +284,39 @@ def test_one_pool_admits_the_largest_request_that_fits_instead_of_refusing_the_s
     assert budget.pool_need(budget.activations_default) < 118 < budget.pool_need()
     p = place(budget, 118)
     assert not p.streams and budget.default_rows < p.max_rows < budget.largest_rows and p.device_gib <= 118
+
+
+class _Scaled(nn.Module):
+    """A linear with an FP8-style (1, N) scale whose strides are (1, 1), as `accel.linear.quantize_weight` makes it."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.weight = nn.Parameter(torch.randn(8, 8, generator=g), requires_grad=False)
+        self.register_buffer("scale", torch.rand(8, 1, generator=g).t().contiguous())
+
+    def forward(self, x):
+        return (x @ self.weight.t()) * self.scale
+
+
+def test_streamed_tensors_keep_their_strides_so_a_compiled_block_does_not_recompile():
+    """Resident and streamed blocks run one compiled code: a slot tensor with canonical strides in place of a (1, N)
+    scale's (1, 1) failed a guard (one recompile, measured on the H200 at the reference shape before this)."""
+    from h3serve.accel.compile import GraphCounter
+
+    blocks = [_Scaled(i) for i in range(4)]
+    assert blocks[0].scale.stride() == (1, 1)
+    x = torch.randn(3, 8)
+    expected = [b(x) for b in blocks]
+    streamer = Streamer([blocks[1], blocks[3]], torch.device("cpu"), 2)
+    assert blocks[1].scale.stride() == (1, 1)
+    counter = GraphCounter("eager")
+    run = torch.compile(lambda block, x: block(x), backend=counter, dynamic=False)
+    for _ in range(2):
+        for i, block in enumerate(blocks):
+            if i % 2:
+                streamer.before(i // 2)
+            assert torch.equal(run(block, x), expected[i])
+            if i % 2:
+                streamer.after(i // 2)
+    assert counter.recompiles == 0

@@ -42,6 +42,7 @@ class _Entry:
     param: bool  # a parameter (else a buffer)
     requires_grad: bool
     shape: torch.Size
+    stride: tuple[int, ...]  # kept: a compiled block guards on strides (an FP8 scale's (1, N) has strides (1, 1))
     dtype: torch.dtype
     offset: int
     nbytes: int
@@ -66,7 +67,10 @@ def _entries(module: nn.Module, skip: Callable[[str], bool]) -> list[_Entry]:
                 if not t.is_contiguous():
                     raise ValueError(f"{name}: only contiguous tensors stream (strides {t.stride()})")
                 nbytes = t.numel() * t.element_size()
-                out.append(_Entry(owner, attr, kind == "param", t.requires_grad, t.shape, t.dtype, offset, nbytes))
+                entry = _Entry(
+                    owner, attr, kind == "param", t.requires_grad, t.shape, t.stride(), t.dtype, offset, nbytes
+                )
+                out.append(entry)
                 offset += -(-nbytes // ALIGN) * ALIGN
     return out
 
@@ -76,7 +80,8 @@ def _size(entries: Sequence[_Entry]) -> int:
 
 
 def _view(buffer: torch.Tensor, entry: _Entry) -> torch.Tensor:
-    return buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+    flat = buffer[entry.offset : entry.offset + entry.nbytes].view(entry.dtype)
+    return flat.as_strided(entry.shape, entry.stride)
 
 
 def _bind(module: nn.Module, entry: _Entry, tensor: torch.Tensor) -> None:
@@ -146,8 +151,8 @@ class Streamer:
         self.cuda = device.type == "cuda"
         self.entries = _entries(modules[0], skip)
         for i, module in enumerate(modules[1:], 1):
-            if [(e.name, e.shape, e.dtype) for e in _entries(module, skip)] != [
-                (e.name, e.shape, e.dtype) for e in self.entries
+            if [(e.name, e.shape, e.stride, e.dtype) for e in _entries(module, skip)] != [
+                (e.name, e.shape, e.stride, e.dtype) for e in self.entries
             ]:
                 raise ValueError(f"streamed module {i} differs in structure from module 0")
         self.num_slots = min(slots, len(modules))
@@ -172,7 +177,7 @@ class Streamer:
             self.freed = [torch.cuda.Event() for _ in range(self.num_slots)]
 
     def _slot_tensor(self, entry: _Entry) -> torch.Tensor:
-        tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+        tensor = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=self.device)
         return _param(tensor, entry) if entry.param else tensor
 
     @property
@@ -274,7 +279,7 @@ class Visitor:
     @contextlib.contextmanager
     def visit(self) -> Iterator[nn.Module]:
         for entry in self.entries:
-            tensor = torch.empty(entry.shape, dtype=entry.dtype, device=self.device)
+            tensor = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=self.device)
             tensor.copy_(_view(self.host.tensor, entry), non_blocking=True)
             _bind(self.module, entry, _param(tensor, entry) if entry.param else tensor)
         self.visits += 1
