@@ -52,7 +52,7 @@ def _assert_bitwise(streamed, resident) -> None:
 def test_an_eager_render_with_every_part_streamed_is_bitwise_the_resident_render():
     profile = _profile()
     resident, _ = _render(profile, RESIDENT)
-    streamed, engine = _render(profile, placement)
+    streamed, engine = _render(profile, STREAMED)
     _assert_bitwise(streamed, resident)
     offloaded = engine.offloaded
     # Everything streamed did stream: each DiT block copied in for each forward (one slot, two blocks), the text
