@@ -320,3 +320,60 @@ def test_streamed_tensors_keep_their_strides_so_a_compiled_block_does_not_recomp
             if i % 2:
                 streamer.after(i // 2)
     assert counter.recompiles == 0
+
+
+# ---- with the step cache, adapters, and the split ------------------------------------------------------------------
+EVERYTHING = Placement(dit_streamed=(0, 1), dit_blocks=2, slots=2, text_streamed=True, video_vae_visits=True)
+
+
+def test_with_a_step_cache_the_skipped_blocks_are_not_streamed_and_the_bits_are_the_same():
+    from test_stepcache_engine import CACHING
+
+    one_slot = Placement(dit_streamed=(0, 1), dit_blocks=2, slots=1)
+    plain = Engine.load(None, CPU, step_cache=CACHING)
+    engine = Engine.load(None, CPU, step_cache=CACHING, placement=one_slot)
+    a, b = (e.render(e.validate("a red fox in snow", steps=10, seed=1)) for e in (plain, engine))
+    assert a.step_cache.cached == b.step_cache.cached and b.step_cache.num_cached > 0
+    assert np.array_equal(a.frames, b.frames) and np.array_equal(a.audio, b.audio)
+    # One slot: a whole forward copies both blocks in turn; a cached one runs block 0 alone, so fewer copies than two a
+    # forward, and at least one.
+    copies, forwards = engine.offloaded.dits["fl2va"].copies, b.step_cache.forwards
+    assert forwards <= copies < 2 * forwards
+
+
+def test_adapters_are_merged_before_the_host_copy_is_made(tmp_path):
+    from adapter_fixtures import write_adapter
+    from h3serve.checkpoint.adapters import read_adapter
+    from h3serve.model.tiny import TINY_DIT
+
+    adapter = read_adapter(write_adapter(tmp_path, "lightx2v-diffusers", TINY_DIT, rank=4), config=TINY_DIT)
+    a = _render(Engine.load(None, CPU, adapters=[adapter]))
+    b = _render(Engine.load(None, CPU, adapters=[adapter], placement=EVERYTHING))
+    plain = _render(Engine.load(None, CPU))
+    assert np.array_equal(a.frames, b.frames) and np.array_equal(a.audio, b.audio)
+    assert not np.array_equal(a.frames, plain.frames)  # the adapter changed something
+
+
+def test_a_split_render_with_every_rank_streaming_is_the_one_process_render():
+    from h3serve.parallel.workers import ParallelEngine, WorkerSpec
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each worker runs: a CPU GEMM over threads can round a row otherwise (test_parallel)
+    try:
+        one = _render(Engine.load(None, CPU))
+    finally:
+        torch.set_num_threads(threads)
+    engine = ParallelEngine(WorkerSpec(None, CPU, 2, cpu_threads=1, placement=EVERYTHING, setup=_text_on_rank_0_only))
+    try:
+        assert engine.placement == EVERYTHING
+        split = _render(engine)
+    finally:
+        engine.close()
+    assert np.array_equal(one.frames, split.frames) and np.array_equal(one.audio, split.audio)
+
+
+def _text_on_rank_0_only(engine, rank: int) -> None:
+    """A worker's setup: only rank 0 encodes prompts, so only it keeps the text encoder's streamed layers (and their
+    host memory); a worker that breaks this fails its start, and the test with it."""
+    if (engine.offloaded.text is not None) != (rank == 0):
+        raise RuntimeError(f"rank {rank}: text streamer {'kept' if engine.offloaded.text else 'dropped'}")

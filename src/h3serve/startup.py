@@ -358,7 +358,8 @@ def check_memory(
                     problems.append(problem)
     elif placement.streams:
         host_free = min(host for _, host, _ in frees)
-        need = (budget.host_need + placement.pinned_gib) * gpus
+        text = budget.streamable.text_layers * budget.streamable.text_layer if placement.text_streamed else 0.0
+        need = (budget.host_need + placement.pinned_gib) * gpus - text * (gpus - 1)  # rank 0 alone keeps the text
         if need > host_free:
             copies = f" ({gpus} ranks)" if gpus > 1 else ""
             problems.append(

@@ -102,7 +102,8 @@ class HostBuffer:
 
     def __init__(self, size: int, pin: bool):
         self.size = size
-        self._map = mmap.mmap(-1, max(size, 1))
+        # Private: anonymous shared pages would count as shared memory (RSS, a container's shmem accounting).
+        self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         empty = torch.empty(0, dtype=torch.uint8)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=size) if size else empty
         self.pinned = False
@@ -169,6 +170,7 @@ class Streamer:
             for entry in self.entries:
                 _bind(module, entry, self.slots[i % self.num_slots][entry.name])
         self.num_modules = len(modules)
+        self.handles: list = []  # forward hooks (`hook`)
         self.loaded: list[int | None] = [None] * self.num_slots
         self.copies = 0  # module copies issued (tests: what was prefetched, what was waited for)
         if self.cuda:
@@ -232,7 +234,15 @@ class Streamer:
         for i, module in enumerate(modules):
             handles.append(module.register_forward_pre_hook(lambda m, args, i=i: self.before(i)))
             handles.append(module.register_forward_hook(lambda m, args, out, i=i: self.after(i)))
+        self.handles += handles
         return handles
+
+    def close(self) -> None:
+        """Remove the hooks and drop the host buffers (page-locked memory is released with them): for modules that
+        will not run again (a rank that never encodes a prompt)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.hosts = [], []
 
 
 class StreamedBlocks:
@@ -320,6 +330,12 @@ class Offloaded:
         """Page-locked host bytes the streamed parts take."""
         streamers = [*self.dits.values(), *([self.text] if self.text else [])]
         return sum(s.host_bytes for s in streamers) + (self.video.host.size if self.video else 0)
+
+    def drop_text(self) -> None:
+        """The text encoder will not run here again (a split's rank other than 0): its host copies go."""
+        if self.text is not None:
+            self.text.close()
+            self.text = None
 
     def visiting(self) -> contextlib.AbstractContextManager:
         """The video VAE on the device for the duration (nothing to do where it is resident)."""

@@ -416,6 +416,7 @@ def _worker(rank: int, spec: WorkerSpec, port: int, commands, events, cancel) ->
         engine.spread = ranks
         if rank != 0:  # only rank 0 encodes the prompt (its states are broadcast): the others free the text encoder
             engine.components.text_encoder.to("meta")
+            engine.offloaded.drop_text()  # and its layers' page-locked copies, where they streamed
         if spec.setup is not None:
             spec.setup(engine, rank)
         info = None
