@@ -381,3 +381,12 @@ def _text_on_rank_0_only(engine, rank: int) -> None:
     host memory); a worker that breaks this fails its start, and the test with it."""
     if (engine.offloaded.text is not None) != (rank == 0):
         raise RuntimeError(f"rank {rank}: text streamer {'kept' if engine.offloaded.text else 'dropped'}")
+
+
+def test_check_preflight_prints_the_placement(tmp_path, capsys):
+    from h3serve.cli import main
+
+    code = main(["check", "--preflight", "--offload", "all", "--output-dir", str(tmp_path / "out")])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "placement: DiT 2 of 2 blocks streamed (2 slots), text encoder layers streamed, video VAE visits" in out.out
