@@ -390,3 +390,13 @@ def test_check_preflight_prints_the_placement(tmp_path, capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "placement: DiT 2 of 2 blocks streamed (2 slots), text encoder layers streamed, video VAE visits" in out.out
+
+
+def test_an_engine_refuses_to_stream_humming_weights():
+    from h3serve.accel.profile import ProfileError
+    from h3serve.model.tiny import tiny_components
+
+    humming = Profile.for_device("cuda", linear="HUMMING", execution="eager")
+    with pytest.raises(ProfileError, match="HUMMING's FP8 layout does not stream") as err:
+        Engine(tiny_components(), humming, placement=Placement(text_streamed=True))
+    assert err.value.setting == "linear"

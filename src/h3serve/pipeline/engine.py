@@ -140,6 +140,9 @@ class Engine:
         spread: Spread = ONE_DEVICE,
         placement: Placement = RESIDENT,
     ):
+        if placement.streams and profile.linear == profiles.Linear.HUMMING:  # a rule of values: before the machine's
+            raise profiles.ProfileError("linear", "HUMMING's FP8 layout does not stream from host memory; place it all "
+                                        "on the device (H3_OFFLOAD=none) or use another H3_LINEAR_BACKEND")  # fmt: skip
         _check(profile, step_cache)
         components.check()
         if profile.attention == Attention.AUTO:  # not chosen at start (`startup.preflight`): a benchmark's or a test's
