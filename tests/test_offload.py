@@ -400,3 +400,25 @@ def test_an_engine_refuses_to_stream_humming_weights():
     with pytest.raises(ProfileError, match="HUMMING's FP8 layout does not stream") as err:
         Engine(tiny_components(), humming, placement=Placement(text_streamed=True))
     assert err.value.setting == "linear"
+
+
+def test_a_load_sends_exactly_the_streamed_tensors_to_host_memory_by_the_names_it_reads():
+    """The load hooks' predicates against the names the loaders pass them: the DiT's own and the Qwen3-VL model's
+    (`checkpoint.text_encoder` loads the model the text encoder wraps)."""
+    from h3serve.accel.adaln import is_block_adaln
+    from h3serve.model.tiny import tiny_components
+
+    components = tiny_components()
+    placement = Placement(dit_streamed=(1,), dit_blocks=2, text_streamed=True)
+    dit_names = [n for n, _ in components.dit.named_parameters()] + [n for n, _ in components.dit.named_buffers()]
+    host = placement.dit_host_names()
+    assert (
+        {n for n in dit_names if host(n)}
+        == {n for n in dit_names if n.startswith("blocks.1.") and not is_block_adaln(n)}
+        != set()
+    )
+    text_names = [n for n, _ in components.text_encoder.model.named_parameters()]
+    host = placement.text_host_names()
+    assert {n for n in text_names if host(n)} == {n for n in text_names if n.startswith("language_model.layers.")}
+    assert any(host(n) for n in text_names) and not all(host(n) for n in text_names)
+    assert not any(Placement().text_host_names()(n) for n in text_names)

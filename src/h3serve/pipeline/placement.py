@@ -62,7 +62,7 @@ class Placement:
     def text_host_names(self):
         from h3serve.pipeline.budget import TEXT_LAYERS
 
-        prefix = f"model.{TEXT_LAYERS}."
+        prefix = f"{TEXT_LAYERS}."  # as the text encoder's load names them (the Qwen3-VL model's own names)
         return lambda name: self.text_streamed and name.startswith(prefix)
 
     def describe(self) -> str:
