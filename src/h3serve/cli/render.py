@@ -66,6 +66,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--audio-shift", type=float, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
     p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--preview-dir",
+        type=Path,
+        help="write previews here as the render runs: the first decode window of the clean estimate, a PNG strip, "
+        "every --preview-every forwards (preview-FFF-of-NNN.png; the render's bits are the same with or without)",
+    )
+    p.add_argument("--preview-every", type=int, help=f"forwards between previews (with --preview-dir; {PREVIEW_EVERY})")
     # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).
     add_flags(p, EngineSettings, old_names=True)
     p.set_defaults(func=cmd_render)
@@ -119,6 +126,22 @@ def _read_keyframes(args: argparse.Namespace) -> tuple[str, list]:
     return task, images
 
 
+def _check_previews(args: argparse.Namespace) -> int | None:
+    """--preview-dir: a folder that can be created and written (before any weight loads); the preview interval, or
+    None without previews."""
+    if args.preview_dir is None:
+        if args.preview_every is not None:
+            raise CliError(f"--preview-every {args.preview_every}: needs --preview-dir, where the previews go")
+        return None
+    try:
+        args.preview_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"--preview-dir {args.preview_dir}: cannot create it ({err.strerror})") from err
+    if not os.access(args.preview_dir, os.W_OK | os.X_OK):
+        raise CliError(f"--preview-dir {args.preview_dir}: not writable")
+    return PREVIEW_EVERY if args.preview_every is None else args.preview_every
+
+
 def _check_output(path: Path) -> None:
     if path.suffix.lower() != ".mp4":
         raise CliError(f"--output {path}: the file name must end in .mp4")
@@ -152,7 +175,8 @@ def _num_frames(args: argparse.Namespace) -> int | None:
 
 
 # Request fields whose `render` flag is the field's own name (`errors.flag_name`); the prompt is an argument.
-FLAGGED_FIELDS = ("steps", "video_shift", "audio_shift", "seed")
+FLAGGED_FIELDS = ("steps", "video_shift", "audio_shift", "seed", "preview_every")
+PREVIEW_EVERY = 5  # --preview-every's default
 
 
 def _request_error(err: ValueError, args: argparse.Namespace) -> str:
@@ -169,12 +193,17 @@ def _request_error(err: ValueError, args: argparse.Namespace) -> str:
     if field == "num_frames":
         flag = f"--seconds {args.seconds:g}" if args.seconds is not None else f"--frames {args.frames}"
         return f"{flag}: {err}"
+    if field == "preview_every":
+        default = " (the default)" if args.preview_every is None else ""
+        return f"--preview-every {PREVIEW_EVERY if args.preview_every is None else args.preview_every}{default}: {err}"
     if field in FLAGGED_FIELDS and getattr(args, field, None) is not None:
         return f"{flag_name(field)} {getattr(args, field)}: {err}"
     return str(err)
 
 
-def _render(engine, request, progress: bool):
+def _render(engine, request, progress: bool, preview_dir: Path | None = None):
+    from h3serve.pipeline.context import RenderContext
+
     bar = None
     if progress:
         from tqdm import tqdm
@@ -185,8 +214,21 @@ def _render(engine, request, progress: bool):
         if bar is not None:
             bar.update(done - bar.n)
 
+    def on_preview(preview) -> None:
+        assert preview_dir is not None
+        path = preview_dir / f"preview-{preview.forward:03d}-of-{preview.forwards:03d}.png"
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_bytes(preview.png)
+        partial.replace(path)  # whole, or not there
+        line = f"preview after forward {preview.forward}/{preview.forwards}: {path} ({preview.seconds:.2f} s)"
+        if bar is not None:
+            bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
+    ctx = RenderContext(on_preview=on_preview if preview_dir is not None else None)
     try:
-        return engine.render(request, on_step=on_step)
+        return engine.render(request, ctx, on_step=on_step)
     finally:
         if bar is not None:
             bar.close()
@@ -211,11 +253,16 @@ def _run_render(args: argparse.Namespace) -> int:
     references = _read_references(args)
     task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
     _check_output(args.output)
+    preview_every = _check_previews(args)
+    if preview_every is not None and settings.num_gpus > 1:
+        raise CliError(f"--preview-dir: previews come from a render in one process, not yet from a split over "
+                       f"{settings.num_gpus} GPUs (--num-gpus 1)")  # fmt: skip
     say = lambda line: print(f"h3serve: {line}", file=sys.stderr)  # noqa: E731
     with refusals():
         plan = startup.plan(settings, dit_kind(task))
     try:
         fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
+        fields["preview_every"] = preview_every
         request = plan.admission.validate(
             prompt,
             task=task,
@@ -259,7 +306,7 @@ def _run_render(args: argparse.Namespace) -> int:
     if plan.adapters:
         print(f"adapters merged in {engine.merge_seconds:.2f}s (part of the load)", file=sys.stderr)
     try:
-        result = _render(engine, request, progress=not args.no_progress)
+        result = _render(engine, request, progress=not args.no_progress, preview_dir=args.preview_dir)
     finally:
         engine.close()
 
@@ -278,6 +325,8 @@ def _run_render(args: argparse.Namespace) -> int:
         raise CliError(f"--output {args.output}: {err}") from err
     encode_s = time.perf_counter() - encode_start
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
+    if "previews" in result.timings:
+        stages += f" (previews {result.timings['previews']:.2f}s of the denoise)"
     cache_note = ""
     if result.step_cache is not None and result.step_cache.enabled:
         cached = result.step_cache.cached

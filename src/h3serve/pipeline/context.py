@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 class RenderCancelled(Exception):
@@ -34,10 +35,11 @@ ProgressCallback = Callable[[Progress], None]
 class RenderContext:
     """Passed through one render. `cancel()` may be called from any thread; the render stops at its next check."""
 
-    def __init__(self, on_progress: ProgressCallback | None = None):
+    def __init__(self, on_progress: ProgressCallback | None = None, on_preview: Callable[[Any], None] | None = None):
         self._cancelled = threading.Event()
         self._reason = ""
         self.on_progress = on_progress
+        self.on_preview = on_preview  # takes each `pipeline.preview.Preview` a request asked for (None: none are made)
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._cancelled.is_set():
@@ -56,6 +58,12 @@ class RenderContext:
         """Raise RenderCancelled if `cancel()` was called."""
         if self._cancelled.is_set():
             raise RenderCancelled(self._reason)
+
+    def preview(self, preview: Any) -> None:
+        """Hand on a preview (`pipeline.preview.Preview`), then check the flag."""
+        if self.on_preview is not None:
+            self.on_preview(preview)
+        self.check()
 
     def report(self, stage: str, done: int, total: int) -> None:
         """Report progress, then check the flag (every report is also a cancellation point)."""

@@ -49,6 +49,7 @@ from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProces
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite
 from h3serve.pipeline.placement import RESIDENT, Placement
+from h3serve.pipeline.preview import due, make_preview
 from h3serve.pipeline.request import RenderRequest
 from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES, RequestRules
 from h3serve.pipeline.sampling import denoise, draw_layout_noise, initial_rows, request_generator, step_timesteps
@@ -336,9 +337,10 @@ class Engine:
                 cache.begin_request(
                     schedule.num_steps, enabled=request.quality != "lossless", config=HIGH_QUALITY if high else None
                 )
+            on_estimate = self._previews(request, layout, ctx, timings)
             try:
                 video_rows, audio_rows = denoise(
-                    model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done
+                    model, video_rows.to(device), audio_rows.to(device), layout, schedule, step_done, on_estimate
                 )
             finally:
                 cache_report = cache.end_request() if cache is not None else None
@@ -360,6 +362,25 @@ class Engine:
             timings=timings,
             step_cache=cache_report,
         )
+
+    def _previews(self, request: RenderRequest, layout, ctx: RenderContext, timings: dict[str, float]):
+        """The denoise loop's look at the clean estimate when the request asks for previews and someone takes them
+        (`pipeline.preview`): every `preview_every` forwards, the first decode window as a PNG strip, its time added
+        to `timings["previews"]` (part of the denoise stage's)."""
+        every = request.preview_every
+        if not every or ctx.on_preview is None:
+            return None
+        autocast = self.profile.vae_autocast_dtype
+
+        def on_estimate(done: int, total: int, estimate) -> None:
+            if not due(done, total, every):
+                return
+            with self._video_vae(True):
+                preview = make_preview(self.components.video_vae, estimate(), layout, autocast, done, total)
+            timings["previews"] = timings.get("previews", 0.0) + preview.seconds
+            ctx.preview(preview)
+
+        return on_estimate
 
     def prepare_tables(self) -> float:
         """Make the AdaLN tables of the default schedule (the engine's `Sampler`: the released 50 points and shifts,

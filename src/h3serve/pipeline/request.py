@@ -53,6 +53,7 @@ class RenderRequest:
     keyframes: tuple[Image.Image, ...] = ()
     references: tuple[DecodedReference, ...] = ()  # ref2va: decoded references, in request order
     quality: str | None = None  # step caching for this request: None (the server's), lossless or high
+    preview_every: int = 0  # a preview after every this many forwards (`pipeline.preview`); 0: none
     notices: tuple[str, ...] = ()
     # The unshifted sigma positions of the grid, when not evenly spaced (a distilled adapter's own: FastH3's).
     positions: tuple[float, ...] | None = None
@@ -109,6 +110,7 @@ def validate_request(
     mute_references: Collection[int] = (),
     quality: str | None = None,
     positions: Sequence[float] | None = None,
+    preview_every: int | None = None,
     rules: RequestRules = RELEASED_RULES,
 ) -> RenderRequest:
     """Check a request against the model's rules; return it normalised, with notices for any adjustment.
@@ -140,6 +142,11 @@ def validate_request(
         if len(positions) != steps:
             raise RequestError("steps", f"steps must be {len(positions)}, the grid's sigma positions, got {steps}")
     steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules, positions)
+    preview_every = 0 if preview_every is None else _number("preview_every", preview_every, int)
+    most = max(steps - 2, 0)  # a preview comes before the last of the steps - 1 forwards
+    if not 0 <= preview_every <= most:
+        allowed = f"0 (none) or 1..{most}" if most else "0: its one forward leaves nothing to preview before it"
+        raise RequestError("preview_every", f"preview_every must be {allowed} for {steps} steps, got {preview_every}")
     if quality is not None and quality not in QUALITIES:
         raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
     decoded = ()
@@ -163,6 +170,7 @@ def validate_request(
         keyframes=images,
         references=decoded,
         quality=quality,
+        preview_every=preview_every,
         notices=tuple(notices),
         positions=positions,
     )

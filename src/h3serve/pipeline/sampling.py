@@ -11,18 +11,21 @@ a request are bound once (`bind_model`) and the loop only passes rows and timest
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from h3serve.pipeline.layout import CONDITION_TIMESTEP, PackedLayout, patchify_video
-from h3serve.pipeline.schedule import DualSchedule, euler_step
+from h3serve.pipeline.schedule import DualSchedule, clean_estimate, euler_step
 
 # (video rows, audio rows, timesteps (M,), timestep indices (S,), step index) -> (video velocity, audio velocity),
 # row for row.
 ModelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 StepCallback = Callable[[int, int], None]
+# After forward `done` of `total`: a function giving the clean video estimate (every video row), made only if called.
+EstimateCallback = Callable[[int, int, Callable[[], torch.Tensor]], None]
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,11 @@ def bind_model(
 
 
 @torch.no_grad()
+def _estimate(cond: torch.Tensor, video: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Every video row with the generated ones at their clean estimate (a preview's input)."""
+    return torch.cat([cond.float(), clean_estimate(video, velocity, t)])
+
+
 def denoise(
     model: ModelFn,
     video_rows: torch.Tensor,
@@ -171,13 +179,15 @@ def denoise(
     layout: PackedLayout,
     schedule: DualSchedule,
     on_step: StepCallback | None = None,
+    on_estimate: EstimateCallback | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the schedule's forwards; return the final (video rows, audio rows), conditioning rows included and
     unchanged.
 
     Only generated rows are stepped: the keyframe or reference video rows, and Ref2VA's reference audio rows, ride
     through every step as they came in. Video and audio advance by the same index i; each forward sees every row at
-    its own timestep (`layout.timestep_plan`). Inputs are not modified.
+    its own timestep (`layout.timestep_plan`). Inputs are not modified. `on_estimate`: a preview's look at the clean
+    video estimate after each forward (`pipeline.preview`); it reads the state only.
     """
     device = video_rows.device
     n_cond, n_cond_audio = layout.num_condition_video_rows, layout.num_condition_audio_rows
@@ -195,6 +205,8 @@ def denoise(
             timestep_indices.to(device),
             i,
         )
+        if on_estimate is not None:  # a preview's view of the clean video (every video row, condition rows first)
+            on_estimate(i + 1, num_steps, functools.partial(_estimate, cond, video, v_video[n_cond:], sv.timesteps[i]))
         video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
         audio = euler_step(audio, v_audio[n_cond_audio:], sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
         if on_step is not None:

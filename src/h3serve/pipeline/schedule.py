@@ -95,6 +95,12 @@ class DualSchedule:
         return len(self.video)
 
 
+def clean_estimate(x: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The data-ward estimate of the clean sample, x0 = x + (1 - t) v in float32, t the timestep the DiT saw (what
+    `euler_step` blends toward, and what a preview decodes: `pipeline.preview`). `x` is not modified."""
+    return x.float() + (1 - t.to(x.device, torch.float32)) * velocity.float()
+
+
 def euler_step(
     x: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
 ) -> torch.Tensor:
@@ -104,6 +110,6 @@ def euler_step(
     sigma < 0.5 the float32 round trip 1 - (1 - sigma) is inexact, and the released sampler keeps the two apart.
     """
     x = x.float()
-    x0 = x + (1 - t.to(x.device, torch.float32)) * velocity.float()
+    x0 = clean_estimate(x, velocity, t)
     ratio = sigma_next.to(x.device, torch.float32) / sigma.to(x.device, torch.float32)
     return ratio * x + (1.0 - ratio) * x0

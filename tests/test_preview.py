@@ -1,0 +1,96 @@
+"""Previews of a render in progress (`pipeline.preview`): the first decode window of the sampler's clean estimate,
+as a PNG strip, at chosen forwards; a render with previews is bitwise the render without; the request's field and
+`h3serve render --preview-dir`."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from h3serve.accel.profile import Profile
+from h3serve.pipeline.context import RenderContext
+from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.preview import due, make_preview
+from h3serve.pipeline.rules import RequestError
+from h3serve.pipeline.schedule import clean_estimate
+
+PROMPT = "a lighthouse at dusk, waves on the rocks"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(None, Profile.for_device("cpu"))
+
+
+def test_previews_come_every_n_forwards_before_the_last_and_leave_the_render_bitwise_the_same(engine):
+    plain = engine.render(engine.validate(PROMPT, steps=8, seed=5))
+    previews = []
+    request = engine.validate(PROMPT, steps=8, seed=5, preview_every=2)
+    result = engine.render(request, RenderContext(on_preview=previews.append))
+    assert np.array_equal(plain.frames, result.frames) and np.array_equal(plain.audio, result.audio)
+    assert [(p.forward, p.forwards) for p in previews] == [(2, 7), (4, 7), (6, 7)]
+    assert result.timings["previews"] == pytest.approx(sum(p.seconds for p in previews))
+    image = Image.open(io.BytesIO(previews[-1].png))
+    assert image.format == "PNG" and image.size == (previews[-1].width, previews[-1].height)
+    assert image.size == (4 * 224, 128)  # four frames of the tiny 224x128 canvas, side by side
+    # Nobody takes previews: none are made, even when asked for.
+    assert "previews" not in engine.render(request).timings
+
+
+def test_a_preview_is_the_first_window_of_the_clean_estimate_it_was_made_from(engine, monkeypatch):
+    """By hand: the denoise loop's estimate after forward 4, decoded again by `make_preview` alone, is the preview the
+    render handed on (the loop wrapped to keep the estimate it offered)."""
+    import h3serve.pipeline.engine as engine_module
+
+    seen = {}
+    denoise = engine_module.denoise
+
+    def keeping(model, video, audio, layout, schedule, on_step=None, on_estimate=None):
+        def keep(done, total, estimate):
+            seen[done] = (estimate(), layout)
+            on_estimate(done, total, estimate)
+
+        return denoise(model, video, audio, layout, schedule, on_step, keep)
+
+    monkeypatch.setattr(engine_module, "denoise", keeping)
+    previews = []
+    request = engine.validate(PROMPT, steps=6, seed=2, preview_every=4)
+    engine.render(request, RenderContext(on_preview=previews.append))
+    rows, layout = seen[4]
+    assert make_preview(engine.components.video_vae, rows, layout, None, 4, 5).png == previews[0].png
+
+
+def test_due_and_the_clean_estimate():
+    assert [f for f in range(1, 10) if due(f, 9, 3)] == [3, 6]
+    assert not any(due(f, 9, 0) for f in range(1, 10))
+    x, v, t = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0]), torch.tensor(0.25)
+    assert torch.equal(clean_estimate(x, v, t), torch.tensor([1.375, 1.25]))  # x + 0.75 v
+    assert torch.equal(x, torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize(("steps", "every", "allowed"), [(8, 7, "1..6"), (8, -1, "1..6"), (2, 1, "nothing to preview")])
+def test_a_preview_interval_out_of_range_is_refused_naming_what_is_allowed(engine, steps, every, allowed):
+    with pytest.raises(RequestError) as err:
+        engine.validate(PROMPT, steps=steps, preview_every=every)
+    assert err.value.field == "preview_every" and allowed in str(err.value)
+
+
+def test_render_writes_the_previews_as_files(tmp_path, capsys):
+    from h3serve.cli import main
+
+    out, previews = tmp_path / "a.mp4", tmp_path / "previews"
+    code = main(["render", PROMPT, "--steps", "8", "--preview-dir", str(previews), "--preview-every", "3", "-o",
+                 str(out), "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert sorted(p.name for p in previews.iterdir()) == ["preview-003-of-007.png", "preview-006-of-007.png"]
+    assert "preview after forward 3/7" in err and "previews" in err.splitlines()[-1]
+    code = main(["render", PROMPT, "--steps", "3", "--preview-dir", str(previews), "-o", str(out)])
+    assert (
+        code != 0
+        and "--preview-every 5 (the default): preview_every must be 0 (none) or 1..1" in capsys.readouterr().err
+    )
