@@ -296,6 +296,20 @@ class Settings(EngineSettings):
     output_dir: Path = Field(Path("output"), description="folder for the job database and the async jobs' MP4s")
     max_queue: int = Field(8, ge=1, le=1024, description="renders that may wait; more are answered 429")
     max_prompt_chars: int = Field(7000, ge=1, le=100_000, description="longest prompt accepted, in characters")
+    preview_every: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="previews of an async job's render (GET /v1/videos/{id}/events and /preview) after every this many "
+        "DiT forwards, for requests that leave preview_every out and run enough forwards; 0: none unless asked for",
+    )
+    preview_min_every: int = Field(
+        5,
+        ge=1,
+        le=1000,
+        description="the smallest preview_every a request may ask for (each preview decodes the first video window: "
+        "about a fifth of a decode)",
+    )
     max_upload_mb: int = Field(
         20, ge=1, le=512, description="largest upload (a keyframe or a reference file) accepted, in MiB"
     )
@@ -644,9 +658,13 @@ def parse_lora_setting(value: str) -> tuple[Path, float]:
 
 
 def _service_rules(s: Settings, failed: set[str]) -> list[str]:
-    """The network: loopback unless remote access is asked for, and then only behind a strong key."""
+    """The network: loopback unless remote access is asked for, and then only behind a strong key. Previews: the
+    default interval within the minimum."""
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
+    if ok("preview_every", "preview_min_every") and 0 < s.preview_every < s.preview_min_every:
+        out.append(refusal("preview_every", f"{s.preview_every} is below {label('preview_min_every')} "
+                                            f"({s.preview_min_every}); 0 (none) or at least that"))  # fmt: skip
     key_ok = True
     if ok("api_key", "api_key_file"):
         if s.api_key is not None and s.api_key_file is not None:

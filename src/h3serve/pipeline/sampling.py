@@ -205,10 +205,13 @@ def denoise(
             timestep_indices.to(device),
             i,
         )
-        if on_estimate is not None:  # a preview's view of the clean video (every video row, condition rows first)
-            on_estimate(i + 1, num_steps, functools.partial(_estimate, cond, video, v_video[n_cond:], sv.timesteps[i]))
+        # A preview's view of this forward's clean estimate (made only if asked for), offered after the step is
+        # reported: it holds the state before the step, which the step replaces and never modifies.
+        estimate = functools.partial(_estimate, cond, video, v_video[n_cond:], sv.timesteps[i])
         video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
         audio = euler_step(audio, v_audio[n_cond_audio:], sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
         if on_step is not None:
             on_step(i + 1, num_steps)
+        if on_estimate is not None:
+            on_estimate(i + 1, num_steps, estimate)
     return torch.cat([cond, video]), torch.cat([cond_audio, audio])

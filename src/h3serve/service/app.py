@@ -34,6 +34,7 @@ a parameter the server would not honour must not look accepted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -46,7 +47,7 @@ from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -55,6 +56,7 @@ from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
+from h3serve.service.events import Event
 from h3serve.service.metrics import Metrics
 from h3serve.service.page import INDEX, WebPage
 from h3serve.service.scheduler import QueueFull, Scheduler, Work, WriteFailed
@@ -64,6 +66,7 @@ from h3serve.service.schemas import (
     REF2VA,
     JobStatus,
     Mapped,
+    PreviewRule,
     VideoJob,
     map_request,
     request_limits,
@@ -339,7 +342,13 @@ async def _parse(
     try:
         body = await read_body(request, limits)
         mapping = functools.partial(
-            map_request, body.fields, body.uploads, engine, settings.model_id, settings.max_prompt_chars
+            map_request,
+            body.fields,
+            body.uploads,
+            engine,
+            settings.model_id,
+            settings.max_prompt_chars,
+            PreviewRule(settings.preview_every, settings.preview_min_every),
         )
         return await asyncio.get_running_loop().run_in_executor(request.app.state.decoder, mapping)
     except ApiError:
@@ -366,6 +375,14 @@ async def create_sync(
     request: Request, settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep, metrics: MetricsDep
 ) -> Response:
     mapped = await _parse(request, settings, engine, scheduler, metrics)
+    if mapped.request.preview_every:
+        if mapped.preview_asked:
+            raise bad_request(
+                "preview_every",
+                "previews come with async jobs (POST /v1/videos, then GET /v1/videos/{id}/events); a sync render "
+                "answers only when it is done: send preview_every 0 or leave it out",
+            )
+        mapped = dataclasses.replace(mapped, request=dataclasses.replace(mapped.request, preview_every=0))
     work = Work(new_job_id(), mapped.request, persist=False)
     await _submit(scheduler, metrics, work)
     future = asyncio.wrap_future(work.future)
@@ -525,6 +542,65 @@ class OpenFileResponse(Response):
             fh.close()
 
 
+EVENT_POLL_S = 0.1  # how often an event stream looks for new events
+KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
+
+
+@routes.get("/v1/videos/{video_id}/events")
+async def events(request: Request, store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
+    """The job's events as `text/event-stream` (`service.events`): queued, stage, progress, preview, then completed,
+    failed or cancelled, each with its id; `Last-Event-ID` resumes after the event it names. A job whose events this
+    server no longer holds (finished long ago, or before a restart) gets one event from its record: how it ended, or
+    where it is. The stream ends after the end event; a client that goes away costs nothing."""
+    job = _find(store, video_id)
+    header = request.headers.get("last-event-id", "").strip()
+    if header and not header.isdigit():
+        message = f"Last-Event-ID must be an event id (a non-negative integer), got {shown(header)}"
+        raise bad_request("Last-Event-ID", message)
+    last = int(header) if header else 0
+    log = scheduler.events.log(video_id)
+
+    async def stream():
+        nonlocal last
+        if log is None:
+            name = str(job.status) if job.status not in ACTIVE else "status"
+            yield Event(last + 1, name, shown_record(job, scheduler.live())).wire()
+            return
+        quiet = 0.0
+        while True:
+            fresh, ended = log.since(last)
+            for event in fresh:
+                yield event.wire()
+                last = event.id
+            if ended and not fresh:
+                return
+            if fresh:
+                quiet = 0.0
+                continue
+            if await request.is_disconnected():
+                return
+            await asyncio.sleep(EVENT_POLL_S)
+            quiet += EVENT_POLL_S
+            if quiet >= KEEPALIVE_S:
+                quiet = 0.0
+                yield ": keep-alive\n\n"
+
+    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+
+
+@routes.get("/v1/videos/{video_id}/preview")
+def preview(store: StoreDep, scheduler: SchedulerDep, video_id: str, forward: int | None = None) -> Response:
+    """The job's latest preview (a PNG strip: `pipeline.preview`), kept until the job is deleted. `forward` (what a
+    preview event's URL carries, so each event's URL is its own) is accepted and not checked: the latest one is sent."""
+    job = _find(store, video_id)
+    png = scheduler.events.preview(video_id)
+    if png is None:
+        asked = "asked for previews" if job.preview_every else "asked for none (preview_every)"
+        raise ApiError(404, "no_preview", f"job {video_id} has no preview (yet): it {asked}", "video_id")
+    return Response(png, media_type="image/png", headers={"cache-control": "no-store"})
+
+
 @routes.delete("/v1/videos/{video_id}", responses={202: {"description": "cancel requested; the job has not stopped"}})
 def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
     """A finished job: its record and MP4 go (200, `video.deleted`). An unfinished one is cancelled, and the answer
@@ -540,6 +616,7 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
         if job.status == JobStatus.CANCELLED:
             return JSONResponse(shown_record(job, scheduler.live()))
     store.delete(video_id)
+    scheduler.events.forget(video_id)
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 

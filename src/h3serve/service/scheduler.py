@@ -38,6 +38,7 @@ from h3serve.media.mp4 import encode_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
+from h3serve.service.events import Events
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
 from h3serve.service.store import JobStore
@@ -151,6 +152,7 @@ class Scheduler:
         self._encodes: collections.deque[Work] = collections.deque()  # rendered, waiting for the encoder
         self._encoding: Work | None = None
         self._stopping = False
+        self.events = Events()  # each async job's events and latest preview (`service.events`)
         self._worker = threading.Thread(target=self._work, name="h3serve-worker", daemon=True)
         self._encoder = threading.Thread(target=self._encode_loop, name="h3serve-encoder", daemon=True)
 
@@ -240,6 +242,10 @@ class Scheduler:
             if record is not None:
                 self.store.insert(record)
             self._queue.append(work)
+            if work.persist:
+                self.events.publish(
+                    work.id, "queued", {"ahead": len(self._queue) - 1 + int(self._rendering is not None)}
+                )
             self._cond.notify_all()
 
     def cancel(self, job_id: str, reason: str, wait: float = 30.0) -> bool:
@@ -297,17 +303,33 @@ class Scheduler:
 
     def _render(self, work: Work) -> bool:
         """Render one job; True when there is a result to encode (otherwise the job has been finished here)."""
-        last = -1
+        last, stage = -1, None
 
         def on_progress(p: Progress) -> None:
-            nonlocal last
+            nonlocal last, stage
             work.progress = p
             percent = progress_percent(p)
             if work.persist and percent != last:
                 last = percent
                 self.store.update(work.id, progress=percent)
+            if work.persist:
+                if p.stage != stage:
+                    stage = p.stage
+                    self.events.publish(work.id, "stage", {"stage": p.stage, "progress": percent})
+                if p.done:
+                    data = {"stage": p.stage, "done": p.done, "total": p.total, "progress": percent}
+                    self.events.publish(work.id, "progress", data)
+
+        def on_preview(preview) -> None:
+            self.events.set_preview(work.id, preview.png)
+            data = {"url": f"/v1/videos/{work.id}/preview?forward={preview.forward}", "forward": preview.forward,
+                    "forwards": preview.forwards, "width": preview.width, "height": preview.height,
+                    "seconds": round(preview.seconds, 4)}  # fmt: skip
+            self.events.publish(work.id, "preview", data)
 
         work.ctx.on_progress = on_progress
+        if work.persist and work.request.preview_every:
+            work.ctx.on_preview = on_preview
         if work.persist:
             self.store.update(work.id, status=JobStatus.IN_PROGRESS)
         try:
@@ -419,6 +441,7 @@ class Scheduler:
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
             work.result = None  # the frames are on disk now; a finished job holds no video in memory
+            self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
         work.future.set_result(payload)
 
     def _finish_failed(self, work: Work, err: Exception, stage: str) -> None:
@@ -430,6 +453,7 @@ class Scheduler:
             message = f"the {stage} failed (internal error); see the server log, request id {work.id}"
             error = JobError(code="render_failed", message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
+            self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
         work.future.set_exception(err)
 
     def _finish_unwritten(self, work: Work, err: OSError) -> None:
@@ -440,6 +464,7 @@ class Scheduler:
         if work.persist:
             error = JobError(code="write_failed", message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
+            self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
         work.result = None
         work.future.set_exception(WriteFailed(message))
 
@@ -453,6 +478,7 @@ class Scheduler:
             status, code = (JobStatus.FAILED, "interrupted") if stopped else (JobStatus.CANCELLED, "cancelled")
             error = JobError(code=code, message=reason or "cancelled")
             self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
+            self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
         work.result = None  # a rendered video nobody will encode: its memory goes now
         if not work.future.done():
             work.future.set_exception(RenderCancelled(reason))

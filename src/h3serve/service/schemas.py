@@ -54,7 +54,7 @@ from h3serve.vocab import ANCHORS, TASK_ANCHORS, ReferenceKind, Task, seconds_to
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
     "num_frames", "fps", "num_inference_steps", "flow_shift", "seed", "extra_params", "aspect_ratio", "short_edge",
-    "quality", "lora",
+    "quality", "lora", "preview_every",
 )  # fmt: skip
 # vLLM-Omni's per-request adapter object: its name, its path on the server, its scale.
 LORA_KEYS = ("name", "lora_name", "path", "local_path", "scale")
@@ -89,6 +89,7 @@ class Mapped:
     """A request ready for the engine (its `quality` is the request's, echoed by the job record)."""
 
     request: RenderRequest
+    preview_asked: bool = False  # the request set preview_every itself (not the server's default)
 
 
 def _int(param: str, value: Any) -> int:
@@ -278,7 +279,44 @@ def _refusal(err: RequestError, names: dict[str, str], hint: str = "") -> ApiErr
     return bad_request(param, f"{param}: {err}{hint}")
 
 
-def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_model: str, max_prompt: int) -> Mapped:
+@dataclass(frozen=True)
+class PreviewRule:
+    """The server's bounds on previews: the interval a request that leaves `preview_every` out gets (H3_PREVIEW_EVERY,
+    0: none) and the smallest a request may ask for (H3_PREVIEW_MIN_EVERY)."""
+
+    default: int = 0
+    minimum: int = 1
+
+
+def _preview_every(fields: dict[str, Any], rule: PreviewRule, steps: int, engine) -> int | None:
+    """The request's preview interval: its own (refused below the server's minimum), else the server's default where
+    the request's `steps` leave a forward to preview before the last, else none (and none from a split render)."""
+    if "preview_every" in fields:
+        every = _int("preview_every", fields["preview_every"])
+        if every and engine.num_gpus > 1:
+            raise bad_request(
+                "preview_every",
+                f"previews come from a render in one process; this server splits each render over {engine.num_gpus} "
+                "GPUs (H3_NUM_GPUS), so it makes none: send preview_every 0 or leave it out",
+            )
+        if 0 < every < rule.minimum:
+            raise bad_request(
+                "preview_every",
+                f"preview_every must be 0 (none) or at least {rule.minimum} forwards on this server "
+                f"(H3_PREVIEW_MIN_EVERY), got {every}",
+            )
+        return every
+    return rule.default if 0 < rule.default <= steps - 2 and engine.num_gpus == 1 else None
+
+
+def map_request(
+    fields: dict[str, Any],
+    uploads: list[Upload],
+    engine,
+    served_model: str,
+    max_prompt: int,
+    previews: PreviewRule = PreviewRule(),
+) -> Mapped:
     """Validate the API fields and build the engine's request; ApiError names the field on any refusal."""
     _check_fields(fields)
     prompt = fields.get("prompt")
@@ -349,6 +387,9 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     quality = fields.get("quality")
     if quality is not None and quality not in QUALITIES:
         raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {shown(quality)}")
+    steps = fields.get("num_inference_steps")
+    steps = engine.admission.sampler.steps if steps is None else _int("num_inference_steps", steps)
+    preview_every = _preview_every(fields, previews, steps, engine)
     seed = _int("seed", fields["seed"]) if "seed" in fields else secrets.randbelow(2**31)
     if not 0 <= seed <= MAX_SEED:
         raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {shown(seed)}")
@@ -374,6 +415,9 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
     kwargs: dict[str, Any] = {
         "task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed, "quality": quality,
     }  # fmt: skip
+    if preview_every is not None:
+        kwargs["preview_every"] = preview_every
+        names["preview_every"] = "preview_every"
     # Left out, the sampler is the server's: the released one, or its adapter's trained one (`Admission.sampler`).
     kwargs["steps"] = (
         _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else None
@@ -395,7 +439,7 @@ def map_request(fields: dict[str, Any], uploads: list[Upload], engine, served_mo
         if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
             hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
         raise _refusal(err, names, hint) from err
-    return Mapped(request)
+    return Mapped(request, preview_asked="preview_every" in fields)
 
 
 def request_limits(engine, max_prompt: int, max_upload_mb: int) -> dict[str, Any]:
@@ -486,6 +530,8 @@ class VideoJob(BaseModel):
     # (0-based, in denoise order) that reused cached blocks instead of running them; [] when none were.
     step_cache: str | None = None
     cached_steps: list[int] | None = None
+    # Previews: after every this many forwards (0: none); while it renders, GET .../events and .../preview.
+    preview_every: int = 0
 
 
 def step_cache_mode(report, quality: str | None) -> str:

@@ -242,6 +242,7 @@ def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
         seed=request.seed,
         flow_shift=request.video_shift,
         audio_flow_shift=request.audio_shift,
+        preview_every=request.preview_every,
     )
 
 
