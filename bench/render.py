@@ -30,6 +30,13 @@ the released default request, 9 points (8 forwards) and 50:
 
 (`compile+CUTLASS` is the same profile under cuDNN's attention, in the same run; drop it for FA4 alone.)
 
+`--preview-every N` takes previews (`pipeline.preview`) in the timed render: each one's time and arrival, their share
+of the render and the first one's latency; the warmup (the same request) renders without them, so
+`identical_to_first` says whether previews changed a bit. The default request at 50 points, a preview every 5:
+
+    PYTHONPATH=src python bench/render.py --shape default --steps 50 --profiles compile+CUTLASS --preview-every 5 \
+        --out bench/results/render_previews.json
+
 With `--num-gpus N` (N > 1) each profile's renders run split over N spawned workers (`ParallelEngine`, every worker
 drawing the same weights from seed 0, `full_size_smoke.seeded_engine`). Every engine makes the default schedule's
 AdaLN tables first, as the service does at start, so a default-schedule render is timed without making them.
@@ -54,6 +61,7 @@ from h3serve.accel import attention
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Attention, Profile, ProfileError, check
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
+from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
 
 # (execution, linear, text_linear), in the order they run (quantization is in place: BF16 first).
@@ -118,9 +126,20 @@ def timed(engine, request, warmup_steps: int | None) -> dict:
         first = engine.render(warm)
         entry["warmup_render_s"] = round(time.perf_counter() - start, 2)
         entry["warmup_steps"] = warm.steps
+        previews: list = []
         start = time.perf_counter()
-        second = engine.render(request)
+        # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render with
+        # previews against one without.
+        keep = lambda p: previews.append((time.perf_counter() - start, p))  # noqa: E731
+        second = engine.render(request, RenderContext(on_preview=keep) if request.preview_every else None)
         entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
+        if request.preview_every:
+            entry["previews"] = [{"forward": p.forward, "seconds": round(p.seconds, 4), "at_s": round(at, 3),
+                                  "width": p.width, "height": p.height} for at, p in previews]  # fmt: skip
+            spent = sum(p.seconds for _, p in previews)
+            entry["previews_s"] = round(spent, 3)
+            entry["previews_share"] = round(spent / entry["end_to_end_s"], 4)
+            entry["first_preview_at_s"] = round(previews[0][0], 3) if previews else None
         entry["timings_s"] = {k: round(v, 3) for k, v in second.timings.items()}
         entry["per_forward_s"] = round(second.timings["denoise"] / request.forwards, 4)
         entry["peak_gib"] = round(second.peak_memory_mb / 1024, 2)
@@ -151,6 +170,9 @@ def main() -> None:
                         "the engine's start chooses it)")  # fmt: skip
     parser.add_argument("--warmup-steps", type=int, help="warm up with a render of this many points")
     parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
+    parser.add_argument("--preview-every", type=int, default=0,
+                        help="previews in the timed render after every N forwards: their time, share and the first's "
+                        "latency (the warmup renders without, so identical_to_first compares the two)")  # fmt: skip
     args = parser.parse_args()
     try:
         chosen = runs(args.profiles, args.attention)
@@ -193,7 +215,7 @@ def main() -> None:
             entry["attention"] = str(engine.profile.attention)
             entry["profile"] = engine.profile.as_dict()
             entry["engine_start_s"] = round(time.perf_counter() - start, 1)
-            request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
+            request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42, preview_every=args.preview_every)
             if not split:
                 entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             entry["budget_gib"] = engine.memory_budget()
