@@ -370,7 +370,9 @@ def test_a_damaged_record_is_a_card_that_says_so_and_the_rest_are_listed(browser
         db.commit()
         db.close()
         browser.get(server.url + "/")
-        key = until(lambda: browser.find_elements(By.ID, "key"), "the key field")[0]
+        # Shown and enabled, not only in the document: under load the field was found before it could take keys.
+        key = until(lambda: [e for e in browser.find_elements(By.ID, "key") if e.is_displayed() and e.is_enabled()],
+                    "the key field, ready for input")[0]  # fmt: skip
         key.send_keys(KEY + "\n")
 
         def card(job_id: str):
@@ -385,5 +387,81 @@ def test_a_damaged_record_is_a_card_that_says_so_and_the_rest_are_listed(browser
         assert "undefined" not in damaged.text
         assert not damaged.find_element(By.CLASS_NAME, "job-reuse").is_displayed()
         # No script error (the 401 of the page's first call, before the key, is the network's log, not the page's).
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+        assert errors == [], errors
+
+
+# Notes, in the page, when each job's first preview has loaded (its size, caption, the card's status and whether its
+# cancel button shows then) and when its <video> appears: the order of the two, whatever the test's polling misses.
+RECORDER = """
+window.h3seen = [];
+const note = (what, node, extra) => {
+  const card = node.closest("li.job");
+  window.h3seen.push({ what, job: card.dataset.jobId, status: card.dataset.status, t: performance.now(), ...extra });
+};
+document.addEventListener("load", (e) => {
+  const img = e.target;
+  if (!(img instanceof HTMLImageElement) || !img.closest(".job-preview")) return;
+  note("preview", img, { width: img.naturalWidth, height: img.naturalHeight,
+    caption: img.closest("figure").querySelector("figcaption").textContent,
+    cancel: img.closest("li.job").querySelector(".job-cancel").offsetParent !== null });
+}, true);
+new MutationObserver(() => {
+  for (const video of document.querySelectorAll("li.job video")) {
+    if (!video.h3seen) {
+      video.h3seen = true;
+      note("video", video, {});
+    }
+  }
+}).observe(document.getElementById("jobs"), { childList: true, subtree: true });
+"""
+
+
+def test_a_job_shows_its_previews_from_its_events_before_its_video(browser, tmp_path):
+    """The form's `preview_every` goes with the request; the job's card follows its events (read with fetch() and the
+    key, GET /v1/videos/{id}/events) and shows each preview (fetched with the key) while the job renders, the cancel
+    button below it; then the video takes its place and the card ends completed."""
+    from selenium.webdriver.common.by import By
+
+    steps, every = 8, 2
+    with live_server(settings(tmp_path, api_key=KEY, preview_min_every=1)) as server:
+        browser.get(server.url + "/")
+        key = until(lambda: (k := browser.find_element(By.ID, "key")).is_displayed() and k, "the key field")
+        key.send_keys(KEY + "\n")
+        until(lambda: browser.find_element(By.ID, "create").is_displayed(), "the form")
+        browser.execute_script(RECORDER)
+        for element_id, value in (("prompt", "A preview of a lighthouse."), ("steps", str(steps)),
+                                  ("preview-every", str(every))):  # fmt: skip
+            browser.find_element(By.ID, element_id).send_keys(value)
+        browser.find_element(By.ID, "submit").click()
+        status = lambda: browser.find_element(By.ID, "submit-status").text  # noqa: E731
+        job_id = until(lambda: (m := re.search(r"Queued as (video_gen_\w+)", status())) and m[1], "the job")
+        card = browser.find_element(By.CSS_SELECTOR, f'li.job[data-job-id="{job_id}"]')
+
+        def seen(what: str) -> list[dict]:
+            notes = browser.execute_script("return window.h3seen")
+            return [n for n in notes if n["job"] == job_id and n["what"] == what]
+
+        until(lambda: seen("video"), "the video")
+        until(lambda: card.get_attribute("data-status") == "completed", "the card to end completed")
+        previews, videos = seen("preview"), seen("video")
+        assert previews, "no preview loaded in the card"
+        first = previews[0]
+        assert first["t"] < videos[0]["t"], (previews, videos)
+        assert first["width"] > 0 and first["height"] > 0, first
+        assert first["status"] in ("queued", "in_progress") and first["cancel"], first
+        forwards = steps - 1
+        for note in previews:
+            match = re.fullmatch(rf"Preview after forward (\d+)/{forwards} \(.*\)\.", note["caption"])
+            assert match and int(match[1]) % every == 0 and int(match[1]) < forwards, note
+        # The video has replaced the preview, and the preview's object URL has gone with it.
+        assert not card.find_elements(By.CLASS_NAME, "job-preview")
+        assert f"a preview every {every} forwards" in card.find_element(By.CLASS_NAME, "job-settings").text
+        # The card followed the job's event stream (a fetch the page made with the key: the stream needs it).
+        fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert any(name.endswith(f"/v1/videos/{job_id}/events") for name in fetched), fetched
+        with server.client(KEY) as api:
+            job = api.get(f"/v1/videos/{job_id}").json()
+        assert job["status"] == "completed" and job["preview_every"] == every and job["num_inference_steps"] == steps
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
         assert errors == [], errors

@@ -2,12 +2,20 @@
 //
 // It reads /health (no key) for the header, /v1/models for what a request may be (its `limits`), and polls one
 // job list, GET /v1/videos, every POLL_ACTIVE_MS while a job is queued or running and every POLL_IDLE_MS otherwise
-// (not at all while the tab is hidden). Videos are fetched with the key into blobs: a <video src> cannot send it.
+// (not at all while the tab is hidden). A queued or running job's card follows the job's events instead
+// (GET /v1/videos/{id}/events, at most MAX_STREAMS at once): its stage and step as they happen, and its previews;
+// a job so followed does not hold the list at POLL_ACTIVE_MS, and one whose stream fails or drops goes back to the
+// list's polling. Videos and previews are fetched with the key into blobs (a <video src> or <img src> cannot send
+// it), and so are the events: an EventSource cannot send it either, so the page reads the stream with fetch().
 
 const POLL_ACTIVE_MS = 1000;
 const POLL_IDLE_MS = 5000;
 const HEALTH_MS = 10000;
 const LIST_LIMIT = 20;
+// Each open event stream holds one of the few connections a browser opens to a server (6 in Chromium and Firefox
+// over HTTP/1.1): enough are left for the list, the videos and the previews.
+const MAX_STREAMS = 3;
+const END_EVENTS = new Set(["completed", "failed", "cancelled"]);
 const KEY_STORE = "h3serve.key"; // sessionStorage: this tab only
 // The VAE's frame grid (h3serve.config CLIP_FRAMES, LATENTS_PER_CLIP): a request's frames snap up to 17n+5.
 const CLIP_FRAMES = 17;
@@ -59,6 +67,42 @@ function element(tag, props = {}, ...children) {
   return node;
 }
 
+// Server-sent events from a fetch() body, parsed as the HTML standard parses text/event-stream: lines end in CRLF,
+// LF or CR, a line starting with ":" is a comment (the server's keep-alive), "data" lines join with newlines, and a
+// blank line ends an event. `onEvent({id, name, data})` for each event; `onRead()` once the events of a read are in.
+async function readEventStream(body, onEvent, onRead) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let id = null;
+  let name = "";
+  let data = [];
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += value;
+    // A CR at the end may be the first half of a CRLF: it waits for the next read.
+    const cut = buffer.endsWith("\r") ? buffer.length - 1 : buffer.length;
+    const lines = buffer.slice(0, cut).split(/\r\n|\r|\n/);
+    buffer = lines.pop() + buffer.slice(cut);
+    for (const line of lines) {
+      if (line === "") {
+        if (data.length) onEvent({ id, name: name || "message", data: data.join("\n") });
+        name = "";
+        data = [];
+        continue;
+      }
+      if (line.startsWith(":")) continue;
+      const colon = line.indexOf(":");
+      const field = colon < 0 ? line : line.slice(0, colon);
+      const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      if (field === "event") name = text;
+      else if (field === "data") data.push(text);
+      else if (field === "id" && !text.includes("\0")) id = text;
+    }
+    onRead();
+  }
+}
+
 class ApiFailure extends Error {
   constructor(status, error) {
     super(error.message);
@@ -75,6 +119,8 @@ class Page {
     this.cards = new Map(); // job id -> its <li>
     this.videos = new Map(); // job id -> the object URL of its fetched MP4
     this.watched = new Set(); // jobs seen unfinished here: their video loads when they complete
+    this.streams = new Map(); // job id -> its open event stream (`follow`)
+    this.unstreamed = new Set(); // jobs whose stream failed or dropped: the list's polling follows them
     this.references = []; // [{file, mute}] in request order
     this.jobs = [];
     this.timer = null; // the next poll
@@ -87,17 +133,25 @@ class Page {
   }
 
   // ---- the API ---------------------------------------------------------------------------------------------------
+  get authorization() {
+    return this.key ? { Authorization: `Bearer ${this.key}` } : {};
+  }
+
   async call(method, path, { body = null, blob = false } = {}) {
-    const headers = this.key ? { Authorization: `Bearer ${this.key}` } : {};
     let response;
     try {
-      response = await fetch(path, { method, headers, body, cache: "no-store" });
+      response = await fetch(path, { method, headers: this.authorization, body, cache: "no-store" });
     } catch (err) {
       throw new ApiFailure(0, { code: "network", message: `the server did not answer (${err.message})` });
     }
     if (response.ok) {
       return blob ? response.blob() : parseJson(await response.text());
     }
+    throw await this.failure(response);
+  }
+
+  // A response that is not 2xx as an ApiFailure (a 401 locks the page).
+  async failure(response) {
     let error = { code: "http", message: `HTTP ${response.status}` };
     try {
       error = parseJson(await response.text()).error ?? error;
@@ -108,7 +162,7 @@ class Page {
     if (response.status === 401) {
       this.lock(failure);
     }
-    throw failure;
+    return failure;
   }
 
   // ---- start, the key --------------------------------------------------------------------------------------------
@@ -180,6 +234,7 @@ class Page {
   lock(failure) {
     // A 401: show the key form, and nothing that needs the key.
     clearTimeout(this.timer);
+    this.closeStreams();
     this.model = null;
     this.$("create").hidden = true;
     this.$("queue").hidden = true;
@@ -206,7 +261,10 @@ class Page {
 
   forgetKey() {
     sessionStorage.removeItem(KEY_STORE);
+    this.closeStreams();
+    this.unstreamed.clear();
     for (const url of this.videos.values()) URL.revokeObjectURL(url);
+    for (const card of this.cards.values()) this.dropPreview(card);
     this.videos.clear();
     this.cards.clear();
     this.$("jobs").replaceChildren();
@@ -420,6 +478,7 @@ class Page {
     }
     put("seconds", this.$("seconds").value.trim());
     put("num_inference_steps", this.$("steps").value.trim());
+    put("preview_every", this.$("preview-every").value.trim());
     put("seed", this.$("seed").value.trim());
     if (!this.$("quality-field").hidden) put("quality", this.$("quality").value);
     const task = this.task();
@@ -499,7 +558,8 @@ class Page {
       const list = await this.call("GET", `/v1/videos?limit=${LIST_LIMIT}`);
       this.jobs = list.data;
       this.showJobs(list.data);
-      active = list.data.some((job) => ACTIVE.has(job.status));
+      // A job followed by its events needs no fast poll; the others (past MAX_STREAMS, or whose stream failed) do.
+      active = list.data.some((job) => ACTIVE.has(job.status) && !this.streams.has(job.id));
       const shown = list.has_more ? `the newest ${list.data.length}` : `${list.data.length}`;
       const when = new Date().toLocaleTimeString();
       this.$("queue-status").textContent = list.data.length ? `${shown} job(s); updated ${when}.` : "No jobs yet.";
@@ -528,11 +588,15 @@ class Page {
       // Move only what is out of place: a <video> taken out of the document stops playing.
       if (list.children[i] !== card) list.insertBefore(card, list.children[i] || null);
     });
+    this.followJobs(jobs);
   }
 
   dropCard(id, card) {
     card.remove();
     this.cards.delete(id);
+    this.streams.get(id)?.abort.abort();
+    this.streams.delete(id);
+    this.dropPreview(card);
     const url = this.videos.get(id);
     if (url) URL.revokeObjectURL(url);
     this.videos.delete(id);
@@ -579,8 +643,9 @@ class Page {
     return card;
   }
 
-  update(card, job) {
-    card.job = job;
+  update(card, record) {
+    card.job = record;
+    const job = this.withEvents(record);
     card.dataset.status = job.status;
     const active = ACTIVE.has(job.status);
     if (active) this.watched.add(job.id);
@@ -591,13 +656,14 @@ class Page {
     q("job-stage").textContent = Page.stageLine(job);
     const cache = job.step_cache && job.step_cache !== "off"
       ? `, step cache ${job.step_cache} (${(job.cached_steps || []).length} cached)` : "";
+    const previews = job.preview_every ? `, a preview every ${job.preview_every} forwards` : "";
     // A record the store could not read (status "damaged", docs/api.md) has only its id and the error.
     const damaged = job.status === "damaged";
     q("job-settings").textContent = damaged
       ? "The stored record could not be read: `h3serve store check` on the server says why."
       : `${job.task}, ${job.size}, ${job.num_frames} frames (${job.seconds} s), ${job.num_inference_steps} steps, ` +
         `seed ${job.seed}, shifts ${job.flow_shift}/${job.audio_flow_shift}` +
-        (job.quality ? `, quality ${job.quality}` : "") + cache +
+        (job.quality ? `, quality ${job.quality}` : "") + cache + previews +
         `; created ${new Date(job.created_at * 1000).toLocaleString()}`;
     q("job-reuse").hidden = damaged;
     q("job-reuse-seed").hidden = damaged;
@@ -645,6 +711,7 @@ class Page {
       const link = element("a", { href: url, download: name, className: "job-download",
         textContent: `Download ${name} (${(blob.size / 1e6).toFixed(2)} MB)` });
       media.replaceChildren(video, link);
+      this.dropPreview(card); // the video itself is here: a preview of it says nothing more
     } catch (err) {
       const message = `Could not fetch the MP4: ${err.message}`;
       media.replaceChildren(element("p", { className: "error", textContent: message }));
@@ -669,6 +736,153 @@ class Page {
     this.poll();
   }
 
+  // ---- a job's events: GET /v1/videos/{id}/events -----------------------------------------------------------------
+  // Read with fetch() and the key (an EventSource cannot send it). The render's stage and step go on the card as they
+  // happen, each preview replaces the last, and the end event refreshes the card from the list (the video loads
+  // then, as it does for a polled job). A stream that cannot open, or ends before the end event, leaves the job to the
+  // list's polling, without a word: the card reads the same either way, only less often.
+  followJobs(jobs) {
+    // The render first, then the queue in the order it runs (the list is newest first).
+    const waiting = jobs
+      .filter((job) => ACTIVE.has(job.status) && !this.streams.has(job.id) && !this.unstreamed.has(job.id))
+      .sort((a, b) => (b.status === "in_progress") - (a.status === "in_progress") || a.created_at - b.created_at);
+    for (const job of waiting) {
+      if (this.streams.size >= MAX_STREAMS) break;
+      this.follow(job.id);
+    }
+  }
+
+  follow(id) {
+    // live: the render's stage, step and progress from the events (null before the first stage); clock: where the
+    // elapsed time stood and when (from a record's live.elapsed_s, or the first stage event).
+    const stream = { abort: new AbortController(), live: null, progress: 0, clock: null, preview: null, dirty: false };
+    this.streams.set(id, stream);
+    this.readEvents(id, stream);
+  }
+
+  closeStreams() {
+    for (const stream of this.streams.values()) stream.abort.abort();
+    this.streams.clear();
+  }
+
+  async readEvents(id, stream) {
+    let ended = false;
+    try {
+      const response = await fetch(`/v1/videos/${encodeURIComponent(id)}/events`, {
+        headers: { ...this.authorization, Accept: "text/event-stream" },
+        cache: "no-store",
+        signal: stream.abort.signal,
+      });
+      if (!response.ok) throw await this.failure(response);
+      const onEvent = (event) => {
+        ended = END_EVENTS.has(event.name) || ended;
+        this.onEvent(id, stream, event);
+      };
+      await readEventStream(response.body, onEvent, () => this.showEvents(id, stream));
+    } catch {
+      // Refused, unreachable, or cut off: the polling below follows the job from here.
+    }
+    if (stream.abort.signal.aborted) return; // the card went, or the key did
+    this.streams.delete(id);
+    if (!ended) this.unstreamed.add(id);
+    this.poll(); // the end: the record as the list has it now (the video loads); a drop: the polling resumes
+  }
+
+  onEvent(id, stream, event) {
+    let data;
+    try {
+      data = parseJson(event.data);
+    } catch {
+      return;
+    }
+    if (event.name === "stage" || event.name === "progress") {
+      stream.live = { stage: data.stage, done: data.done || 0, total: data.total || 0 };
+      stream.progress = data.progress;
+      stream.clock ||= { elapsed: 0, at: performance.now() };
+      stream.dirty = true;
+    } else if (event.name === "preview") {
+      stream.preview = data;
+      this.fetchPreview(id, stream);
+    } else if (event.name === "status") {
+      // The server no longer holds this job's events: its record, once; the polling follows it from here.
+      const card = this.cards.get(id);
+      if (card && data.id === id) this.update(card, data);
+    }
+  }
+
+  showEvents(id, stream) {
+    const card = this.cards.get(id);
+    if (!stream.dirty || !card) return;
+    stream.dirty = false;
+    this.update(card, card.job);
+  }
+
+  // The record as the card shows it: with its stream's stage, step and progress on it while the job runs, unless the
+  // record is further on (its MP4 being written, which the events do not say).
+  withEvents(record) {
+    const stream = this.streams.get(record.id);
+    if (!stream || !ACTIVE.has(record.status)) return record;
+    const now = performance.now();
+    if (record.live && typeof record.live.elapsed_s === "number" && record !== stream.seen) {
+      stream.seen = record;
+      stream.clock = { elapsed: record.live.elapsed_s, at: now };
+    }
+    if (!stream.live || record.live?.stage === "encode" || (record.progress || 0) > stream.progress) return record;
+    const elapsed = stream.clock ? stream.clock.elapsed + (now - stream.clock.at) / 1000 : 0;
+    return { ...record, status: "in_progress", progress: stream.progress,
+      live: { ...stream.live, elapsed_s: elapsed, ahead: null } };
+  }
+
+  // The latest preview, fetched with the key; one request at a time, and again if a newer one came meanwhile.
+  async fetchPreview(id, stream) {
+    if (stream.fetching) {
+      stream.again = true;
+      return;
+    }
+    stream.fetching = true;
+    try {
+      do {
+        stream.again = false;
+        const event = stream.preview;
+        let blob;
+        try {
+          blob = await this.call("GET", `/v1/videos/${encodeURIComponent(id)}/preview?forward=${event.forward}`,
+            { blob: true });
+        } catch {
+          return; // gone, or not answered: the next preview, or the video, follows
+        }
+        const card = this.cards.get(id);
+        if (!card || card.loading || this.videos.has(id) || stream.abort.signal.aborted) return;
+        this.showPreview(card, blob, event);
+      } while (stream.again);
+    } finally {
+      stream.fetching = false;
+    }
+  }
+
+  showPreview(card, blob, event) {
+    let figure = card.querySelector(".job-preview");
+    if (!figure) {
+      figure = element("figure", { className: "job-preview" },
+        element("img", { className: "job-preview-image" }), element("figcaption", { className: "hint" }));
+      card.querySelector(".job-actions").before(figure); // the cancel button right below it
+    }
+    const img = figure.querySelector("img");
+    const old = card.previewUrl;
+    card.previewUrl = URL.createObjectURL(blob);
+    Object.assign(img, { src: card.previewUrl, width: event.width, height: event.height,
+      alt: `Preview of the first frames after DiT forward ${event.forward} of ${event.forwards}` });
+    figure.querySelector("figcaption").textContent =
+      `Preview after forward ${event.forward}/${event.forwards} (the first frames as they stand).`;
+    if (old) URL.revokeObjectURL(old);
+  }
+
+  dropPreview(card) {
+    card.querySelector(".job-preview")?.remove();
+    if (card.previewUrl) URL.revokeObjectURL(card.previewUrl);
+    card.previewUrl = null;
+  }
+
   reuse(job) {
     this.$("prompt").value = job.prompt;
     const [w, h] = job.size.split("x");
@@ -677,6 +891,7 @@ class Page {
     this.$("height").value = h;
     this.$("seconds").value = job.seconds;
     this.$("steps").value = job.num_inference_steps;
+    this.$("preview-every").value = job.preview_every ? String(job.preview_every) : "";
     this.$("seed").value = String(job.seed);
     if (job.quality) this.$("quality").value = job.quality;
     this.showSizeMode();
