@@ -234,7 +234,7 @@ def test_render_uses_float32_on_cpu_by_default():
 def test_internal_failure_is_one_line_and_leaves_no_file(tmp_path, capsys, monkeypatch):
     """A failure inside the render (here: the engine raising as on a CUDA out-of-memory) is reported in one line."""
 
-    def fail(self, request, on_step=None):
+    def fail(self, request, ctx=None, on_step=None):
         raise RuntimeError("CUDA out of memory. Tried to allocate 9.00 GiB")
 
     monkeypatch.setattr(Engine, "render", fail)
