@@ -106,7 +106,7 @@ def test_references_ride_through_the_loop_unchanged_and_reach_the_result(engine,
     seen = []
     denoise = engine_module.denoise
 
-    def spy(model, video_rows, audio_rows, layout, schedule, on_step=None):
+    def spy(model, video_rows, audio_rows, layout, schedule, on_step=None, on_estimate=None):
         def recording(video, audio, *rest):
             seen.append(
                 (video[: layout.num_condition_video_rows].clone(), audio[: layout.num_condition_audio_rows].clone())
@@ -114,7 +114,7 @@ def test_references_ride_through_the_loop_unchanged_and_reach_the_result(engine,
             return model(video, audio, *rest)
 
         seen.append((video_rows[: layout.num_condition_video_rows], audio_rows[: layout.num_condition_audio_rows]))
-        out = denoise(recording, video_rows, audio_rows, layout, schedule, on_step)
+        out = denoise(recording, video_rows, audio_rows, layout, schedule, on_step, on_estimate)
         seen.append((out[0][: layout.num_condition_video_rows], out[1][: layout.num_condition_audio_rows]))
         return out
 
