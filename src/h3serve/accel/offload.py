@@ -71,12 +71,16 @@ def _entries(module: nn.Module, skip: Callable[[str], bool]) -> list[_Entry]:
                     owner, attr, kind == "param", t.requires_grad, t.shape, t.stride(), t.dtype, offset, nbytes
                 )
                 out.append(entry)
-                offset += -(-nbytes // ALIGN) * ALIGN
+                offset += _aligned(nbytes)
     return out
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _size(entries: Sequence[_Entry]) -> int:
-    return max((e.offset + -(-e.nbytes // ALIGN) * ALIGN for e in entries), default=0)
+    return max((e.offset + _aligned(e.nbytes) for e in entries), default=0)
 
 
 def _view(buffer: torch.Tensor, entry: _Entry) -> torch.Tensor:

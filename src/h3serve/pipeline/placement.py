@@ -130,6 +130,14 @@ def _weights(budget: Budget, option: _Option, slots: int) -> float:
     return weights
 
 
+def _needs(budget: Budget, option: _Option, slots: int) -> tuple[float, float]:
+    """(device GiB of weights while the DiT runs, device GiB the decode needs) under `option`."""
+    st = budget.streamable
+    assert st is not None
+    weights = _weights(budget, option, slots)
+    return weights, weights + (st.video_vae if option.video else 0.0) + OVERHEAD_GIB
+
+
 def _pinned(budget: Budget, option: _Option) -> float:
     st = budget.streamable
     assert st is not None
@@ -177,14 +185,12 @@ def place(
         counts = sorted({min(blocks, -(-s // slots) * slots) for s in range(1, blocks + 1)})
         options += [_Option(s, True, True) for s in counts]
     for option in options:
-        weights = _weights(budget, option, slots)
-        decode = weights + (st.video_vae if option.video else 0.0) + OVERHEAD_GIB
+        weights, decode = _needs(budget, option, slots)
         peak = max(weights + budget.activations_largest + OVERHEAD_GIB, decode)
         if peak <= device_gib:
             return _placement(budget, option, slots, None, device_gib, peak)
-    option = options[-1]
-    weights = _weights(budget, option, slots)
-    decode = weights + (st.video_vae if option.video else 0.0) + OVERHEAD_GIB
+    option = options[-1]  # the most streamed: the largest request that fits it is admitted
+    weights, decode = _needs(budget, option, slots)
     rows = math.floor((device_gib - weights - OVERHEAD_GIB) / st.activation_per_row)
     default_need = max(weights + budget.activations_default + OVERHEAD_GIB, decode)
     if rows < budget.default_rows or decode > device_gib:
