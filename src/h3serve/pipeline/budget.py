@@ -306,20 +306,11 @@ def _parts(dit: nn.Module, text: nn.Module) -> tuple[float, int, float, int]:
 def tiny_budget(profile: Profile, task_type: str = TaskType.FL2VA, shared: bool = False) -> Budget:
     """The budget of the built-in tiny model under `profile` (built on the CPU to be counted: it is small), for a
     placement asked of it (`pipeline.placement`: H3_OFFLOAD, H3_DEVICE_MEMORY_GIB)."""
-    from h3serve.accel.apply import load_plan
     from h3serve.model.tiny import tiny_components
     from h3serve.pipeline.rules import TINY_RULES
 
     components = tiny_components(device="cpu", dtype=profile.torch_dtype, task_type=task_type)
-    on_device = lambda _: DEVICE  # noqa: E731
-    sizes = {_dit_name(k): count_bytes(dit, on_device) for k, dit in components.dits.items()}
-    for name in ("text_encoder", "video_vae", "audio_vae"):
-        sizes[name] = count_bytes(getattr(components, name), on_device)
-    cfg = components.dit_config
-    tables, label = _tables(cfg, profile, len(components.dits))
-    parts = _parts(next(iter(components.dits.values())), components.text_encoder.model)
-    off_device = load_plan(profile).off_device
-    return _budget(sizes, cfg, TINY_RULES, tables, label, not off_device, shared, None, parts)
+    return loaded_budget(components, profile, TINY_RULES, shared, built_elsewhere=True)
 
 
 def _epilogue(profile: Profile) -> str | None:
@@ -332,9 +323,12 @@ def _epilogue(profile: Profile) -> str | None:
     return str(profile.execution)
 
 
-def loaded_budget(components: Components, profile: Profile, rules: RequestRules, shared: bool = False) -> Budget:
+def loaded_budget(
+    components: Components, profile: Profile, rules: RequestRules, shared: bool = False, built_elsewhere: bool = False
+) -> Budget:
     """The same budget, counted from the loaded tensors: a tensor off the profile's device type waits in host memory,
-    unless the plan left it mapped."""
+    unless the plan left it mapped. `built_elsewhere`: the components were built off the profile's device only to be
+    counted (`tiny_budget`), so every tensor counts where the plan puts it."""
     from h3serve.accel.apply import load_plan
 
     plan = load_plan(profile)
@@ -346,6 +340,8 @@ def loaded_budget(components: Components, profile: Profile, rules: RequestRules,
         )
 
         def place(name: str) -> str:
+            if built_elsewhere:
+                return plan.where(name) if dit else DEVICE
             if dit and plan.where(name) == MAPPED:
                 return MAPPED
             if tensors[name].device.type == kind:

@@ -207,7 +207,9 @@ def denoise(
         )
         # A preview's view of this forward's clean estimate (made only if asked for), offered after the step is
         # reported: it holds the state before the step, which the step replaces and never modifies.
-        estimate = functools.partial(_estimate, cond, video, v_video[n_cond:], sv.timesteps[i])
+        estimate = None
+        if on_estimate is not None:
+            estimate = functools.partial(_estimate, cond, video, v_video[n_cond:], sv.timesteps[i])
         video = euler_step(video, v_video[n_cond:], sv.timesteps[i], sv.sigmas[i], sv.sigmas[i + 1])
         audio = euler_step(audio, v_audio[n_cond_audio:], sa.timesteps[i], sa.sigmas[i], sa.sigmas[i + 1])
         if on_step is not None:
