@@ -1,6 +1,6 @@
-"""Previews of a render in progress (`pipeline.preview`): the first decode window of the sampler's clean estimate,
-as a PNG strip, at chosen forwards; a render with previews is bitwise the render without; the request's field and
-`h3serve render --preview-dir`."""
+"""Previews of a render in progress (`pipeline.preview`): the sampler's clean estimate's first latents decoded as one
+window, as a PNG strip, at chosen forwards; a render with previews is bitwise the render without; the request's field
+and `h3serve render --preview-dir`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from PIL import Image
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
-from h3serve.pipeline.preview import due, make_preview
+from h3serve.pipeline.preview import PREVIEW_LATENTS, STRIP_FRAMES, due, make_preview
 from h3serve.pipeline.rules import RequestError
 from h3serve.pipeline.schedule import clean_estimate
 
@@ -32,7 +32,7 @@ def test_previews_come_every_n_forwards_before_the_last_and_leave_the_render_bit
     request = engine.validate(PROMPT, steps=8, seed=5, preview_every=2)
     result = engine.render(request, RenderContext(on_preview=previews.append))
     assert np.array_equal(plain.frames, result.frames) and np.array_equal(plain.audio, result.audio)
-    assert [(p.forward, p.forwards) for p in previews] == [(2, 7), (4, 7), (6, 7)]
+    assert [(p.forward, p.forwards) for p in previews] == [(1, 7), (3, 7), (5, 7)]
     assert result.timings["previews"] == pytest.approx(sum(p.seconds for p in previews))
     image = Image.open(io.BytesIO(previews[-1].png))
     assert image.format == "PNG" and image.size == (previews[-1].width, previews[-1].height)
@@ -60,12 +60,41 @@ def test_a_preview_is_the_first_window_of_the_clean_estimate_it_was_made_from(en
     previews = []
     request = engine.validate(PROMPT, steps=6, seed=2, preview_every=4)
     engine.render(request, RenderContext(on_preview=previews.append))
-    rows, layout = seen[4]
-    assert make_preview(engine.components.video_vae, rows, layout, None, 4, 5).png == previews[0].png
+    assert [p.forward for p in previews] == [2]  # half an interval in; the next, 6, is past the 5 forwards
+    rows, layout = seen[2]
+    assert make_preview(engine.components.video_vae, rows, layout, None, 2, 5).png == previews[0].png
+
+
+def test_a_preview_decodes_the_first_latents_as_one_window_and_a_window_is_what_the_decode_runs(engine, monkeypatch):
+    """`decode_window` on a decode window's latents is bitwise that window (`decode_windows`' clip), and a preview is
+    the first `PREVIEW_LATENTS` latents through it: the strip's first tile is the first frame after the pre-padding."""
+    vae = engine.components.video_vae
+    cfg = vae.cfg
+    z = torch.randn(1, cfg.latent_channels, 9, 4, 6, generator=torch.Generator().manual_seed(3))
+    _, clip = vae.decode_windows(z)
+    assert torch.equal(vae.decode_window(z[:, :, : cfg.tokens_chunk_size + cfg.token_overlap]), clip(0))
+    head = vae.decode_window(z[:, :, :PREVIEW_LATENTS])
+    assert head.shape[2] == PREVIEW_LATENTS * cfg.temporal_ratio
+    with pytest.raises(ValueError, match="expected latents"):
+        vae.decode_window(z[0])
+
+    import h3serve.pipeline.preview as preview_module
+
+    monkeypatch.setattr(preview_module, "video_latents", lambda vae_, rows, layout: z)  # the rows read back as `z`
+    preview = make_preview(vae, torch.empty(0), None, None, 1, 3)
+    strip = np.asarray(Image.open(io.BytesIO(preview.png)))
+    frames = vae.output_to_rgb(head[:, :, cfg.frame_pre_padding :])[0].numpy()
+    assert preview.width == STRIP_FRAMES * min(256, frames.shape[2])
+    first = np.asarray(Image.fromarray(frames[0]).resize((preview.width // STRIP_FRAMES, preview.height),
+                                                          Image.Resampling.BILINEAR))  # fmt: skip
+    np.testing.assert_array_equal(strip[:, : preview.width // STRIP_FRAMES], first)
 
 
 def test_due_and_the_clean_estimate():
-    assert [f for f in range(1, 10) if due(f, 9, 3)] == [3, 6]
+    assert [f for f in range(1, 10) if due(f, 9, 3)] == [1, 4, 7]
+    assert [f for f in range(1, 50) if due(f, 49, 5)] == [2, 7, 12, 17, 22, 27, 32, 37, 42, 47]
+    assert [f for f in range(1, 50) if due(f, 49, 1)] == list(range(1, 49))  # never after the last forward
+    assert [f for f in range(1, 8) if due(f, 7, 6)] == [3]
     assert not any(due(f, 9, 0) for f in range(1, 10))
     x, v, t = torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0]), torch.tensor(0.25)
     assert torch.equal(clean_estimate(x, v, t), torch.tensor([1.375, 1.25]))  # x + 0.75 v
@@ -87,8 +116,8 @@ def test_render_writes_the_previews_as_files(tmp_path, capsys):
                  str(out), "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 0, err
-    assert sorted(p.name for p in previews.iterdir()) == ["preview-003-of-007.png", "preview-006-of-007.png"]
-    assert "preview after forward 3/7" in err and "previews" in err.splitlines()[-1]
+    assert sorted(p.name for p in previews.iterdir()) == ["preview-001-of-007.png", "preview-004-of-007.png"]
+    assert "preview after forward 1/7" in err and "previews" in err.splitlines()[-1]
     code = main(["render", PROMPT, "--steps", "3", "--preview-dir", str(previews), "-o", str(out)])
     assert (
         code != 0

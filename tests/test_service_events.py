@@ -61,7 +61,7 @@ def test_the_stream_tells_a_job_from_queued_to_completed_with_its_previews(serve
         denoise = [d["done"] for _, n, d in events if n == "progress" and d["stage"] == "denoise"]
         assert denoise == list(range(1, 8))  # 8 grid points: 7 forwards, each reported
         previews = [(i, d) for i, n, d in events if n == "preview"]
-        assert [d["forward"] for _, d in previews] == [2, 4, 6] and all(d["forwards"] == 7 for _, d in previews)
+        assert [d["forward"] for _, d in previews] == [1, 3, 5] and all(d["forwards"] == 7 for _, d in previews)
         for i, d in previews:  # each after its forward's progress, before the next forward's
             progress_of = {e[2]["done"]: e[0] for e in events if e[1] == "progress" and e[2]["stage"] == "denoise"}
             assert progress_of[d["forward"]] < i < progress_of[d["forward"] + 1]
@@ -143,7 +143,7 @@ def test_the_servers_minimum_interval_is_enforced_and_its_default_applies(tmp_pa
         assert low.status_code == 400 and "H3_PREVIEW_MIN_EVERY" in low.json()["error"]["message"]
         job_id = submit(client)  # leaves it out: the server's default
         assert client.get(f"/v1/videos/{job_id}").json()["preview_every"] == 3
-        assert [d["forward"] for _, n, d in read_events(client, job_id) if n == "preview"] == [3, 6]
+        assert [d["forward"] for _, n, d in read_events(client, job_id) if n == "preview"] == [1, 4]
         few = client.post("/v1/videos", json={"prompt": PROMPT, "num_inference_steps": 3})  # 2 forwards: no room
         assert few.status_code == 200 and few.json()["preview_every"] == 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from h3serve.config import CLIP_FRAMES, FPS, LATENTS_PER_CLIP
+from h3serve.pipeline.preview import due
 from h3serve.pipeline.rules import MAX_SEED, TINY_RULES
 from h3serve.service.page import CSP, TYPES
 from h3serve.settings import load_settings
@@ -453,7 +454,7 @@ def test_a_job_shows_its_previews_from_its_events_before_its_video(browser, tmp_
         forwards = steps - 1
         for note in previews:
             match = re.fullmatch(rf"Preview after forward (\d+)/{forwards} \(.*\)\.", note["caption"])
-            assert match and int(match[1]) % every == 0 and int(match[1]) < forwards, note
+            assert match and due(int(match[1]), forwards, every), note
         # The video has replaced the preview, and the preview's object URL has gone with it.
         assert not card.find_elements(By.CLASS_NAME, "job-preview")
         assert f"a preview every {every} forwards" in card.find_element(By.CLASS_NAME, "job-settings").text

@@ -307,8 +307,8 @@ class Settings(EngineSettings):
         5,
         ge=1,
         le=1000,
-        description="the smallest preview_every a request may ask for (each preview decodes the first video window: "
-        "about a fifth of a decode)",
+        description="the smallest preview_every a request may ask for (each preview decodes the first 3 "
+        "latents, 9 frames, as one window: under a tenth of the decode)",
     )
     max_upload_mb: int = Field(
         20, ge=1, le=512, description="largest upload (a keyframe or a reference file) accepted, in MiB"

@@ -69,8 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--preview-dir",
         type=Path,
-        help="write previews here as the render runs: the first decode window of the clean estimate, a PNG strip, "
-        "every --preview-every forwards (preview-FFF-of-NNN.png; the render's bits are the same with or without)",
+        help="write previews here as the render runs: the clean estimate's first 9 frames, a PNG strip, after half "
+        "of --preview-every forwards, then every --preview-every (preview-FFF-of-NNN.png; the render's bits are the "
+        "same with or without)",
     )
     p.add_argument("--preview-every", type=int, help=f"forwards between previews (with --preview-dir; {PREVIEW_EVERY})")
     # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).

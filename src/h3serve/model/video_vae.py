@@ -574,6 +574,23 @@ class VideoVAE(nn.Module):
         return moments[:, :, : moments.shape[2] - cfg.token_drop]
 
     # Decode ---------------------------------------------------------------------------------------------------
+    def _check_decode(self, z: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
+        cfg = self.cfg
+        if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
+            raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
+        weights = self.decoder.proj_out.weight.dtype
+        if weights != torch.float32 and autocast_dtype != weights:
+            raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
+
+    def decode_window(
+        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Latents (B, C, T, h, w), de-normalised, decoded as one window (no padding, no cross-fade) -> pixels
+        (B, 3, 4T, 16h, 16w) fp32, the first `frame_pre_padding` frames ahead of the first latent's. What `decode`
+        runs per window (T = chunk + token_overlap); a preview runs it on a few latents."""
+        self._check_decode(z, autocast_dtype)
+        return self._decode_clip(z.float(), self.cfg.decoder_tiling if tiled is None else tiled, autocast_dtype)
+
     def _decode_clip(self, z: torch.Tensor, tiled: bool, autocast_dtype: torch.dtype | None) -> torch.Tensor:
         def run_untiled(zt: torch.Tensor) -> torch.Tensor:
             with _autocast(zt.device, autocast_dtype):
@@ -650,11 +667,7 @@ class VideoVAE(nn.Module):
         """The temporal windows `decode` cross-fades: their count and `clip(i)`, window i's decoded frames (each
         window reads `chunk + token_overlap` latents and is computed alone)."""
         cfg = self.cfg
-        if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
-            raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
-        weights = self.decoder.proj_out.weight.dtype
-        if weights != torch.float32 and autocast_dtype != weights:
-            raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
+        self._check_decode(z, autocast_dtype)
         tiled = cfg.decoder_tiling if tiled is None else tiled
         z = z.float()
         pad, windows, _ = cfg.decode_plan(z.shape[2])

@@ -365,8 +365,8 @@ class Engine:
 
     def _previews(self, request: RenderRequest, layout, ctx: RenderContext, timings: dict[str, float]):
         """The denoise loop's look at the clean estimate when the request asks for previews and someone takes them
-        (`pipeline.preview`): every `preview_every` forwards, the first decode window as a PNG strip, its time added
-        to `timings["previews"]` (part of the denoise stage's)."""
+        (`pipeline.preview`): at the forwards `preview.due` names, the first latents decoded as a PNG strip, its time
+        added to `timings["previews"]` (part of the denoise stage's)."""
         every = request.preview_every
         if not every or ctx.on_preview is None:
             return None
