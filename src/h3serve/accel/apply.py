@@ -19,7 +19,7 @@ from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.profile import AdalnWeights, Execution, Fp8Scaling, Linear, Profile, TextLinear
-from h3serve.accel.vae import decoder_cast_names, decoder_weights_to
+from h3serve.accel.vae import decoder_cast_names, decoder_passes, decoder_weights_to, set_decoder_passes
 from h3serve.checkpoint.safetensors import chain
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
@@ -105,7 +105,8 @@ def apply(
 ) -> GraphCounter | None:
     """Give every loaded model the profile's choices, on the model itself:
     - each attention module its kernel (DiT, video decoder, audio encoder);
-    - the video decoder its weights in the autocast dtype (bitwise the same decode);
+    - the video decoder its weights in the autocast dtype (bitwise the same decode) and, on CUDA with Triton, its
+      blocks' fused passes (the same numbers);
     - the DiTs' block linears: FP8 (CUTLASS) unless the loader already quantized them, or Humming's layout;
       the text encoder's FP8 linears when asked; the FP8 GEMM's scaling, once the self-test chose it;
     - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
@@ -131,6 +132,8 @@ def apply(
     triton = profile.cuda and fused.available()
     if profile.cuda and not triton:
         log.warning("Triton is not importable: the DiT runs the reference ops unfused (the same numbers, slower)")
+    if triton and Passes(passes) != Passes.NONE:
+        set_decoder_passes(components.video_vae, decoder_passes())
     if compiler is None and profile.execution == Execution.COMPILE:
         compiler = profile_compiler(profile)
     qk, body = block_passes(profile, triton and Passes(passes) != Passes.NONE)

@@ -7,14 +7,18 @@ float16 operands: the decode is bitwise the same, 2.4 B parameters take half the
 released VAE) and the casts are gone. Everything autocast keeps in float32 stays float32: the norms' weights, the
 residual scales, the register tokens (cast where used), and the whole encoder (keyframes encode in float32, no
 autocast).
+
+`decoder_passes`: the decoder blocks' element-wise passes in Triton, the same numbers as the plain ops (the GPU tier
+checks them bit for bit, tests/test_gpu_decode.py); what they buy is bench/decode.py's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from h3serve.model.video_vae import VideoVAE
+from h3serve.model.video_vae import DecoderPasses, VideoVAE
 
 CAST = (nn.Linear, nn.Conv3d)
 
@@ -44,3 +48,26 @@ def decoder_cast_names(vae: VideoVAE) -> frozenset[str]:
                 path = f"{prefix}.{name}" if name else prefix
                 names += [f"{path}.{leaf}" for leaf in ("weight", "bias") if getattr(module, leaf) is not None]
     return frozenset(names)
+
+
+def decoder_passes() -> DecoderPasses:
+    """The decoder blocks' passes in Triton (`triton_decoder`), each the same numbers as its reference
+    (`video_vae.REFERENCE_PASSES`): the residual add in one pass, the SwiGLU gate in one, and the qk pass as torch's
+    own rms_norm (the sum stays torch's) followed by one pass that rounds and rotates q and k. Needs a CUDA device and
+    Triton (`fused.available`)."""
+    from h3serve.accel import triton_decoder
+
+    def qk(
+        q: torch.Tensor, k: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        d = q.shape[-1]
+        qn = F.rms_norm(q.float(), (d,), None, eps)
+        kn = F.rms_norm(k.float(), (d,), None, eps)
+        return triton_decoder.qk_rope(qn, kn, cos.float(), sin.float(), q.dtype)
+
+    return DecoderPasses(qk=qk, residual=triton_decoder.residual, swiglu=triton_decoder.swiglu)
+
+
+def set_decoder_passes(vae: VideoVAE, passes: DecoderPasses) -> None:
+    """The passes the video decoder's blocks run (`ViTDecoder3d.passes`)."""
+    vae.decoder.passes = passes

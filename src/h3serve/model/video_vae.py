@@ -303,6 +303,40 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+def qk_reference(
+    q: torch.Tensor, k: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's qk-norm, per head, no affine, in fp32 whatever the compute dtype and back to it (as the
+    reference does), then the rotary: q, k (B, S, nh, hd) views of the fused projection."""
+    q = _rms_norm(q.float(), None, eps).to(q.dtype)
+    k = _rms_norm(k.float(), None, eps).to(k.dtype)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def residual_reference(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The block's residual add: x + y * scale (fp32 x and scale: the stream stays fp32)."""
+    return x + y * scale
+
+
+def swiglu_reference(f: torch.Tensor) -> torch.Tensor:
+    """up * silu(gate) of the feed-forward's first projection, its rows `[gate | up]`."""
+    gate, up = f.chunk(2, dim=-1)
+    return up * F.silu(gate)
+
+
+@dataclass(frozen=True)
+class DecoderPasses:
+    """The decoder blocks' passes around their projections and attention: the plain ops (`REFERENCE_PASSES`), or
+    kernels computing the same numbers set from outside (`h3serve.accel.vae`)."""
+
+    qk: Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    swiglu: Callable[[torch.Tensor], torch.Tensor]
+
+
+REFERENCE_PASSES = DecoderPasses(qk=qk_reference, residual=residual_reference, swiglu=swiglu_reference)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: VideoVAEConfig):
         super().__init__()
@@ -315,13 +349,12 @@ class Attention(nn.Module):
         self.to_out = nn.Linear(dim, dim)
         self.kernel: AttentionKernel = sdpa  # set from outside (`h3serve.accel.apply`)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, passes: DecoderPasses = REFERENCE_PASSES
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.to_qkv(x).view(b, s, self.heads, 3 * self.head_dim).chunk(3, dim=-1)  # (B, S, nh, hd)
-        # qk-norm (no affine) in fp32 whatever the compute dtype, as the reference does.
-        q = _rms_norm(q.float(), None, self.eps).to(q.dtype)
-        k = _rms_norm(k.float(), None, self.eps).to(k.dtype)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = passes.qk(q, k, self.eps, cos, sin)
         return self.to_out(attention(q, k, v, kernel=self.kernel).reshape(b, s, -1))
 
 
@@ -332,9 +365,8 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, 2 * hidden)  # rows [gate; up]
         self.w2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x).chunk(2, dim=-1)
-        return self.w2(up * F.silu(gate))
+    def forward(self, x: torch.Tensor, passes: DecoderPasses = REFERENCE_PASSES) -> torch.Tensor:
+        return self.w2(passes.swiglu(self.w1(x)))
 
 
 class TransformerBlock(nn.Module):
@@ -349,11 +381,15 @@ class TransformerBlock(nn.Module):
         self.ff = FeedForward(cfg)
         self.scale2 = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, passes: DecoderPasses = REFERENCE_PASSES
+    ) -> torch.Tensor:
         # The residual stream stays fp32 (scale1/2 are fp32) and norms run in fp32; under autocast only the
         # projections and attention drop to fp16.
-        x = x + self.attn(_rms_norm(x.float(), self.norm1.weight, self.eps), cos, sin) * self.scale1
-        return x + self.ff(_rms_norm(x.float(), self.norm2.weight, self.eps)) * self.scale2
+        x = passes.residual(
+            x, self.attn(_rms_norm(x.float(), self.norm1.weight, self.eps), cos, sin, passes), self.scale1
+        )
+        return passes.residual(x, self.ff(_rms_norm(x.float(), self.norm2.weight, self.eps), passes), self.scale2)
 
 
 class ViTDecoder3d(nn.Module):
@@ -372,6 +408,7 @@ class ViTDecoder3d(nn.Module):
         self.norm_out = nn.LayerNorm(dim, eps=cfg.decoder_norm_eps)
         patch = cfg.out_channels * cfg.temporal_ratio * cfg.spatial_ratio**2
         self.proj_out = nn.Linear(dim, patch)
+        self.passes = REFERENCE_PASSES  # set from outside (`h3serve.accel.vae`)
 
     def _rotary(self, t: int, h: int, w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # Voxel centres normalised to (-1, 1) per axis; registers and the zero token sit at the origin.
@@ -390,11 +427,13 @@ class ViTDecoder3d(nn.Module):
         x = torch.cat([x, regs, torch.zeros_like(x[:, :1])], dim=1)  # (B, N + R + 1, dim)
         cos, sin = self._rotary(t, h, w, z.device)
         for block in self.transformer_blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, self.passes)
         x = self.proj_out(self.norm_out(x)[:, : t * h * w])  # (B, N, 3*pt*p*p)
         pt, p, co = self.cfg.temporal_ratio, self.cfg.spatial_ratio, self.cfg.out_channels
-        x = x.view(b, t, h, w, co, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)
-        return x.reshape(b, co, t * pt, h * p, w * p)  # (B, 3, 4T, 16h, 16w)
+        # Each token's patch to its place, in float32, in one copy (the cast is exact).
+        out = x.new_empty((b, co, t * pt, h * p, w * p), dtype=torch.float32)  # (B, 3, 4T, 16h, 16w)
+        out.view(b, co, t, pt, h, p, w, p).copy_(x.view(b, t, h, w, co, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7))
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,16 +459,17 @@ def split_tiles(length: int, tile: int, min_overlap: int, ratio: int) -> tuple[l
     return starts, overlaps
 
 
-def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
-    """Linear cross-fade of the last `extent` entries of `a` into the first of `b` along `dim`; returns `b`'s span.
-    The ramp starts at weight 1 for `a` (not 1 - 1/extent), as the reference's does."""
+def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+    """Linear cross-fade of the last `extent` entries of `a` into the first of `b` along `dim`, written over those of
+    `b` (in place: no copy of the rest of `b`). The ramp starts at weight 1 for `a` (not 1 - 1/extent), as the
+    reference's does."""
     extent = min(a.shape[dim], b.shape[dim], extent)
     shape = [1] * b.ndim
     shape[dim] = extent
     pos = torch.arange(extent, device=b.device, dtype=b.dtype)
     wa, wb = (1 - pos / extent).view(shape), (pos / extent).view(shape)
-    blended = a.narrow(dim, a.shape[dim] - extent, extent) * wa + b.narrow(dim, 0, extent) * wb
-    return torch.cat([blended, b.narrow(dim, extent, b.shape[dim] - extent)], dim=dim)
+    head = b.narrow(dim, 0, extent)
+    head.copy_(a.narrow(dim, a.shape[dim] - extent, extent) * wa + head * wb)
 
 
 def stitch_tiles(
@@ -446,6 +486,7 @@ def stitch_tiles(
     Same arithmetic as the reference, which keeps every raw tile and blends each tile with its *raw* upper and
     left neighbours (the left one not yet blended with its own upper neighbour). Keeping only those raw strips
     gives identical values while memory stays at one tile plus one row of strips, independent of the frame size.
+    The blends are written over the tile's own edges, so a tile is copied once, into the canvas.
     """
     canvas: torch.Tensor | None = None
     upper: list[torch.Tensor] = []  # raw bottom strips of the previous tile row
@@ -453,22 +494,24 @@ def stitch_tiles(
         lower: list[torch.Tensor] = []
         left: torch.Tensor | None = None  # raw right strip of the previous tile in this row
         for j, x0 in enumerate(starts_x):
-            raw = run_tile(i, j).float()  # (..., th, tw)
+            tile = run_tile(i, j).float()  # (..., th, tw), blended in place below
             if canvas is None:
-                canvas = raw.new_empty(*raw.shape[:-2], out_h, out_w)
-            tile = raw
-            if i > 0:
-                tile = _blend(upper[j], tile, overlaps_y[i - 1], dim=-2)
-            if j > 0:
-                tile = _blend(left, tile, overlaps_x[j - 1], dim=-1)
+                canvas = tile.new_empty(*tile.shape[:-2], out_h, out_w)
+            # The raw strips the next row and the next tile blend with, taken before this tile's own blends.
+            right = tile[..., :, -overlaps_x[j] :].clone() if j < len(starts_x) - 1 else None
             if i < len(starts_y) - 1:
-                lower.append(raw[..., -overlaps_y[i] :, :].clone())
+                lower.append(tile[..., -overlaps_y[i] :, :].clone())
+            if i > 0:
+                _blend(upper[j], tile, overlaps_y[i - 1], dim=-2)
+            if j > 0:
+                _blend(left, tile, overlaps_x[j - 1], dim=-1)
+            if i < len(starts_y) - 1:
                 tile = tile[..., : -overlaps_y[i], :]
             if j < len(starts_x) - 1:
-                left = raw[..., :, -overlaps_x[j] :].clone()
                 tile = tile[..., :, : -overlaps_x[j]]
             canvas[..., y0 : y0 + tile.shape[-2], x0 : x0 + tile.shape[-1]] = tile
-            del raw, tile
+            left = right
+            del tile
         upper = lower
     assert canvas is not None
     return canvas
@@ -648,11 +691,11 @@ class VideoVAE(nn.Module):
         clips = map(clip, range(windows)) if run_windows is None else run_windows(clip, windows)
         for i, part in enumerate(clips):
             head = part[:, :, :span][:, :, cfg.frame_pre_padding :]
+            after = part[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone() if cfg.token_drop > 0 else None
             if carry is not None:
-                head = _blend(carry, head, cfg.frame_overlap, dim=2)
+                _blend(carry, head, cfg.frame_overlap, dim=2)
             emit(head)
-            if cfg.token_drop > 0:
-                carry = part[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone()
+            carry = after
             del part, head
             if on_window is not None:
                 on_window(i + 1, windows)

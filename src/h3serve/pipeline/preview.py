@@ -62,6 +62,8 @@ def make_preview(
     """The first `PREVIEW_LATENTS` latents of `video_rows` (every video row of the layout, condition rows first, as
     the denoise loop holds them, with the generated ones replaced by their clean estimate) decoded as one window, as a
     PNG strip."""
+    if video_rows.is_cuda:  # the forward queued before it finishes first: a preview's time is its own
+        torch.cuda.synchronize(video_rows.device)
     start = time.perf_counter()
     z = video_latents(vae, video_rows, layout)[:, :, :PREVIEW_LATENTS]
     head = vae.decode_window(z, autocast_dtype=autocast)[:, :, vae.cfg.frame_pre_padding :]

@@ -1,0 +1,199 @@
+"""The video decode before and after issue 41, in one process on the same weights: the released decoder (random weights,
+the engine's placement: float16 weights for float16 autocast, cuDNN attention), the released default request's latents
+(1344x768, 124 frames: 37 latents, 7 windows) and the reference request's (768x448, 56 frames: 17 latents, 3 windows).
+
+    PYTHONPATH=src python bench/decode.py --out bench/results/decode.json
+
+Variants, each timed with CUDA events (warm-up, then `--iters`), its peak memory, and its frames compared with
+`before`'s bit for bit (`bitwise`, and the largest difference):
+  before     the decode at main 8d6725d (`lib/decode_before.py`): the plain passes, blends by concatenation
+  layout     today's decode with the plain passes: blends written in place, the patch layout copied to float32 once
+  +residual, +swiglu, +qk   layout with the Triton passes added one at a time (`accel.vae.decoder_passes`)
+  all        every Triton pass (what the engine runs on CUDA)
+Then a kernel profile (torch.profiler) of `before` and `all` at the default request, by category (GEMM, attention,
+copies (casts, concatenations, layout), other element-wise, other); the time of one preview-sized window
+(`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes); and whether torch's rms_norm
+of a float16 input is bitwise its float32 norm rounded (what a qk pass without the float32 copy would need).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from lib.decode_before import decode_before
+from lib.models import fill_random, released_configs
+from lib.timing import run_header
+
+from h3serve.accel import attention
+from h3serve.accel.profile import Attention
+from h3serve.accel.vae import decoder_passes, decoder_weights_to, set_decoder_passes
+from h3serve.model.video_vae import REFERENCE_PASSES, VideoVAE
+
+SHAPES = {"default": (37, 48, 84), "reference": (17, 28, 48)}  # latents (T, h, w)
+AUTOCAST = torch.float16
+COPIES = re.compile(r"copy|CatArray|cat_|transpose|permute", re.I)
+
+
+def build(device: torch.device) -> VideoVAE:
+    vae = VideoVAE(released_configs().video_vae_config).to(device).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fill_random(vae)
+        for block in vae.decoder.transformer_blocks:  # the residual scales as a trained model's: small, not ~1
+            block.scale1.normal_(0.0, 0.1)
+            block.scale2.normal_(0.0, 0.1)
+    decoder_weights_to(vae, AUTOCAST)
+    attention.set_kernel(vae, Attention.CUDNN_ATTN)
+    return vae
+
+
+def variants(vae: VideoVAE) -> dict:
+    fast = decoder_passes()
+    plain = REFERENCE_PASSES
+
+    def with_passes(passes):
+        def run(z):
+            set_decoder_passes(vae, passes)
+            return vae.decode(z, autocast_dtype=AUTOCAST)
+
+        return run
+
+    def before(z):
+        set_decoder_passes(vae, plain)
+        return decode_before(vae, z, AUTOCAST)
+
+    residual = dataclasses.replace(plain, residual=fast.residual)
+    swiglu = dataclasses.replace(residual, swiglu=fast.swiglu)
+    return {
+        "before": before,
+        "layout": with_passes(plain),
+        "+residual": with_passes(residual),
+        "+swiglu": with_passes(swiglu),
+        "+qk": with_passes(dataclasses.replace(swiglu, qk=fast.qk)),
+        "all": with_passes(fast),
+    }
+
+
+def timed(fn, iters: int) -> tuple[list[float], float, torch.Tensor]:
+    """Milliseconds per call (CUDA events) after one warm-up, the peak memory of the calls above what was allocated
+    before them (GiB), and the last call's output."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times, out = [], None
+    for _ in range(iters):
+        del out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, (torch.cuda.max_memory_allocated() - base) / 2**30, out
+
+
+def profile(fn) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cats = {k: 0.0 for k in ("gemm", "attention", "copies", "elementwise", "other")}
+    kernels = []
+    for e in prof.key_averages():
+        ms = e.device_time_total / 1e3
+        if ms <= 0:
+            continue
+        name = e.key
+        if re.search(r"fmha|flash|sdpa|attention|cudnn", name, re.I) and not re.search(r"gemm|nvjet", name, re.I):
+            cat = "attention"
+        elif re.search(r"nvjet|cutlass|xmma|gemm|gemv|cublas|sm90_", name, re.I):
+            cat = "gemm"
+        elif COPIES.search(name):
+            cat = "copies"
+        elif re.search(r"elementwise|reduce|norm|_kernel|triton|at::native", name, re.I):
+            cat = "elementwise"
+        else:
+            cat = "other"
+        cats[cat] += ms
+        kernels.append({"name": name[:140], "calls": e.count, "ms": round(ms, 2), "category": cat})
+    kernels.sort(key=lambda k: -k["ms"])
+    total = sum(cats.values())
+    return {"total_ms": round(total, 1), "categories_ms": {k: round(v, 1) for k, v in cats.items()},
+            "top_kernels": kernels[:30]}  # fmt: skip
+
+
+def qk_norm_fp16_check(device: torch.device) -> dict:
+    """rms_norm over 64 channels of a float16 input against the float32 norm of the same values, rounded."""
+    g = torch.Generator(device).manual_seed(1)
+    qkv = torch.randn(1, 1797, 32, 192, device=device, generator=g).mul_(3).to(torch.float16)
+    q = qkv[..., :64]
+    ref = torch.nn.functional.rms_norm(q.float(), (64,), None, 1e-5).to(torch.float16)
+    direct = torch.nn.functional.rms_norm(q, (64,), None, 1e-5)
+    return {"bitwise": bool(torch.equal(ref, direct)), "differing": int((ref != direct).sum())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--shapes", default="default,reference")
+    parser.add_argument("--no-profile", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    vae = build(device)
+    result = {**run_header(device), "autocast": str(AUTOCAST), "shapes": {}}
+    runs = variants(vae)
+    for shape in args.shapes.split(","):
+        t, h, w = SHAPES[shape]
+        z = torch.randn(1, 24, t, h, w, device=device, generator=torch.Generator(device).manual_seed(42))
+        entry: dict = {"latents": [t, h, w], "variants": {}}
+        reference = None
+        for name, fn in runs.items():
+            times, peak, out = timed(lambda fn=fn, z=z: fn(z), args.iters)
+            if reference is None:
+                reference = out
+            diff = (out - reference).abs().max().item()
+            entry["variants"][name] = {
+                "ms": [round(x, 1) for x in times], "best_ms": round(min(times), 1), "peak_gib": round(peak, 2),
+                "bitwise": bool(torch.equal(out, reference)), "max_abs_diff": diff,
+            }  # fmt: skip
+            print(shape, name, entry["variants"][name], flush=True)
+            del out
+        before = entry["variants"]["before"]["best_ms"]
+        for v in entry["variants"].values():
+            v["speedup"] = round(before / v["best_ms"], 3)
+        result["shapes"][shape] = entry
+        del reference
+        args.out.write_text(json.dumps(result, indent=1))
+    if not args.no_profile:
+        t, h, w = SHAPES["default"]
+        z = torch.randn(1, 24, t, h, w, device=device, generator=torch.Generator(device).manual_seed(42))
+        result["profile"] = {name: profile(lambda name=name: runs[name](z)) for name in ("before", "all")}
+        print(json.dumps({k: v["categories_ms"] for k, v in result["profile"].items()}), flush=True)
+    # Preview-sized windows: the first n latents decoded as one window (`pipeline.preview` decodes 3).
+    t, h, w = SHAPES["default"]
+    z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(7))
+    result["preview_windows_ms"] = {}
+    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes())):
+        set_decoder_passes(vae, passes)
+        result["preview_windows_ms"][passes_name] = {
+            n: round(min(timed(lambda n=n: vae.decode_window(z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)
+            for n in (1, 2, 3, 5, 7)
+        }
+    result["qk_norm_fp16_input"] = qk_norm_fp16_check(device)
+    print(json.dumps({k: result[k] for k in ("preview_windows_ms", "qk_norm_fp16_input")}), flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
