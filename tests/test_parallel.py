@@ -68,6 +68,8 @@ REQUESTS = {
     "t2va": dict(task="t2va", steps=10, seed=1, num_frames=22),
     "fl2va": dict(task="fl2va", steps=8, seed=2, keyframes=[png_bytes(96, 64, 1), png_bytes(96, 64, 2)]),
     "ref2va": dict(task="ref2va", steps=8, seed=3, references=[png_bytes(80, 48, 3), wav()]),
+    # 2 x 2 decode tiles per window, 2 windows: 8 tiles dealt over the ranks (not only whole windows)
+    "t2va-tiles": dict(task="t2va", steps=8, seed=4, num_frames=39, width=448, height=320),
 }
 
 

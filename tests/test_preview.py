@@ -66,13 +66,17 @@ def test_a_preview_is_the_first_window_of_the_clean_estimate_it_was_made_from(en
 
 
 def test_a_preview_decodes_the_first_latents_as_one_window_and_a_window_is_what_the_decode_runs(engine, monkeypatch):
-    """`decode_window` on a decode window's latents is bitwise that window (`decode_windows`' clip), and a preview is
-    the first `PREVIEW_LATENTS` latents through it: the strip's first tile is the first frame after the pre-padding."""
+    """`decode_window` on a decode window's latents is bitwise what the decode makes of that window (a one-window
+    decode: its frames after the pre-padding), and a preview is the first `PREVIEW_LATENTS` latents through it: the
+    strip's first tile is the first frame after the pre-padding."""
     vae = engine.components.video_vae
     cfg = vae.cfg
     z = torch.randn(1, cfg.latent_channels, 9, 4, 6, generator=torch.Generator().manual_seed(3))
-    _, clip = vae.decode_windows(z)
-    assert torch.equal(vae.decode_window(z[:, :, : cfg.tokens_chunk_size + cfg.token_overlap]), clip(0))
+    one = z[:, :, : cfg.tokens_chunk_size + cfg.token_overlap]
+    assert cfg.decode_plan(one.shape[2])[:2] == (0, 1)
+    span = cfg.tokens_chunk_size * cfg.temporal_ratio
+    window = vae.decode_window(one)[:, :, cfg.frame_pre_padding : span]
+    assert torch.equal(window, vae.decode(one)[:, :, : window.shape[2]])
     head = vae.decode_window(z[:, :, :PREVIEW_LATENTS])
     assert head.shape[2] == PREVIEW_LATENTS * cfg.temporal_ratio
     with pytest.raises(ValueError, match="expected latents"):

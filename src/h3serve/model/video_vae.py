@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,9 @@ from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_t
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
 # How `VideoVAE.decode` computes its temporal windows: given `clip(i)` and the count, each window's frames in order.
-WindowRunner = Callable[[Callable[[int], torch.Tensor], int], Iterable[torch.Tensor]]
+# How a decode's tiles are computed: given `tile(u)` (the raw decoded tile u, every window's tiles in order) and
+# their count, yields tile(0), tile(1), ... in order (`VideoVAE.decode_tiles`; several GPUs deal them out).
+TileRunner = Callable[[Callable[[int], torch.Tensor], int], Iterable[torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -517,6 +519,49 @@ def stitch_tiles(
     return canvas
 
 
+@dataclass(frozen=True)
+class TileGrid:
+    """A window's spatial tiles: starts and overlaps in pixels (`split_tiles`), the tile's size in latents, and the
+    canvas; one tile covering it all when untiled."""
+
+    ratio: int
+    starts_y: list[int]
+    overlaps_y: list[int]
+    starts_x: list[int]
+    overlaps_x: list[int]
+    tile_h: int  # latents
+    tile_w: int
+    height: int  # pixels
+    width: int
+
+    @classmethod
+    def of(cls, cfg: VideoVAEConfig, h: int, w: int, tiled: bool) -> TileGrid:
+        r = cfg.spatial_ratio
+        if not tiled:
+            return cls(r, [0], [], [0], [], h, w, h * r, w * r)
+        # Tiles are laid out in pixels and mapped back onto the latent grid.
+        ys, oys = split_tiles(h * r, cfg.tile_size, cfg.tile_overlap_min, r)
+        xs, oxs = split_tiles(w * r, cfg.tile_size, cfg.tile_overlap_min, r)
+        return cls(r, ys, oys, xs, oxs, min(cfg.tile_size, h * r) // r, min(cfg.tile_size, w * r) // r, h * r, w * r)
+
+    @property
+    def count(self) -> int:
+        return len(self.starts_y) * len(self.starts_x)
+
+    def latents(self, z: torch.Tensor, k: int) -> torch.Tensor:
+        """Tile k's latents (row-major)."""
+        i, j = divmod(k, len(self.starts_x))
+        y, x = self.starts_y[i] // self.ratio, self.starts_x[j] // self.ratio
+        return z[..., y : y + self.tile_h, x : x + self.tile_w]
+
+    def stitch(self, tiles: Iterator[torch.Tensor]) -> torch.Tensor:
+        """The next `count` tiles of `tiles` (row-major, float32) blended into one canvas (`stitch_tiles`)."""
+        if self.count == 1:
+            return next(tiles)
+        return stitch_tiles(lambda _i, _j: next(tiles), self.starts_y, self.overlaps_y, self.starts_x,
+                            self.overlaps_x, self.height, self.width)  # fmt: skip
+
+
 PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics over [0, 1]
 PIXEL_STD = (0.229, 0.224, 0.225)
 
@@ -635,23 +680,15 @@ class VideoVAE(nn.Module):
         return self._decode_clip(z.float(), self.cfg.decoder_tiling if tiled is None else tiled, autocast_dtype)
 
     def _decode_clip(self, z: torch.Tensor, tiled: bool, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-        def run_untiled(zt: torch.Tensor) -> torch.Tensor:
-            with _autocast(zt.device, autocast_dtype):
-                return self.decoder(self.post_quant_conv(zt))
+        grid = TileGrid.of(self.cfg, z.shape[-2], z.shape[-1], tiled)
+        tiles = (self._decode_tile(z, grid, k, autocast_dtype) for k in range(grid.count))
+        return grid.stitch(tiles)
 
-        if not tiled:
-            return run_untiled(z).float()
-        cfg, r = self.cfg, self.cfg.spatial_ratio
-        h, w = z.shape[-2] * r, z.shape[-1] * r
-        # Tiles are laid out in pixels and mapped back onto the latent grid.
-        ys, oys = split_tiles(h, cfg.tile_size, cfg.tile_overlap_min, r)
-        xs, oxs = split_tiles(w, cfg.tile_size, cfg.tile_overlap_min, r)
-        th, tw = min(cfg.tile_size, h) // r, min(cfg.tile_size, w) // r
-
-        def run(i: int, j: int) -> torch.Tensor:
-            return run_untiled(z[..., ys[i] // r : ys[i] // r + th, xs[j] // r : xs[j] // r + tw])
-
-        return stitch_tiles(run, ys, oys, xs, oxs, h, w)
+    def _decode_tile(self, z: torch.Tensor, grid: TileGrid, k: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+        """Tile k (row-major) of a window's latents `z`, decoded alone: float32 pixels."""
+        zt = grid.latents(z, k)
+        with _autocast(zt.device, autocast_dtype):
+            return self.decoder(self.post_quant_conv(zt)).float()
 
     @torch.no_grad()
     def decode(
@@ -661,7 +698,7 @@ class VideoVAE(nn.Module):
         tiled: bool | None = None,
         autocast_dtype: torch.dtype | None = None,
         on_window: Callable[[int, int], None] | None = None,
-        run_windows: WindowRunner | None = None,
+        run_tiles: TileRunner | None = None,
     ) -> torch.Tensor:
         """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
 
@@ -669,11 +706,14 @@ class VideoVAE(nn.Module):
         the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
         `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
         frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
-        may raise from it to stop the decode). `run_windows(clip, n)`: how the windows are computed, yielding each
-        window's `clip(i)` in order (the default calls `clip` for each in turn; several GPUs deal them out).
+        may raise from it to stop the decode). `run_tiles(tile, n)`: how the tiles of every window are computed,
+        yielding `tile(u)` in order (`decode_tiles`; the default computes each in turn; several GPUs deal them out).
         """
         cfg = self.cfg
-        windows, clip = self.decode_windows(z, tiled=tiled, autocast_dtype=autocast_dtype)
+        windows, grid, tile = self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype)
+        tiles = iter(
+            map(tile, range(windows * grid.count)) if run_tiles is None else run_tiles(tile, windows * grid.count)
+        )
         num_frames = cfg.decode_plan(z.shape[2])[2]
         chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
         span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
@@ -688,8 +728,8 @@ class VideoVAE(nn.Module):
             pos += n
 
         carry: torch.Tensor | None = None  # the previous window's frames that overlap this window's first frames
-        clips = map(clip, range(windows)) if run_windows is None else run_windows(clip, windows)
-        for i, part in enumerate(clips):
+        for i in range(windows):
+            part = grid.stitch(tiles)  # this window's tiles, the next `grid.count` of them
             head = part[:, :, :span][:, :, cfg.frame_pre_padding :]
             after = part[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone() if cfg.token_drop > 0 else None
             if carry is not None:
@@ -704,11 +744,13 @@ class VideoVAE(nn.Module):
         assert pos == num_frames, (pos, num_frames)
         return out
 
-    def decode_windows(
+    def decode_tiles(
         self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
-    ) -> tuple[int, Callable[[int], torch.Tensor]]:
-        """The temporal windows `decode` cross-fades: their count and `clip(i)`, window i's decoded frames (each
-        window reads `chunk + token_overlap` latents and is computed alone)."""
+    ) -> tuple[int, TileGrid, Callable[[int], torch.Tensor]]:
+        """The temporal windows `decode` cross-fades and their spatial tiles: the window count, the tile grid (the
+        same for every window) and `tile(u)`, tile u (window u // grid.count, then row-major) decoded alone. Each
+        window reads `chunk + token_overlap` latents; every tile is computed on its own, so any process may compute
+        any of them (`TileRunner`)."""
         cfg = self.cfg
         self._check_decode(z, autocast_dtype)
         tiled = cfg.decoder_tiling if tiled is None else tiled
@@ -717,11 +759,14 @@ class VideoVAE(nn.Module):
         if pad:
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
         chunk = cfg.tokens_chunk_size
+        grid = TileGrid.of(cfg, z.shape[-2], z.shape[-1], tiled)
 
-        def clip(i: int) -> torch.Tensor:
-            return self._decode_clip(z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap], tiled, autocast_dtype)
+        def tile(u: int) -> torch.Tensor:
+            i = u // grid.count
+            window = z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap]
+            return self._decode_tile(window, grid, u % grid.count, autocast_dtype)
 
-        return windows, clip
+        return windows, grid, tile
 
 
 def posterior_sample(

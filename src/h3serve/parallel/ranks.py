@@ -115,16 +115,18 @@ class Ranks:
 
     def decode_video(self, vae, video_rows, layout, autocast, on_window) -> np.ndarray | None:
         if self.lead:
-            return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_windows))
-        windows, clip = vae.decode_windows(video_latents(vae, video_rows, layout), autocast_dtype=autocast)
+            return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_tiles))
+        windows, grid, tile = vae.decode_tiles(video_latents(vae, video_rows, layout), autocast_dtype=autocast)
         g = self.group
-        for first in range(0, windows, g.size):
-            if first + g.rank < windows:
-                part = clip(first + g.rank)
-                g.send(torch.tensor(part.shape, dtype=torch.int64, device=part.device), 0)
-                g.send(part, 0)
-            for i in range(first, min(first + g.size, windows)):
-                on_window(i + 1, windows)  # the same check points as rank 0's decode
+        for window in range(windows):
+            # Tiles are dealt round-robin over every window's tiles in order (`_lead_tiles`): this rank's of this
+            # window computed and sent to rank 0, then the same check point as rank 0's after the window.
+            for u in range(window * grid.count, (window + 1) * grid.count):
+                if u % g.size == g.rank:
+                    part = tile(u)
+                    g.send(torch.tensor(part.shape, dtype=torch.int64, device=part.device), 0)
+                    g.send(part, 0)
+            on_window(window + 1, windows)
         return self._agreed(None)
 
     def decode_audio(self, vae, audio_rows, layout) -> np.ndarray | None:
@@ -152,16 +154,17 @@ class Ranks:
             out.index_copy_(0, rows, part.view(-1, width))
         return out
 
-    def _lead_windows(self, clip: Callable[[int], torch.Tensor], windows: int) -> Iterator[torch.Tensor]:
-        """Rank 0's decode windows: its own computed, the others' received, in window order (round-robin)."""
+    def _lead_tiles(self, tile: Callable[[int], torch.Tensor], count: int) -> Iterator[torch.Tensor]:
+        """Rank 0's decode tiles, every window's in order: tile u is rank u % size's, its own computed, the others'
+        received (each tile is decoded alone, so the bits are the same whichever rank computes it)."""
         g = self.group
-        for first in range(0, windows, g.size):
-            own = clip(first)
-            parts = [own]
-            for r in range(1, min(g.size, windows - first)):
-                shape = g.recv(torch.empty(own.ndim, dtype=torch.int64, device=own.device), r)
-                parts.append(g.recv(own.new_empty(tuple(shape.tolist())), r))
-            yield from parts
+        for u in range(count):
+            owner = u % g.size
+            if owner == 0:
+                yield tile(u)
+            else:
+                shape = g.recv(torch.empty(5, dtype=torch.int64, device=g.device), owner)
+                yield g.recv(torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=g.device), owner)
 
 
 def _picks(indices: torch.Tensor, ranges: list[tuple[int, int]], device: torch.device) -> Picks:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from h3serve.model.audio_vae import AudioVAE
-from h3serve.model.video_vae import VideoVAE, WindowRunner
+from h3serve.model.video_vae import TileRunner, VideoVAE
 from h3serve.pipeline.layout import PackedLayout, audio_rows_to_latents, unpatchify_video
 
 
@@ -31,16 +31,16 @@ def decode_video(
     layout: PackedLayout,
     autocast: torch.dtype | None = None,
     on_window: Callable[[int, int], None] | None = None,
-    run_windows: WindowRunner | None = None,
+    run_tiles: TileRunner | None = None,
 ) -> np.ndarray:
     """video_rows: every video row of the layout, keyframe rows first (as the denoise loop returns them).
 
     autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
-    on_window(done, total): called after each temporal decode window; run_windows: how the windows are computed
+    on_window(done, total): called after each temporal decode window; run_tiles: how the windows' tiles are computed
     (`VideoVAE.decode`). Returns (F, H, W, 3) uint8 RGB.
     """
     z = video_latents(vae, video_rows, layout)
-    pixels = vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_windows=run_windows)  # (1, 3, F, H, W)
+    pixels = vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_tiles=run_tiles)  # (1, 3, F, H, W)
     if not torch.isfinite(pixels).all():
         raise RuntimeError("the video decoder produced non-finite pixels (NaN or inf)")
     return vae.output_to_rgb(pixels)[0].cpu().numpy()
