@@ -94,6 +94,21 @@ def test_a_split_render_is_bit_for_bit_the_one_process_render(one, two, four, ta
         assert mp4_bytes(result) == mp4_bytes(reference)
 
 
+def test_a_split_render_hands_a_sink_its_audio_then_its_frames_whole(two, tmp_path):
+    """`ParallelEngine` with `RenderContext.frames_to`: rank 0's frames reach the parent whole, so the sink gets the
+    audio and then every frame at once; the MP4 is the bytes of the array's."""
+    from h3serve.media.mp4 import Mp4Writer, write_mp4
+
+    request = two.validate(PROMPT, **REQUESTS["t2va"])
+    whole = two.render(request)
+    writer = Mp4Writer(tmp_path / "streamed.mp4")
+    streamed = two.render(request, RenderContext(frames_to=writer))
+    writer.finish()
+    assert streamed.frames is None and writer.frames == len(whole.frames)
+    write_mp4(tmp_path / "whole.mp4", whole.frames, whole.audio, fps=whole.fps, sample_rate=whole.sample_rate)
+    assert (tmp_path / "streamed.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+
+
 def test_rows_are_split_in_contiguous_near_even_ranges():
     assert row_ranges(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert row_ranges(8, 2) == [(0, 4), (4, 8)]

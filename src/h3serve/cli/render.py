@@ -202,7 +202,7 @@ def _request_error(err: ValueError, args: argparse.Namespace) -> str:
     return str(err)
 
 
-def _render(engine, request, progress: bool, preview_dir: Path | None = None):
+def _render(engine, request, progress: bool, preview_dir: Path | None = None, frames_to=None):
     from h3serve.pipeline.context import RenderContext
 
     bar = None
@@ -227,7 +227,7 @@ def _render(engine, request, progress: bool, preview_dir: Path | None = None):
         else:
             print(line, file=sys.stderr)
 
-    ctx = RenderContext(on_preview=on_preview if preview_dir is not None else None)
+    ctx = RenderContext(on_preview=on_preview if preview_dir is not None else None, frames_to=frames_to)
     try:
         return engine.render(request, ctx, on_step=on_step)
     finally:
@@ -236,7 +236,7 @@ def _render(engine, request, progress: bool, preview_dir: Path | None = None):
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    # From the first import on: a SIGTERM anywhere in the render unwinds like Ctrl-C, through write_mp4's cleanup.
+    # From the first import on: a SIGTERM anywhere in the render unwinds like Ctrl-C, through the MP4 writer's cleanup.
     with sigterm_raises():
         return _run_render(args)
 
@@ -244,7 +244,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def _run_render(args: argparse.Namespace) -> int:
     import_held("h3serve.pipeline.engine", "h3serve.media.mp4")
     from h3serve import startup
-    from h3serve.media.mp4 import write_mp4
+    from h3serve.media.mp4 import Mp4Writer
     from h3serve.pipeline.engine import STAGES
 
     # 1. Everything the user gave, checked before any weight loads: the settings, the inputs, the start (the same
@@ -299,7 +299,12 @@ def _run_render(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    # 2. Load and render.
+    # 2. Load and render, each decode window's frames encoded as they come (atomically: a temporary name renamed
+    # when complete, removed on any failure).
+    try:
+        writer = Mp4Writer(args.output, threads=settings.encoder_threads)
+    except (ValueError, OSError) as err:
+        raise CliError(f"--output {args.output}: {err}") from err
     start = time.perf_counter()
     with refusals():
         engine = startup.launch(plan)
@@ -307,21 +312,18 @@ def _run_render(args: argparse.Namespace) -> int:
     if plan.adapters:
         print(f"adapters merged in {engine.merge_seconds:.2f}s (part of the load)", file=sys.stderr)
     try:
-        result = _render(engine, request, progress=not args.no_progress, preview_dir=args.preview_dir)
+        result = _render(engine, request, progress=not args.no_progress, preview_dir=args.preview_dir,
+                         frames_to=writer)  # fmt: skip
+    except BaseException as err:
+        writer.abort(err)
+        raise
     finally:
         engine.close()
 
-    # 3. Encode (atomically: a temporary name renamed when complete).
+    # 3. What the encoder had left once the decode ended.
     encode_start = time.perf_counter()
     try:
-        write_mp4(
-            args.output,
-            result.frames,
-            result.audio,
-            fps=result.fps,
-            sample_rate=result.sample_rate,
-            threads=settings.encoder_threads,
-        )
+        writer.finish()
     except (ValueError, OSError) as err:
         raise CliError(f"--output {args.output}: {err}") from err
     encode_s = time.perf_counter() - encode_start
@@ -334,11 +336,11 @@ def _run_render(args: argparse.Namespace) -> int:
         cache_note = (
             f" | step cache (lossy): {len(cached)} of {result.step_cache.forwards} forwards cached {list(cached)}"
         )
-    frames = result.frames
     print(
-        f"wrote {args.output}: {frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]} at {result.fps} fps, "
+        f"wrote {args.output}: {writer.frames} frames {request.width}x{request.height} at {result.fps} fps, "
         f"{result.audio.shape[1] / result.sample_rate:.2f} s stereo {result.sample_rate} Hz | load {load_s:.2f}s "
-        f"{stages} encode {encode_s:.2f}s total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
+        f"{stages} encode {encode_s:.2f}s (after the decode) "
+        f"total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
         file=sys.stderr,
     )
     return 0

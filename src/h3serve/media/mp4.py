@@ -20,9 +20,11 @@ import hashlib
 import heapq
 import math
 import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -65,7 +67,7 @@ _AVCOL_RANGE_MPEG = 1
 
 def write_mp4(
     path: str | os.PathLike[str],
-    frames: np.ndarray | torch.Tensor,
+    frames: np.ndarray | torch.Tensor | FrameStream,
     audio: np.ndarray | torch.Tensor,
     *,
     fps: int = FPS,
@@ -75,6 +77,7 @@ def write_mp4(
     check: Callable[[], None] | None = None,
 ) -> Path:
     """Encode `frames` (F, H, W, 3) uint8 RGB and `audio` (2, N) float32 in [-1, 1] to an MP4 at `path`.
+    `frames` may be a `FrameStream` (the frames in chunks as they are made): the same bytes as the whole array.
 
     The file is written under a temporary name in the destination folder and renamed over `path` only when
     complete, so a reader never sees a partial file; on any error (a full disk, a file-size limit, a cancel) the
@@ -83,7 +86,7 @@ def write_mp4(
     """
     dest = Path(path)
     check_settings(fps, sample_rate, crf, threads)
-    video = _check_frames(frames)  # (F, H, W, 3) uint8
+    video = frames if isinstance(frames, FrameStream) else FrameStream.of(_check_frames(frames))
     pcm = _check_audio(audio)  # (2, N) float32
     _check_destination(dest)
 
@@ -123,7 +126,7 @@ def encode_mp4(
     `moov` to the front, which an in-memory object does not have.
     """
     check_settings(fps, sample_rate, crf, threads)
-    video, pcm = _check_frames(frames), _check_audio(audio)
+    video, pcm = FrameStream.of(_check_frames(frames)), _check_audio(audio)
     with tempfile.TemporaryDirectory(prefix="h3serve-mp4-") as folder:
         tmp = Path(folder) / "out.mp4"
         with open(tmp, "xb+") as out:
@@ -134,7 +137,7 @@ def encode_mp4(
 
 def _encode(
     fh: BinaryIO,
-    video: np.ndarray,
+    video: FrameStream,
     pcm: np.ndarray,
     *,
     fps: int,
@@ -145,7 +148,7 @@ def _encode(
 ) -> None:
     container = av.open(fh, mode="w", format="mp4", options={"movflags": "+faststart"})
     try:
-        vstream = _add_video_stream(container, video.shape[2], video.shape[1], fps, crf, threads)
+        vstream = _add_video_stream(container, video.width, video.height, fps, crf, threads)
         astream = _add_audio_stream(container, sample_rate)
         # Feed both encoders in presentation order. Feeding all video first would make the muxer give up
         # waiting for audio after its 10 s interleave window and write long unmixed runs, which a player
@@ -199,8 +202,8 @@ def _add_audio_stream(container: av.container.OutputContainer, sample_rate: int)
     return stream
 
 
-def _video_frames(video: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
-    for i, rgb in enumerate(video):  # (H, W, 3)
+def _video_frames(video: FrameStream, fps: int) -> Iterator[av.VideoFrame]:
+    for i, rgb in enumerate(frame for chunk in video for frame in chunk):  # (H, W, 3)
         frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
         frame = frame.reformat(
             format="yuv420p", src_colorspace=_COLORSPACE, dst_colorspace=_COLORSPACE, dst_color_range=_YUV_RANGE
@@ -220,6 +223,142 @@ def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
         frame.pts = start
         frame.time_base = Fraction(1, sample_rate)
         yield frame
+
+
+class FrameStream:
+    """Frames of one size arriving in chunks ((n, H, W, 3) uint8 RGB, in order) from another thread: `put` each,
+    then `close` (or `fail`, which makes the reader raise). Iterating yields the chunks, waiting for each; `put` waits
+    while `depth` chunks are unread, so a slow encoder holds the producer back instead of the host filling up.
+    `of(frames)`: a whole array as one closed chunk."""
+
+    def __init__(self, width: int, height: int, depth: int = 2):
+        if not (_is_int(width) and _is_int(height)) or height < 2 or width < 2 or height % 2 or width % 2:
+            raise ValueError(f"frames height and width must be even and >= 2 for yuv420p, got H={height} W={width}")
+        self.width, self.height = width, height
+        self._chunks: queue.Queue = queue.Queue(maxsize=depth)
+        self.frames = 0  # put so far
+
+    @classmethod
+    def of(cls, frames: np.ndarray) -> FrameStream:
+        stream = cls(frames.shape[2], frames.shape[1], depth=2)  # the chunk and the end
+        stream.put(frames)
+        stream.close()
+        return stream
+
+    def put(self, chunk: np.ndarray, timeout: float | None = None) -> None:
+        """Queue a chunk, waiting while `depth` are unread (queue.Full after `timeout` seconds, if given)."""
+        if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[1:] != (self.height, self.width, 3):
+            raise ValueError(f"a chunk of frames must be uint8 (n, {self.height}, {self.width}, 3), got "
+                             f"{chunk.dtype} {tuple(chunk.shape)}")  # fmt: skip
+        self._chunks.put(chunk, timeout=timeout)
+        self.frames += len(chunk)
+
+    def close(self, timeout: float | None = None) -> None:
+        """The last chunk was put (queue.Full after `timeout` seconds while `depth` are unread, if given)."""
+        self._chunks.put(_END, timeout=timeout)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with `error`, raised in the reader (the encode stops and its file is removed). Never
+        waits: unread chunks are dropped to make room."""
+        while True:
+            try:
+                self._chunks.put_nowait(_Failed(error))
+                return
+            except queue.Full:
+                with contextlib.suppress(queue.Empty):
+                    self._chunks.get_nowait()
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        seen = 0
+        while True:
+            chunk = self._chunks.get()
+            if chunk is _END:
+                if seen == 0:
+                    raise ValueError("frames is empty: need at least 1 frame, got shape (0, ...)")
+                return
+            if isinstance(chunk, _Failed):
+                raise chunk.error
+            seen += len(chunk)
+            yield chunk
+
+
+_END = object()
+
+
+class Mp4Writer:
+    """`write_mp4` on a thread of its own, fed frames while they are made (a render's `FrameSink`): `begin` with the
+    audio and the frame size starts the encode, `put` hands it each chunk of frames in order (waiting while the
+    encoder is two chunks behind), `finish` waits for the complete file; `abort` stops it and removes the partial
+    file. The bytes are those of `write_mp4` over the whole array. The settings and the destination are checked when
+    it is made, before anything renders."""
+
+    def __init__(self, path: str | os.PathLike[str], *, crf: int = DEFAULT_CRF, threads: int = DEFAULT_THREADS):
+        check_settings(FPS, SAMPLE_RATE, crf, threads)
+        self.path = Path(path)
+        _check_destination(self.path)
+        self.crf, self.threads = crf, threads
+        self._stream: FrameStream | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def frames(self) -> int:
+        return 0 if self._stream is None else self._stream.frames
+
+    def begin(self, audio: np.ndarray, sample_rate: int, fps: int, width: int, height: int) -> None:
+        if self._thread is not None:
+            raise RuntimeError("this writer has begun already")
+        check_settings(fps, sample_rate, self.crf, self.threads)
+        pcm = _check_audio(audio)
+        self._stream = stream = FrameStream(width, height)
+        kwargs = {"fps": fps, "sample_rate": sample_rate, "crf": self.crf, "threads": self.threads}
+
+        def run() -> None:
+            try:
+                write_mp4(self.path, stream, pcm, **kwargs)
+            except BaseException as err:  # handed to the render's thread at its next put or at finish
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name="h3serve-mp4", daemon=True)
+        self._thread.start()
+
+    def put(self, frames: np.ndarray) -> None:
+        if self._stream is None:
+            raise RuntimeError("begin the writer before putting frames")
+        while True:
+            if self._error is not None:
+                raise self._error
+            try:
+                self._stream.put(frames, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> Path:
+        """Wait for the encode to end; its error, if it failed. Returns the path."""
+        if self._stream is None or self._thread is None:
+            raise RuntimeError("the writer never began: no frames were rendered")
+        while self._thread.is_alive():  # an encoder that died leaves its chunks unread: do not wait on them
+            try:
+                self._stream.close(timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def abort(self, error: BaseException) -> None:
+        """Stop the encode (the partial file is removed, an existing file at the path kept)."""
+        if self._stream is not None and self._thread is not None:
+            self._stream.fail(error)
+            self._thread.join()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
 
 
 # ---------------------------------------------------------------------------------------------------------

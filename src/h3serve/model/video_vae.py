@@ -699,7 +699,8 @@ class VideoVAE(nn.Module):
         autocast_dtype: torch.dtype | None = None,
         on_window: Callable[[int, int], None] | None = None,
         run_tiles: TileRunner | None = None,
-    ) -> torch.Tensor:
+        on_frames: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
         """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
 
         The release decodes on the GPU under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`, which
@@ -708,6 +709,8 @@ class VideoVAE(nn.Module):
         frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
         may raise from it to stop the decode). `run_tiles(tile, n)`: how the tiles of every window are computed,
         yielding `tile(u)` in order (`decode_tiles`; the default computes each in turn; several GPUs deal them out).
+        `on_frames(pixels)`: each run of frames as it is final (after its cross-fade), (B, 3, n, H, W) float32, which
+        it may change in place; the decode then holds one window at a time and returns None.
         """
         cfg = self.cfg
         windows, grid, tile = self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype)
@@ -718,13 +721,18 @@ class VideoVAE(nn.Module):
         chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
         span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
         r = cfg.spatial_ratio
-        out = z.new_empty(z.shape[0], cfg.out_channels, num_frames, z.shape[3] * r, z.shape[4] * r)
+        out = None
+        if on_frames is None:
+            out = z.new_empty(z.shape[0], cfg.out_channels, num_frames, z.shape[3] * r, z.shape[4] * r)
         pos = 0
 
         def emit(part: torch.Tensor) -> None:
             nonlocal pos
             n = min(part.shape[2], num_frames - pos)
-            out[:, :, pos : pos + n] = part[:, :, :n]
+            if out is None:
+                on_frames(part[:, :, :n])
+            else:
+                out[:, :, pos : pos + n] = part[:, :, :n]
             pos += n
 
         carry: torch.Tensor | None = None  # the previous window's frames that overlap this window's first frames

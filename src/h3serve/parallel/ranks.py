@@ -113,7 +113,9 @@ class Ranks:
 
         return model
 
-    def decode_video(self, vae, video_rows, layout, autocast, on_window) -> np.ndarray | None:
+    def decode_video(self, vae, video_rows, layout, autocast, on_window, on_frames=None) -> np.ndarray | None:
+        if on_frames is not None:  # the parent holds the sink; rank 0's frames reach it whole (`ParallelEngine`)
+            raise ValueError("a split render's frames cannot stream to an encoder: they reach the parent whole")
         if self.lead:
             return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_tiles))
         windows, grid, tile = vae.decode_tiles(video_latents(vae, video_rows, layout), autocast_dtype=autocast)

@@ -169,10 +169,18 @@ class ParallelEngine:
         on_step: Callable[[int, int], None] | None = None,
     ) -> RenderResult:
         """`Engine.render` over the workers: progress and `on_step` from rank 0, a cancel reaches every rank at its
-        next check point; a failed rank's message is raised as WorkerError."""
-        payload = self.pool.run("render", request, ctx or RenderContext(), on_step)[0]
+        next check point; a failed rank's message is raised as WorkerError. A `ctx.frames_to` gets the audio and
+        then the frames whole when the render ends (rank 0's come through shared memory, not window by window)."""
+        ctx = ctx or RenderContext()
+        payload = self.pool.run("render", request, ctx, on_step)[0]
+        frames = payload["frames"].numpy()
+        if ctx.frames_to is not None:
+            ctx.frames_to.begin(payload["audio"].numpy(), payload["sample_rate"], payload["fps"], request.width,
+                                request.height)  # fmt: skip
+            ctx.frames_to.put(frames)
+            frames = None
         return RenderResult(
-            frames=payload["frames"].numpy(),
+            frames=frames,
             audio=payload["audio"].numpy(),
             sample_rate=payload["sample_rate"],
             fps=payload["fps"],

@@ -11,7 +11,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class RenderCancelled(Exception):
@@ -32,14 +35,30 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
+class FrameSink(Protocol):
+    """Where a render's frames go as they are decoded (`media.mp4.Mp4Writer`): `begin` with the decoded audio and the
+    frame size, then `put` with each run of final frames ((n, H, W, 3) uint8 RGB), in order."""
+
+    def begin(self, audio: np.ndarray, sample_rate: int, fps: int, width: int, height: int) -> None: ...
+
+    def put(self, frames: np.ndarray) -> None: ...
+
+
 class RenderContext:
     """Passed through one render. `cancel()` may be called from any thread; the render stops at its next check."""
 
-    def __init__(self, on_progress: ProgressCallback | None = None, on_preview: Callable[[Any], None] | None = None):
+    def __init__(
+        self,
+        on_progress: ProgressCallback | None = None,
+        on_preview: Callable[[Any], None] | None = None,
+        frames_to: FrameSink | None = None,
+    ):
         self._cancelled = threading.Event()
         self._reason = ""
         self.on_progress = on_progress
         self.on_preview = on_preview  # takes each `pipeline.preview.Preview` a request asked for (None: none are made)
+        # Takes the video's frames as each decode window's are final (the result then holds none), the audio first.
+        self.frames_to = frames_to
 
     def cancel(self, reason: str = "cancelled") -> None:
         if not self._cancelled.is_set():

@@ -32,18 +32,33 @@ def decode_video(
     autocast: torch.dtype | None = None,
     on_window: Callable[[int, int], None] | None = None,
     run_tiles: TileRunner | None = None,
-) -> np.ndarray:
+    on_frames: Callable[[np.ndarray], None] | None = None,
+) -> np.ndarray | None:
     """video_rows: every video row of the layout, keyframe rows first (as the denoise loop returns them).
 
     autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
     on_window(done, total): called after each temporal decode window; run_tiles: how the windows' tiles are computed
-    (`VideoVAE.decode`). Returns (F, H, W, 3) uint8 RGB.
+    (`VideoVAE.decode`). Returns (F, H, W, 3) uint8 RGB; with `on_frames`, hands it each decode window's final frames
+    ((n, H, W, 3) uint8, in order) as they are made instead, and returns None: neither the device nor the host holds
+    the whole video then. A non-finite pixel fails the decode in either case (streamed: at its window).
     """
     z = video_latents(vae, video_rows, layout)
+    if on_frames is not None:
+
+        def hand(pixels: torch.Tensor) -> None:
+            _check_pixels(pixels)
+            on_frames(vae.output_to_rgb(pixels)[0].cpu().numpy())
+
+        vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_tiles=run_tiles, on_frames=hand)
+        return None
     pixels = vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_tiles=run_tiles)  # (1, 3, F, H, W)
+    _check_pixels(pixels)
+    return vae.output_to_rgb(pixels)[0].cpu().numpy()
+
+
+def _check_pixels(pixels: torch.Tensor) -> None:
     if not torch.isfinite(pixels).all():
         raise RuntimeError("the video decoder produced non-finite pixels (NaN or inf)")
-    return vae.output_to_rgb(pixels)[0].cpu().numpy()
 
 
 def video_latents(vae: VideoVAE, video_rows: torch.Tensor, layout: PackedLayout) -> torch.Tensor:

@@ -67,7 +67,7 @@ STAGES = {"text": 4, "keyframes": 2, "layout": 1, "tables": 1, "denoise": 79, "v
 
 @dataclass
 class RenderResult:
-    frames: np.ndarray  # (F, H, W, 3) uint8 RGB
+    frames: np.ndarray | None  # (F, H, W, 3) uint8 RGB; None when they went to `RenderContext.frames_to`
     audio: np.ndarray  # (2, N) float32 in [-1, 1]
     sample_rate: int
     fps: int
@@ -345,18 +345,26 @@ class Engine:
             finally:
                 cache_report = cache.end_request() if cache is not None else None
         check_finite(video_rows, audio_rows)
-        with self._stage(timings, "video", ctx), self._video_vae(True):
-            autocast = self.profile.vae_autocast_dtype
-            report = lambda i, n: ctx.report("video", i, n)  # noqa: E731
-            frames = spread.decode_video(components.video_vae, video_rows, layout, autocast, report)
-        with self._stage(timings, "audio", ctx):
-            audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
+        sink, sample_rate = ctx.frames_to, components.audio_vae.cfg.sampling_rate
+        autocast = self.profile.vae_autocast_dtype
+        report = lambda i, n: ctx.report("video", i, n)  # noqa: E731
+        if sink is None:
+            with self._stage(timings, "video", ctx), self._video_vae(True):
+                frames = spread.decode_video(components.video_vae, video_rows, layout, autocast, report)
+            with self._stage(timings, "audio", ctx):
+                audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
+        else:  # frames streamed to the encoder as they are decoded: the audio first (the encoder interleaves it)
+            with self._stage(timings, "audio", ctx):
+                audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
+            sink.begin(audio, sample_rate, FPS, request.width, request.height)
+            with self._stage(timings, "video", ctx), self._video_vae(True):
+                frames = spread.decode_video(components.video_vae, video_rows, layout, autocast, report, sink.put)
         ctx.check()
         timings["total"] = time.perf_counter() - start
         return RenderResult(
             frames=frames,
             audio=audio,
-            sample_rate=components.audio_vae.cfg.sampling_rate,
+            sample_rate=sample_rate,
             fps=FPS,
             request=request,
             timings=timings,

@@ -49,6 +49,7 @@ class Spread(Protocol):
         layout: PackedLayout,
         autocast: torch.dtype | None,
         on_window: WindowCallback,
+        on_frames: Callable[[np.ndarray], None] | None = None,
     ) -> np.ndarray | None: ...
 
     def decode_audio(self, vae: AudioVAE, audio_rows: torch.Tensor, layout: PackedLayout) -> np.ndarray | None: ...
@@ -64,8 +65,8 @@ class OneDevice:
     def bind(self, dit, layout, text_states, tables) -> ModelFn:
         return bind_model(dit, layout, text_states, tables)
 
-    def decode_video(self, vae, video_rows, layout, autocast, on_window) -> np.ndarray:
-        return decode_video(vae, video_rows, layout, autocast, on_window)
+    def decode_video(self, vae, video_rows, layout, autocast, on_window, on_frames=None) -> np.ndarray | None:
+        return decode_video(vae, video_rows, layout, autocast, on_window, on_frames=on_frames)
 
     def decode_audio(self, vae, audio_rows, layout) -> np.ndarray:
         return decode_audio(vae, audio_rows, layout)
