@@ -10,8 +10,9 @@ Variants, each timed with CUDA events (warm-up, then `--iters`), its peak memory
   layout     today's decode with the plain passes: blends written in place, the patch layout copied to float32 once
   +residual, +swiglu, +qk   layout with the Triton passes added one at a time (`accel.vae.decoder_passes`)
   all        every Triton pass (what the engine runs on CUDA)
-Then a kernel profile (torch.profiler) of `before` and `all` at the default request, by category (GEMM, attention,
-copies (casts, concatenations, layout), other element-wise, other); the time of one preview-sized window
+Then a kernel profile (torch.profiler) of `before` and `all` over one decode window of the default request (its 28
+tiles: a whole decode under the profiler ran out of GPU memory on 2026-12-03), by category (GEMM, attention, copies
+(casts, concatenations, layout), other element-wise, other); the time of one preview-sized window
 (`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes); and whether torch's rms_norm
 of a float16 input is bitwise its float32 norm rounded (what a qk pass without the float32 copy would need).
 """
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import re
 from pathlib import Path
 
 import torch
-from lib.decode_before import decode_before
+from lib.decode_before import decode_before, decode_window_before
 from lib.models import fill_random, released_configs
 from lib.timing import run_header
 
@@ -176,10 +178,23 @@ def main() -> None:
         del reference
         args.out.write_text(json.dumps(result, indent=1))
     if not args.no_profile:
-        t, h, w = SHAPES["default"]
-        z = torch.randn(1, 24, t, h, w, device=device, generator=torch.Generator(device).manual_seed(42))
-        result["profile"] = {name: profile(lambda name=name: runs[name](z)) for name in ("before", "all")}
-        print(json.dumps({k: v["categories_ms"] for k, v in result["profile"].items()}), flush=True)
+        _, h, w = SHAPES["default"]
+        z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(42))
+
+        def window(passes, before: bool):
+            set_decoder_passes(vae, passes)
+            if before:
+                return decode_window_before(vae, z, AUTOCAST)
+            return vae.decode_window(z, autocast_dtype=AUTOCAST)
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        result["profile"] = {
+            "before": profile(lambda: window(REFERENCE_PASSES, True)),
+            "all": profile(lambda: window(decoder_passes(), False)),
+            "what": "one decode window (7 latents, 28 tiles) of the default request",
+        }
+        print(json.dumps({k: result["profile"][k]["categories_ms"] for k in ("before", "all")}), flush=True)
     # Preview-sized windows: the first n latents decoded as one window (`pipeline.preview` decodes 3).
     t, h, w = SHAPES["default"]
     z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(7))
