@@ -44,7 +44,7 @@ def add_accept_parser(sub: argparse._SubParsersAction) -> None:
 BENCHES = (
     "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
     "humming-check", "adaln-tables", "stepcache", "ref2va-smoke", "fused-passes", "text-encoder-fp8",
-    "vae-decode-memory", "lora", "split", "one-box", "load", "start", "plot-scaling", "fa4-check", "offload",
+    "vae-decode-memory", "lora", "split", "one-box", "load", "start", "plot-scaling", "fa4-check", "offload", "decode",
 )  # fmt: skip
 
 
