@@ -326,6 +326,9 @@ def _run_render(args: argparse.Namespace) -> int:
         writer.finish()
     except (ValueError, OSError) as err:
         raise CliError(f"--output {args.output}: {err}") from err
+    except BaseException as err:  # Ctrl-C or SIGTERM while the encoder finishes: stop it, it removes its file
+        writer.abort(err)
+        raise
     encode_s = time.perf_counter() - encode_start
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
     if "previews" in result.timings:
