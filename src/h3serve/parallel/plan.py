@@ -42,3 +42,19 @@ def check_heads(config: DiTConfig, num_gpus: int) -> None:
         raise SettingError(
             "num_gpus", f"{num_gpus}: the DiT's {heads} attention heads do not divide by it (allowed: {allowed})"
         )
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (or `[V6]:PORT`) -> (host, port): a port of 1 to 65534 (PORT+1 is the group's store); ValueError
+    saying what is allowed otherwise."""
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not colon or not host or not port.isdigit() or not HOST_CHARS.issuperset(host):
+        raise ValueError(f"{text!r}: write HOST:PORT (or [V6]:PORT), e.g. 10.0.0.1:29500")
+    if not 1 <= int(port) <= 65534:
+        raise ValueError(f"{text!r}: the port must be 1 to 65534 (PORT+1 is the process group's store)")
+    return host, int(port)
+
+
+HOST_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.:-")
