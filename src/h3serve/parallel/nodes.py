@@ -239,18 +239,19 @@ class Rendezvous:
         self._generation = 0
         self._closed = False
         self._listener = _listen(plan.host, plan.port)
-        # The store binds where we say: torch's own listener would take every interface (and our socket is handed to
-        # it by its descriptor, which must stay open as long as the store lives).
-        self._store_socket = _listen(plan.host, plan.port + 1)
+        # The store binds where we say: torch's own listener would take every interface. Our socket is handed to it
+        # by its descriptor, which the store owns from then on (it closes it).
+        store_socket = _listen(plan.host, plan.port + 1)
         self._store = dist.TCPStore(
             plan.host,
             plan.port + 1,
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=plan.timeout_s),
-            master_listen_fd=self._store_socket.fileno(),
+            master_listen_fd=store_socket.fileno(),
             use_libuv=True,
         )
+        store_socket.detach()
         threading.Thread(target=self._accept, name="h3serve-rendezvous", daemon=True).start()
         threading.Thread(target=self._beat, name="h3serve-node-beat", daemon=True).start()
         log.info("%s", plan.rendezvous_line())
@@ -339,7 +340,6 @@ class Rendezvous:
             link.close()
         self._listener.close()
         del self._store  # the store's server stops with its last reference
-        self._store_socket.close()
 
     # ---- the threads ------------------------------------------------------------------------------------------------
     def _send(self, link: Link, message: dict[str, Any]) -> None:
@@ -497,7 +497,7 @@ def connect(plan: NodePlan) -> tuple[socket.socket, str]:
             raise NodeRefused(plan.node_rank, f"{plan.address} is not an h3serve node 0 (no key proof)")
         expected = proof(plan.key, "lead", plan.node_rank, nonce, lead_nonce)
         if not hmac.compare_digest(given.encode(), expected.encode()):
-            _refuse(sock, f"node {plan.node_rank}: node 0's key is not this node's (H3_NODE_KEY)")
+            _refuse(sock, "the keys differ (H3_NODE_KEY): node 0's proof does not match this node's key")
             raise NodeRefused(plan.node_rank, f"node 0 at {plan.address} does not hold this node's key (H3_NODE_KEY)")
         send(sock, {"proof": proof(plan.key, "join", plan.node_rank, nonce, lead_nonce), "identity": plan.identity})
         answer = receive(sock)
