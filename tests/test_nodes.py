@@ -33,13 +33,16 @@ from h3serve.parallel import nodes
 from h3serve.pipeline.engine import Engine
 from h3serve.vocab import TaskType
 from service_fixtures import live_server, png_bytes, settings, wait_status
-from test_service_ref2va import REF2VA, wav_bytes
+from test_service_ref2va import wav_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = secrets.token_hex(20)
-T2VA = {"prompt": "a lighthouse at dusk, waves below", "num_inference_steps": "4", "seed": "7"}
-REF = {"prompt": "a red ball rolls past a ticking clock", "num_inference_steps": "3", "seed": "5",
-       "extra_params": REF2VA}  # fmt: skip
+# The release's rules apply to a model folder: the tiny canvas and 22 frames are asked for.
+SHAPE = {"width": "224", "height": "128"}
+T2VA = {"prompt": "a lighthouse at dusk, waves below", "num_inference_steps": "4", "seed": "7", **SHAPE,
+        "extra_params": json.dumps({"duration": 0.9})}  # fmt: skip
+REF = {"prompt": "a red ball rolls past a ticking clock", "num_inference_steps": "3", "seed": "5", **SHAPE,
+       "extra_params": json.dumps({"task": "ref2va", "duration": 0.9})}  # fmt: skip
 
 
 def ref_files() -> list:
@@ -257,7 +260,7 @@ def test_node_1_killed_mid_render_fails_it_naming_the_node_and_a_restarted_node_
 ):
     node0, url = pair
     with client(url) as c:
-        long = c.post("/v1/videos", data={**T2VA, "num_inference_steps": "200"}).json()
+        long = c.post("/v1/videos", data={**T2VA, "num_inference_steps": "400"}).json()
         queued = c.post("/v1/videos", data=T2VA).json()  # waits behind it: never lost
         deadline = time.monotonic() + 120
         while c.get(f"/v1/videos/{long['id']}").json()["status"] != "in_progress":
@@ -350,7 +353,8 @@ def test_render_over_two_hosts_writes_the_one_process_mp4(hosts, pair, tmp_path,
         (tmp_path / "ref.png").write_bytes(png_bytes(96, 64, 3))
         (tmp_path / "ref.wav").write_bytes(wav_bytes())
         refs = ["--ref", str(tmp_path / "ref.png"), "--ref", str(tmp_path / "ref.wav")]
-    args = ["render", "a lighthouse at dusk", "--steps", "3", "--seed", "4", "--no-progress", *refs]
+    args = ["render", "a lighthouse at dusk", "--steps", "3", "--seed", "4", "--width", "224", "--height", "128",
+            "--frames", "22", "--no-progress", *refs]  # fmt: skip
     one = hosts.start("one", [*args, "-o", str(tmp_path / "one.mp4")], 0, H3_NNODES="1", H3_DIST_INIT_ADDR=None,
                       H3_NODE_KEY=None, H3_TASK_TYPE=None, H3_NODE_TIMEOUT=None)  # fmt: skip
     assert one.wait(300) == 0, one.log()[-2000:]
