@@ -136,7 +136,8 @@ class Hosts:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
         env["OMP_NUM_THREADS"] = "1"  # each rank at one thread, as the one-process reference (tests/test_parallel)
         base = {"H3_DEVICE": "cpu", "H3_NNODES": "2", "H3_DIST_INIT_ADDR": self.address, "H3_NODE_KEY": KEY,
-                "H3_MODEL": str(self.folders[node]), "H3_TASK_TYPE": "both", "H3_NODE_TIMEOUT": "240"}  # fmt: skip
+                "H3_MODEL": str(self.folders[node]), "H3_TASK_TYPE": "both", "H3_NODE_TIMEOUT": "240",
+                "H3_NODE_GRACE": "5"}  # fmt: skip
         env.update({k: v for k, v in base.items()})
         for name, value in values.items():
             if value is None:
@@ -285,6 +286,33 @@ def test_node_1_killed_mid_render_fails_it_naming_the_node_and_a_restarted_node_
         assert again.status_code == 200 and again.content == reference["t2va"]
     assert node0.proc.poll() is None  # node 0's service never restarted
     assert "node 1 (rank 1) lost" in node0.log()
+
+
+def test_node_1_silent_mid_render_is_lost_after_the_grace_and_rejoins_by_itself_when_it_speaks_again(
+    hosts, pair, reference
+):
+    """SIGSTOP to node 1's whole tree: its connection stays open but says nothing (a link that dropped)."""
+    node0, url = pair
+    node1 = hosts.node1
+    with client(url) as c:
+        long = c.post("/v1/videos", data={**T2VA, "num_inference_steps": "400"}).json()
+        deadline = time.monotonic() + 120
+        while c.get(f"/v1/videos/{long['id']}").json()["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(node1.proc.pid, signal.SIGSTOP)
+        try:
+            failed = wait_status(c, long["id"], {"completed", "failed"}, timeout=120)
+            assert failed["status"] == "failed" and failed["error"]["code"] == "node_lost", failed
+            message = failed["error"]["message"]
+            assert "node 1 (rank 1) lost: no heartbeat for 5 s (H3_NODE_GRACE)" in message, message
+            assert c.get("/health").json()["ready"] is False
+        finally:
+            os.killpg(node1.proc.pid, signal.SIGCONT)
+        wait_ready(url, node0)  # the same node 1 process joined again by itself
+        assert node1.proc.poll() is None and "joining again" in node1.log()
+        again = c.post("/v1/videos/sync", data=T2VA)
+        assert again.status_code == 200 and again.content == reference["t2va"]
 
 
 # ---- the refusals, on both sides ----------------------------------------------------------------------------------
