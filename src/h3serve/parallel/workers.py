@@ -8,6 +8,12 @@ refusal, non-finite latents) fails with that message and the workers stay. A ran
 others waiting in a collective: the parent does not wait for the group's timeout, it ends the render with that
 rank's message, stops every worker and starts them again (`problem` says so meanwhile, and the service is not
 ready). A worker that dies, in a render or idle, does the same; a restart that fails leaves `problem` set.
+
+Over several hosts (`parallel.nodes`) this process is node 0's: it spawns its own GPUs' workers, the other nodes
+spawn theirs (`NodeRanks`) when node 0's rendezvous starts the group, and their events come back over the nodes'
+connections into the same queue. The commands reach rank 0 alone, which broadcasts each to every rank. A node lost
+(its connection closed, or silent for H3_NODE_GRACE) counts as a dead worker: the render fails (`NodeLost`), and the
+restart waits for the node to join again.
 """
 
 from __future__ import annotations
