@@ -81,7 +81,9 @@ def test_the_heads_must_divide_by_every_nodes_gpus():
 
 def test_split_address_reads_host_and_port_and_v6():
     assert split_address("192.168.100.1:29500") == ("192.168.100.1", 29500)
-    assert split_address("[fe80::1]:29500") == ("fe80::1", 29500)
+    assert split_address("spark-0.local:29500") == ("spark-0.local", 29500)
+    with pytest.raises(ValueError, match="IPv6 address is not supported"):
+        split_address("[fe80::1]:29500")
     for bad in ("29500", ":29500", "host:", "a b:1", "h:0"):
         with pytest.raises(ValueError):
             split_address(bad)

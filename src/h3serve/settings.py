@@ -208,9 +208,9 @@ class EngineSettings(BaseModel):
     )
     dist_init_addr: str | None = Field(
         None,
-        description="HOST:PORT of node 0's rendezvous ([v6]:PORT for IPv6): node 0 listens there only (and on PORT+1 "
-        "for the process group's store), the other nodes connect to it; required with H3_NNODES > 1; a non-loopback "
-        "HOST needs H3_ALLOW_REMOTE_NODES",
+        description="HOST:PORT of node 0's rendezvous (an IPv4 address or a host name): node 0 listens there only "
+        "(and on PORT+1 for the process group's store), the other nodes connect to it; required with H3_NNODES > 1; "
+        "a non-loopback HOST needs H3_ALLOW_REMOTE_NODES",
     )
     allow_remote_nodes: bool = Field(
         False,
