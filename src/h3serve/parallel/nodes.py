@@ -16,7 +16,7 @@ A node whose connection closes, or that is silent for H3_NODE_GRACE seconds, is 
 in flight naming it, says so in `problem` (/health), stops its own ranks and waits for the node to join again, then
 starts the group afresh. A joining node that loses node 0 stops its ranks and connects again, for as long as it
 runs. What this does not do: encrypt the ranks' traffic (the store, gloo, NCCL) or authenticate it beyond the
-unguessable per-start prefix: the nodes need a private link.
+unguessable per-start prefix, nor authenticate each message after the handshake: the nodes need a private link.
 
 Messages are JSON objects, each prefixed by its length (4 bytes, big-endian, at most MAX_MESSAGE).
 """
