@@ -56,17 +56,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_free_ports() -> int:
-    """A port P with P and P+1 free on loopback (the rendezvous and the group's store)."""
+def two_free_ports(host: str = "127.0.0.1") -> int:
+    """A port P with P and P+1 free on `host` (the rendezvous and the group's store)."""
     for _ in range(100):
         with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
+            a.bind((host, 0))
             port = a.getsockname()[1]
             if port >= 65534:
                 continue
             with socket.socket() as b:
                 try:
-                    b.bind(("127.0.0.1", port + 1))
+                    b.bind((host, port + 1))
                 except OSError:
                     continue
             return port
@@ -121,15 +121,15 @@ class Node:
 class Hosts:
     """The environment of the two "hosts" and their commands."""
 
-    def __init__(self, tmp: Path, release: Path):
-        self.tmp, self.port = tmp, two_free_ports()
+    def __init__(self, tmp: Path, release: Path, host: str = "127.0.0.1"):
+        self.tmp, self.host, self.port = tmp, host, two_free_ports(host)
         self.folders = {n: shutil.copytree(release, tmp / f"node{n}" / "FL2VA") for n in (0, 1)}
         self.started: list[Node] = []
         self.node1: Node | None = None  # the pair's node 1, as (re)started
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def env(self, node: int, **values: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("H3_")}
@@ -246,14 +246,55 @@ def test_two_hosts_serve_the_one_process_bytes_sync_and_async_and_listen_only_on
             assert c.get(f"/v1/videos/{job['id']}/content").content == reference[name], name
     # Every listening socket of both trees (the service, the rendezvous, the store, each rank's gloo) is on the given
     # loopback address, and the rendezvous and the store are node 0's.
-    listening = {}
-    for proc in node0.tree() + hosts.node1.tree():
-        for conn in proc.net_connections(kind="inet"):
-            if conn.status == psutil.CONN_LISTEN:
-                listening[(conn.laddr.ip, conn.laddr.port)] = proc.pid
+    listening = listeners(node0, hosts.node1)
     assert listening and {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     assert listening[("127.0.0.1", hosts.port)] == node0.proc.pid
     assert listening[("127.0.0.1", hosts.port + 1)] == node0.proc.pid
+
+
+def listeners(*trees: Node) -> dict[tuple[str, int], int]:
+    """Every listening TCP socket of these process trees: (address, port) -> pid."""
+    out = {}
+    for tree in trees:
+        for proc in tree.tree():
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    out[(conn.laddr.ip, conn.laddr.port)] = proc.pid
+    return out
+
+
+def host_address() -> str | None:
+    """This machine's first IPv4 address outside loopback, or None."""
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+@pytest.mark.skipif(host_address() is None, reason="this machine has no IPv4 address outside loopback")
+def test_on_an_address_outside_loopback_every_rank_and_the_rendezvous_listen_there_only(tmp_path, release, reference):
+    """On loopback every listener is on 127.0.0.1 anyway; on the machine's own address the check tells: the
+    rendezvous, the store and every rank's gloo listen on that address alone (none on every interface), the API on
+    its loopback bind."""
+    address = host_address()
+    hosts = Hosts(tmp_path, release, host=address)
+    try:
+        api = free_port()
+        node0 = hosts.serve0(api, H3_ALLOW_REMOTE_NODES="true")
+        node1 = hosts.serve1(H3_ALLOW_REMOTE_NODES="true")
+        url = f"http://127.0.0.1:{api}"
+        wait_ready(url, node0)
+        with client(url) as c:
+            r = c.post("/v1/videos/sync", data=T2VA)
+            assert r.status_code == 200 and r.content == reference["t2va"]
+        listening = listeners(node0, node1)
+        assert listening.pop(("127.0.0.1", api)) == node0.proc.pid
+        assert listening and {ip for ip, _ in listening} == {address}, listening
+        assert {(address, hosts.port), (address, hosts.port + 1)} <= set(listening)
+        assert f"listens on {address}:{hosts.port}" in node0.log()
+    finally:
+        hosts.close()
 
 
 def test_node_1_killed_mid_render_fails_it_naming_the_node_and_a_restarted_node_1_brings_the_bytes_back(
