@@ -235,7 +235,7 @@ class Rendezvous:
         self.sink: Callable[[tuple], None] | None = None
         self._cond = threading.Condition()
         self._links: dict[int, Link] = {}
-        self._lost: dict[int, str] = {}  # node -> why, until it joins again
+        self._lost: dict[int, str] = {}  # node -> why, until the group starts again without it lost
         self._generation = 0
         self._closed = False
         self._listener = _listen(plan.host, plan.port)
@@ -291,6 +291,8 @@ class Rendezvous:
         with self._cond:
             self.sink = sink
             self._generation += 1
+            for node in [n for n in self._lost if n in self._links]:  # back for this start (one lost since stays)
+                del self._lost[node]
             generation = self._generation
             links = list(self._links.values())
         prefix = f"h3serve/{generation}/{secrets.token_hex(16)}"
@@ -308,7 +310,7 @@ class Rendezvous:
             self._send(link, {"stop": True})
 
     def problem(self) -> NodeLost | None:
-        """The first node lost since it joined (its first rank, and why); None if none."""
+        """The first node lost since the group started (its first rank, and why); None if none."""
         with self._cond:
             for node in sorted(self._lost):
                 return NodeLost(node, self.plan.ranks_of(node)[0], self._lost[node])
@@ -422,8 +424,9 @@ class Rendezvous:
                 raise NodeRefused(node, f"a second node {node} from {peer}: {reason}")
             sock.settimeout(None)
             send(sock, {"accepted": {"nnodes": plan.nnodes, "world": plan.world}})
+            # A node lost and back (a quick reconnect) is still lost to the group it left, until the group starts
+            # afresh (`start`): the pool must see the loss to restart it.
             self._links[node] = link
-            self._lost.pop(node, None)
             self._cond.notify_all()
         log.info("%s joined from %s", plan.describe(node), peer)
         return link
