@@ -314,14 +314,16 @@ def test_render_takes_serve_flag_names_and_its_old_names_and_refuses_humming_wit
 
 def test_render_and_serve_share_the_engine_flags():
     from h3serve.cli import build_parser
+    from h3serve.errors import NO_FLAG
     from h3serve.settings import ENGINE_FIELDS, flag_name
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command").choices
     render_flags = {s for a in sub["render"]._actions for s in a.option_strings}
     serve_flags = {s for a in sub["serve"]._actions for s in a.option_strings}
-    engine_flags = {flag_name(f) for f in ENGINE_FIELDS}
+    engine_flags = {flag_name(f) for f in ENGINE_FIELDS if f not in NO_FLAG}  # a key is never a flag (ps shows it)
     assert engine_flags <= render_flags and engine_flags <= serve_flags
+    assert "--node-key" not in render_flags | serve_flags
     assert {"--attention", "--execution", "--linear", "--threads"} <= render_flags
 
 

@@ -401,16 +401,16 @@ def test_unreadable_or_invalid_config_file_refused(tmp_path, name, text, needle)
 # Generated flags -------------------------------------------------------------------------------------------------
 
 
-def test_every_setting_but_the_key_has_a_flag_naming_its_variable():
+def test_every_setting_but_the_keys_has_a_flag_naming_its_variable():
     parser = argparse.ArgumentParser()
     add_flags(parser)
     flags = parser._option_string_actions
-    assert set(CLI_FIELDS) == set(Settings.model_fields) - {"api_key"}
+    assert set(CLI_FIELDS) == set(Settings.model_fields) - {"api_key", "node_key"}
     for field in CLI_FIELDS:
         flag = "--" + field.replace("_", "-")
         assert flag in flags, flag
         assert f"H3_{field.upper()}" in flags[flag].help, flag
-    assert "--api-key" not in flags
+    assert "--api-key" not in flags and "--node-key" not in flags
     text = parser.format_help()
     assert "--video-sync-timeout" in text and "H3_VIDEO_SYNC_TIMEOUT" in text
     assert "--no-startup-warmup" in text

@@ -15,7 +15,7 @@ from pathlib import Path
 
 ENV_PREFIX = "H3_"
 # The key is never a flag: a command line is visible to every user of the host (ps).
-NO_FLAG = frozenset({"api_key"})
+NO_FLAG = frozenset({"api_key", "node_key"})
 # The most characters of a value a message echoes (docs/api.md promises it for the API; the settings keep it too).
 ECHO_CHARS = 80
 # A path is echoed longer: it is the operator's own, and its file name, the part that tells, is at its end. Longer

@@ -191,6 +191,56 @@ class EngineSettings(BaseModel):
         description="GPUs one render is split over (sequence parallel, one worker process per GPU; gloo processes on "
         "cpu); the DiT's attention heads must divide by it (the released DiT's 56: 1, 2, 4, 7, 8)",
     )
+    # Several hosts (SGLang's names: --nnodes, --node-rank, --dist-init-addr) ------------------------------------------
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="hosts one render is split over: node 0 runs the service (or the render) and its ranks, every "
+        "other node runs only its ranks (`h3serve serve --node-rank K`); the ranks are nnodes x H3_NUM_GPUS",
+    )
+    node_rank: int = Field(
+        0,
+        ge=0,
+        le=63,
+        description="this host's node: 0 runs the service and holds ranks 0..H3_NUM_GPUS-1; K > 0 runs ranks "
+        "K x H3_NUM_GPUS onward and no HTTP service",
+    )
+    dist_init_addr: str | None = Field(
+        None,
+        description="HOST:PORT of node 0's rendezvous (an IPv4 address or a host name): node 0 listens there only "
+        "(and on PORT+1 for the process group's store), the other nodes connect to it; required with H3_NNODES > 1; "
+        "a non-loopback HOST needs H3_ALLOW_REMOTE_NODES",
+    )
+    allow_remote_nodes: bool = Field(
+        False,
+        description="allow a non-loopback H3_DIST_INIT_ADDR (a private link between the nodes: the ranks' tensors "
+        "cross it unencrypted)",
+    )
+    node_key: SecretStr | None = Field(
+        None,
+        description="the key every node proves to the others before anything else moves (HMAC challenge-response), 32+ "
+        "characters of [A-Za-z0-9._~-] (environment or config file only, never a flag); required with H3_NNODES > 1",
+    )
+    node_key_file: Path | None = Field(
+        None,
+        description=f"read the nodes' key from this file: a regular file of at most {KEY_FILE_CAP >> 10} KiB, readable "
+        "by its owner only (instead of H3_NODE_KEY)",
+    )
+    node_timeout: int = Field(
+        300,
+        ge=1,
+        le=3600,
+        description="seconds node 0 waits at start for every other node to join (then the start ends naming the "
+        "missing node and the address), and a joining node waits for node 0",
+    )
+    node_grace: int = Field(
+        10,
+        ge=1,
+        le=600,
+        description="seconds without a heartbeat from a node before it counts as lost: its render fails, /health turns "
+        "not ready naming it, and the group is rebuilt when it joins again",
+    )
 
     offload: Offload = Field(
         Offload.AUTO,
@@ -238,6 +288,21 @@ class EngineSettings(BaseModel):
             except ProfileError as err:
                 out[device] = err
         return out
+
+    @property
+    def ranks(self) -> int:
+        """Ranks one render is split over: the GPUs (or gloo processes) of every node."""
+        return self.nnodes * self.num_gpus
+
+    @property
+    def node_secret(self) -> bytes | None:
+        """The nodes' shared key (from node_key or node_key_file), or None. Valid once load_settings returned; the
+        file is read again at each call (SettingError naming node_key_file if it has gone bad since)."""
+        if self.node_key is not None:
+            return self.node_key.get_secret_value().encode()
+        if self.node_key_file is not None:
+            return _read_key_file(self.node_key_file, "node_key_file").encode()
+        return None
 
     def adapter_files(self) -> list[tuple[Path, float]]:
         """The adapter files and their scales from `lora`, in order (valid once load_settings returned)."""
@@ -332,7 +397,7 @@ class Settings(EngineSettings):
         if self.api_key is not None:
             return self.api_key.get_secret_value()
         if self.api_key_file is not None:
-            return _read_key_file(self.api_key_file)
+            return _read_key_file(self.api_key_file, "api_key_file")
         return None
 
     @property
@@ -347,8 +412,9 @@ class Settings(EngineSettings):
         logs at start. `resolve_device=False` leaves an unset device unresolved (resolving it asks torch for CUDA)
         and shows the profile on each device it may resolve to (`device_profiles`)."""
         values = self.model_dump(mode="json")
-        if values["api_key"] is not None:
-            values["api_key"] = REDACTED
+        for secret in ("api_key", "node_key"):
+            if values[secret] is not None:
+                values[secret] = REDACTED
         values["api_auth"] = self.api_key is not None or self.api_key_file is not None
         values["model_id"] = self.model_id
         if not resolve_device and self.device is None:
@@ -502,7 +568,7 @@ def load_settings(
             field = str(e["loc"][0]) if e["loc"] else ""
             failed.add(field)
             got = raw.get(field)
-            echo = REDACTED if field == "api_key" else shown(got)
+            echo = REDACTED if field in ("api_key", "node_key") else shown(got)
             violations.append(refusal(field, f"{e['msg']}, got {echo} (from {source.get(field, 'default')})"))
     settings = schema.model_validate({k: v for k, v in raw.items() if k not in failed})
     violations += _engine_rules(settings, failed, env, check_profile)
@@ -602,12 +668,14 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             check_step_cache(s.linear_backend)
         except ProfileError as err:
             out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
-    if ok("num_gpus", "linear_backend", "device", "diffusion_attention_backend") and s.num_gpus > 1:
+    out += _node_rules(s, failed)
+    if ok("num_gpus", "nnodes", "linear_backend", "device", "diffusion_attention_backend") and s.ranks > 1:
         from h3serve.parallel.plan import split_refusals
 
-        refused = split_refusals(s.linear_backend, s.device, s.num_gpus, s.diffusion_attention_backend)
-        out += [refusal("num_gpus", f"{s.num_gpus} GPUs: {message}") for message in refused]
-        if not (s.device or "").startswith("cuda:") and check_profile and s.device != "cpu":  # cpu: gloo processes
+        refused = split_refusals(s.linear_backend, s.device, s.ranks, s.diffusion_attention_backend)
+        out += [refusal("num_gpus", f"{s.ranks} GPUs: {message}") for message in refused]
+        local = s.num_gpus > 1 and not (s.device or "").startswith("cuda:")  # this node's GPUs, each one rank
+        if local and check_profile and s.device != "cpu":  # cpu: gloo processes
             import torch
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -628,6 +696,64 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             first, *others = (str(e) for e in errors)
             message = first + "".join(f"; without CUDA: {o}" for o in others if o != first)
             out.append(refusal(SETTING_OF.get(errors[0].setting, "device"), message))
+    return out
+
+
+def _node_rules(s: EngineSettings, failed: set[str]) -> list[str]:
+    """Several hosts: an address to meet at (a loopback one unless remote nodes are allowed), a strong shared key given
+    one way, a node rank among the nodes; and none of these given for one host, where they would be ignored."""
+    from h3serve.parallel.plan import split_address
+
+    out: list[str] = []
+    ok = lambda *names: not failed.intersection(names)  # noqa: E731
+    if not ok("nnodes", "node_rank", "dist_init_addr", "node_key", "node_key_file"):
+        return out
+    given = [name for name in ("dist_init_addr", "node_key", "node_key_file") if getattr(s, name) is not None]
+    if s.nnodes == 1:
+        if s.node_rank != 0:
+            out.append(refusal("node_rank", f"{s.node_rank}: H3_NNODES is 1, whose only node is 0"))
+        for name in given:
+            out.append(refusal(name, "applies to several nodes; H3_NNODES is 1 (set it, or remove this setting)"))
+        return out
+    if s.node_rank >= s.nnodes:
+        out.append(refusal("node_rank", f"{s.node_rank}: the nodes of H3_NNODES={s.nnodes} are 0 to {s.nnodes - 1}"))
+    if s.dist_init_addr is None:
+        out.append(refusal("dist_init_addr", f"required with H3_NNODES={s.nnodes}: node 0's HOST:PORT"))
+    else:
+        try:
+            host, _ = split_address(s.dist_init_addr)
+        except ValueError as err:
+            out.append(refusal("dist_init_addr", str(err)))
+        else:
+            if host not in LOOPBACK_HOSTS and ok("allow_remote_nodes") and not s.allow_remote_nodes:
+                out.append(
+                    refusal(
+                        "dist_init_addr",
+                        f"{shown(host)} is not loopback ({', '.join(sorted(LOOPBACK_HOSTS))}); nodes on other hosts "
+                        "require H3_ALLOW_REMOTE_NODES=true (and a private link: the ranks' traffic is not encrypted)",
+                    )
+                )
+    if s.node_key is not None and s.node_key_file is not None:
+        out.append(Violation(f"{env_name('node_key')} and {label('node_key_file')}: give the key one way, not both",
+                             "node_key_file"))  # fmt: skip
+    else:
+        try:
+            key = s.node_secret
+        except SettingError as err:
+            out.append(refusal(err.setting, err.message))
+        else:
+            if key is None:
+                out.append(
+                    refusal(
+                        "node_key",
+                        f"required with H3_NNODES={s.nnodes} (or {label('node_key_file')}): every node proves it "
+                        "before anything else moves; e.g. `openssl rand -hex 32`, the same on every node",
+                    )
+                )
+            elif not KEY_PATTERN.fullmatch(key.decode("utf-8", "replace")):
+                field = "node_key" if s.node_key is not None else "node_key_file"
+                out.append(refusal(field, f"the key must be 32 or more characters of [A-Za-z0-9._~-] (got {len(key)} "
+                                          "characters; e.g. `openssl rand -hex 32`)"))  # fmt: skip
     return out
 
 
@@ -720,19 +846,19 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
     return out
 
 
-def _read_key_file(path: Path) -> str:
+def _read_key_file(path: Path, setting: str) -> str:
     """The key in the file (stripped): a regular file of at most KEY_FILE_CAP bytes, UTF-8, readable by its owner only;
-    SettingError("api_key_file") naming the file otherwise. The key itself is never in a message."""
-    data = read_setting_file("api_key_file", path, KEY_FILE_CAP)
+    SettingError(setting) naming the file otherwise. The key itself is never in a message."""
+    data = read_setting_file(setting, path, KEY_FILE_CAP)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        raise SettingError("api_key_file", f"the key file {shown_path(path)} is not UTF-8 text") from None
+        raise SettingError(setting, f"the key file {shown_path(path)} is not UTF-8 text") from None
     try:
         mode = os.stat(path).st_mode
     except OSError as err:
-        raise SettingError("api_key_file", f"the key file {shown_path(path)}: {err.strerror}") from None
+        raise SettingError(setting, f"the key file {shown_path(path)}: {err.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         message = f"the key file {shown_path(path)} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it"
-        raise SettingError("api_key_file", message)
+        raise SettingError(setting, message)
     return text.strip()

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from h3serve.settings import SETTING_OF, EngineSettings, Settings
 if TYPE_CHECKING:
     from h3serve.accel.profile import Profile
     from h3serve.checkpoint.folder import ModelFolder
+    from h3serve.parallel.nodes import NodePlan
     from h3serve.pipeline.admission import Admission
     from h3serve.pipeline.budget import Budget
     from h3serve.pipeline.engine import RenderEngine
@@ -81,7 +83,7 @@ def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
     folder = model_folder(settings, task_type)
     adapters = read_adapters(settings, folder, task_type)
     config = folder.dit if folder is not None else TINY_DIT
-    check_heads(config, settings.num_gpus)
+    check_heads(config, settings.ranks)
     return LaunchPlan(settings, task_type, folder, adapters)
 
 
@@ -110,7 +112,11 @@ def preflight(
     notes = tuple(line for line in (fp8_line, attention_line) if line is not None)
     for note in notes:
         say(note)
-    if service:
+    if settings.nnodes > 1:
+        say(node_plan(launch_plan, profile).rendezvous_line())
+        if settings.node_rank == 0:
+            check_rendezvous(settings)
+    if service and settings.node_rank == 0:  # another node serves nothing: its ranks only
         assert isinstance(settings, Settings)
         check_output_dir(settings.output_dir)
         check_job_store(settings.output_dir, store_check)
@@ -129,10 +135,13 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
     model's setting's fault (or an adapter's); the rest is the GPUs'."""
     if launch_plan.profile is None:
         raise ValueError("launch needs a preflighted plan (startup.preflight): the machine was not asked")
+    from h3serve.parallel.nodes import NodeMissing
     from h3serve.parallel.workers import WorkerError, load_engine
+    from h3serve.pipeline.context import NodeLost
     from h3serve.pipeline.placement import RESIDENT
 
     settings = launch_plan.settings
+    nodes = node_plan(launch_plan, launch_plan.profile) if settings.nnodes > 1 else None
     try:
         return load_engine(
             launch_plan.folder,
@@ -142,13 +151,52 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
             adapters=launch_plan.adapters,
             num_gpus=settings.num_gpus,
             placement=launch_plan.placement or RESIDENT,
+            nodes=nodes,
         )
+    except (NodeMissing, NodeLost) as err:
+        raise SettingError("nnodes", f"{settings.nnodes}: {err}") from err
     except WorkerError as err:
         if err.input_error:
             raise SettingError("model", f"{shown_path(settings.model)}: {err}") from err
         raise SettingError("num_gpus", f"{settings.num_gpus}: {err}") from err
     except (ValueError, OSError) as err:  # CheckpointError is a ValueError and names the file and key
         raise SettingError("model", f"{shown_path(settings.model)}: {err}") from err
+
+
+def node_plan(launch_plan: LaunchPlan, profile: Profile) -> NodePlan:
+    """This node's place among H3_NNODES nodes, and what it runs (compared with the other nodes at the handshake)."""
+    from h3serve.parallel.nodes import NodePlan, identity
+    from h3serve.parallel.plan import split_address
+
+    s = launch_plan.settings
+    host, port = split_address(s.dist_init_addr or "")
+    key = s.node_secret
+    assert key is not None  # the settings' rule: required with several nodes
+    what = identity(launch_plan.folder, profile, launch_plan.task_type, s.step_cache(), launch_plan.adapters,
+                    s.num_gpus)  # fmt: skip
+    return NodePlan(s.nnodes, s.node_rank, host, port, s.num_gpus, float(s.node_timeout), float(s.node_grace), what,
+                    key)  # fmt: skip
+
+
+def join(launch_plan: LaunchPlan, stopping: threading.Event) -> None:
+    """Node K > 0: join node 0 and run this node's ranks for every start of the group until `stopping` is set.
+    SettingError("node_key") / ("nnodes") when node 0 refuses this node or never answers."""
+    if launch_plan.profile is None:
+        raise ValueError("join needs a preflighted plan (startup.preflight): the machine was not asked")
+    from h3serve.parallel.nodes import NodeMissing, NodeRefused, join_node
+    from h3serve.parallel.workers import NodeRanks, WorkerSpec
+    from h3serve.pipeline.placement import RESIDENT
+
+    s = launch_plan.settings
+    plan = node_plan(launch_plan, launch_plan.profile)
+    spec = WorkerSpec(launch_plan.folder, launch_plan.profile, s.num_gpus, launch_plan.task_type, s.step_cache(),
+                      launch_plan.adapters, placement=launch_plan.placement or RESIDENT, nnodes=s.nnodes)  # fmt: skip
+    try:
+        join_node(plan, lambda store, generation: NodeRanks(spec, s.node_rank, store), stopping)
+    except NodeRefused as err:
+        raise SettingError("node_rank", f"{s.node_rank}: refused: {err.reason}") from err
+    except NodeMissing as err:
+        raise SettingError("dist_init_addr", str(err)) from err
 
 
 # ---- the checks, each one setting's -----------------------------------------------------------------------------
@@ -278,6 +326,18 @@ def check_job_store(path: Path, store_check: Callable[[Path], object]) -> None:
         store_check(path)
     except ValueError as err:  # store.StoreDamaged: its text starts with the store's path
         raise SettingError("output_dir", str(err)) from err
+
+
+def check_rendezvous(settings: EngineSettings) -> None:
+    """Node 0 can listen at H3_DIST_INIT_ADDR and on the next port (the group's store)."""
+    from h3serve.parallel.plan import split_address
+
+    host, port = split_address(settings.dist_init_addr or "")
+    for p in (port, port + 1):
+        try:
+            check_port(host, p)
+        except SettingError as err:
+            raise SettingError("dist_init_addr", err.message) from None
 
 
 def check_port(host: str, port: int) -> None:

@@ -255,9 +255,12 @@ def _run_render(args: argparse.Namespace) -> int:
     task, keyframes = (Task.REF2VA, []) if references else _read_keyframes(args)
     _check_output(args.output)
     preview_every = _check_previews(args)
-    if preview_every is not None and settings.num_gpus > 1:
+    if settings.node_rank > 0:
+        raise CliError(f"--node-rank {settings.node_rank}: render runs on node 0; node {settings.node_rank} runs "
+                       f"`h3serve serve --node-rank {settings.node_rank}` (its ranks only)")  # fmt: skip
+    if preview_every is not None and settings.ranks > 1:
         raise CliError(f"--preview-dir: previews come from a render in one process, not yet from a split over "
-                       f"{settings.num_gpus} GPUs (--num-gpus 1)")  # fmt: skip
+                       f"{settings.ranks} GPUs (--num-gpus 1)")  # fmt: skip
     say = lambda line: print(f"h3serve: {line}", file=sys.stderr)  # noqa: E731
     with refusals():
         plan = startup.plan(settings, dit_kind(task))
@@ -294,7 +297,7 @@ def _run_render(args: argparse.Namespace) -> int:
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.grid}, "
         f"{shifts}, seed {request.seed} | {model_name} | "
-        f"{plan.profile.describe()}{f' | {settings.num_gpus} GPUs' if settings.num_gpus > 1 else ''}"
+        f"{plan.profile.describe()}{f' | {settings.ranks} GPUs' if settings.ranks > 1 else ''}"
         f"{f' | {plan.placement.describe()}' if plan.placement is not None and plan.placement.streams else ''}",
         file=sys.stderr,
     )

@@ -78,10 +78,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         plan = startup.preflight(plan, service=True, say=print, store_check=check_store)
     if plan.budget is not None:
         print(plan.budget.table())
+        if settings.nnodes > 1:
+            print(f"(this node's share: {settings.num_gpus} of the {settings.ranks} ranks, each holding this)")
         if settings.num_gpus > 1:
             print(f"(per GPU: each of the {settings.num_gpus} ranks holds this, checked against each GPU's free "
                   f"memory; the host holds {settings.num_gpus} copies of the host part)")  # fmt: skip
     checked = "settings, profile on this machine, FP8 GEMM, model folder, output folder, job store, port, memory"
+    if settings.node_rank > 0:
+        checked = "settings, profile on this machine, FP8 GEMM, model folder, memory (node 0 serves)"
+    elif settings.nnodes > 1:
+        checked += ", rendezvous address"
     print(f"h3serve: preflight ok ({checked})", file=sys.stderr)
     return 0
 
@@ -118,6 +124,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # port, the FP8 GEMM and the memory plan (the seed's free-memory gate: a start that cannot fit stops here).
     settings = read_settings(args)
     log.info("settings: %s", json.dumps(settings.resolved(), sort_keys=True))
+    if settings.node_rank > 0:
+        return _serve_node(settings, log)
     with refusals():
         plan = startup.plan(settings, settings.task_type)
         plan = startup.preflight(plan, service=True, say=log.info, store_check=check_store)
@@ -151,4 +159,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     finally:
         engine.close()
+    return 0
+
+
+def _serve_node(settings, log: logging.Logger) -> int:
+    """Node K > 0 of several hosts: its ranks only, no HTTP service (node 0 serves). The same checks before any weight
+    loads (settings, the model folder, the profile, the memory for its share); then it joins node 0, runs its ranks
+    for every start of the group and joins again whenever node 0 is lost, until SIGTERM or Ctrl-C."""
+    import threading
+
+    from h3serve import startup
+    from h3serve.cli.signals import sigterm_raises
+
+    log.info("node %d of %d: this node runs ranks only; the service settings (port, key, output folder) are node 0's",
+             settings.node_rank, settings.nnodes)  # fmt: skip
+    stopping = threading.Event()
+    with refusals():
+        plan = startup.plan(settings, settings.task_type)
+        plan = startup.preflight(plan, service=False, say=log.info)
+        with sigterm_raises():
+            try:
+                startup.join(plan, stopping)
+            finally:
+                stopping.set()
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,41 @@ def row_ranges(total: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+def interface_of(address: str) -> str:
+    """The name of the network interface that holds the IPv4 `address` (`lo` for 127.0.0.1); ValueError naming the
+    address when none does (Linux: SIOCGIFADDR)."""
+    import fcntl
+    import struct
+
+    wanted = socket.gethostbyname(address)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == wanted:
+                return name
+    raise ValueError(f"no network interface of this host holds {address}")
+
+
 def free_port() -> int:
     """A free TCP port on loopback for the group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class GroupStore:
+    """Where the ranks of several hosts meet (`parallel.nodes`): node 0's store at `host:port` (the rendezvous serves
+    it for its whole life), under `prefix`, fresh and random for each start of the group, and the address `bind`
+    this node's backend listens on (its side of the link between the nodes)."""
+
+    host: str
+    port: int
+    prefix: str
+    bind: str
 
 
 @dataclass
@@ -50,19 +81,24 @@ class Group:
     calls: int = 0
 
     @classmethod
-    def join(cls, rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> Group:
-        """Join the group at `127.0.0.1:port` (NCCL for a CUDA device, else gloo); every collective then fails after
-        `timeout_s` instead of waiting for a rank that never comes."""
+    def join(
+        cls, rank: int, size: int, port: int, device: torch.device, timeout_s: float, store: GroupStore | None = None
+    ) -> Group:
+        """Join the group at `127.0.0.1:port` (one host), or at node 0's `store` (several hosts), NCCL for a CUDA
+        device, else gloo; every collective then fails after `timeout_s` instead of waiting for a rank that never
+        comes."""
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **kwargs,
-        )
+        if store is None:
+            kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+        else:
+            # The backend listens on this node's side of the link only: gloo and NCCL pick their interface by name.
+            interface = interface_of(store.bind)
+            os.environ["GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"] = interface
+            client = dist.TCPStore(store.host, store.port, is_master=False, timeout=timeout)
+            kwargs["store"] = dist.PrefixStore(store.prefix, client)
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
         return cls(rank, size, device)
 
     @property

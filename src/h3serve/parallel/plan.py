@@ -42,3 +42,20 @@ def check_heads(config: DiTConfig, num_gpus: int) -> None:
         raise SettingError(
             "num_gpus", f"{num_gpus}: the DiT's {heads} attention heads do not divide by it (allowed: {allowed})"
         )
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` -> (host, port): an IPv4 address or a host name, and a port of 1 to 65534 (PORT+1 is the group's
+    store); ValueError saying what is allowed otherwise. IPv6 is refused: the ranks' interface is looked up by its
+    IPv4 address (`group.interface_of`)."""
+    host, colon, port = text.rpartition(":")
+    if host.startswith("[") or ":" in host:
+        raise ValueError(f"{text!r}: an IPv6 address is not supported; give node 0's IPv4 address or host name")
+    if not colon or not host or not port.isdigit() or not HOST_CHARS.issuperset(host):
+        raise ValueError(f"{text!r}: write HOST:PORT, e.g. 192.168.100.1:29500")
+    if not 1 <= int(port) <= 65534:
+        raise ValueError(f"{text!r}: the port must be 1 to 65534 (PORT+1 is the process group's store)")
+    return host, int(port)
+
+
+HOST_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")

@@ -21,6 +21,15 @@ class RenderCancelled(Exception):
     """The render was cancelled (by a client, a timeout or shutdown); nothing was produced."""
 
 
+class NodeLost(RuntimeError):
+    """A render split over several hosts failed because a node was lost (`parallel.nodes`): `node`, its first `rank`
+    and `why` are data, and the text, naming them and nothing of this host, may be shown to the client."""
+
+    def __init__(self, node: int, rank: int, why: str):
+        super().__init__(f"node {node} (rank {rank}) lost: {why}")
+        self.node, self.rank, self.why = node, rank, why
+
+
 @dataclass(frozen=True)
 class Progress:
     stage: str  # one of engine.STAGES

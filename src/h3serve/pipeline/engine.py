@@ -106,6 +106,17 @@ class RenderEngine(Protocol):
         """Why renders cannot run now (a GPU worker lost, the workers restarting), or None."""
         ...
 
+    @property
+    def recovering(self) -> bool:
+        """The GPU workers are being started again (a node is awaited): a render would fail at once, so the service's
+        queue waits instead."""
+        ...
+
+    @property
+    def nodes(self) -> list[dict[str, Any]] | None:
+        """Each node of a group over several hosts (its ranks, whether it has joined), else None."""
+        ...
+
     def validate(self, prompt: str, **fields: Any) -> RenderRequest: ...
 
     def memory_budget(self) -> Budget: ...
@@ -238,6 +249,8 @@ class Engine:
     # The RenderEngine interface: one process renders on one device, and has no workers to lose or stop.
     num_gpus = 1
     problem: str | None = None
+    recovering: bool = False
+    nodes: list[dict[str, Any]] | None = None
 
     def close(self) -> None:
         pass

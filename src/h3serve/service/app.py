@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from h3serve import __version__
-from h3serve.pipeline.context import RenderCancelled
+from h3serve.pipeline.context import NodeLost, RenderCancelled
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
@@ -251,6 +251,8 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "num_gpus": engine.num_gpus,
+        # Several hosts: each node, its ranks, whether it has joined (and why it was lost); null on one host.
+        "nodes": engine.nodes,
         # Where the weights live (`pipeline.placement`): what streams from page-locked host memory, the largest
         # request the device memory admits.
         "placement": engine.placement.as_dict(),
@@ -413,6 +415,11 @@ async def create_sync(
         raise ApiError(503, "cancelled", f"the render was cancelled: {err}") from err
     except WriteFailed as err:  # the scheduler has logged the OS error with the path
         raise ApiError(500, "write_failed", str(err), None, {"x-request-id": work.id}) from err
+    except NodeLost as err:  # several hosts: a node was lost mid-render (its name and rank only)
+        message = f"the render failed: {err}; the server renders again when the node joins again"
+        raise ApiError(
+            503, "node_lost", message, None, {"x-request-id": work.id, "Retry-After": RETRY_AFTER_S}
+        ) from err
     except Exception as err:  # the scheduler has logged it with its traceback, under this id
         raise internal_error("render_failed", "the render failed", work.id) from err
     result = work.result

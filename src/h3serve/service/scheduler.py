@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from h3serve.media.mp4 import encode_mp4, write_mp4
-from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
+from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
 from h3serve.service.events import Events
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # Rendered results waiting for the encoder. Each holds a whole video in host memory (362 frames of 1280x720 are about
 # 1 GB), so the worker waits when one is already waiting: at most the one encoding, one waiting and the worker's own.
 ENCODE_BACKLOG = 1
+RECOVERY_POLL_S = 0.5  # how often a queued job looks whether the GPU workers are back
 
 
 def progress_percent(p: Progress) -> int:
@@ -293,8 +294,9 @@ class Scheduler:
 
     def _next_render(self) -> Work | None:
         with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
+            # While the GPU workers restart (a node awaited), a queued job waits for them rather than failing.
+            while (not self._queue or self.engine.recovering) and not self._stopping:
+                self._cond.wait(RECOVERY_POLL_S if self._queue else None)
             if self._stopping:
                 return None
             self._rendering = self._queue.popleft()
@@ -451,7 +453,10 @@ class Scheduler:
         self.metrics.render_finished("failed", None)
         if work.persist:
             message = f"the {stage} failed (internal error); see the server log, request id {work.id}"
-            error = JobError(code="render_failed", message=message)
+            code = "render_failed"
+            if isinstance(err, NodeLost):  # names a node and a rank, nothing of this host: the client may know
+                message, code = f"the {stage} failed: {err}; it resumes when the node joins again", "node_lost"
+            error = JobError(code=code, message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
         work.future.set_exception(err)
