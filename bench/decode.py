@@ -6,15 +6,15 @@ the engine's placement: float16 weights for float16 autocast, cuDNN attention), 
 
 Variants, each timed with CUDA events (warm-up, then `--iters`), its peak memory, and its frames compared with
 `before`'s bit for bit (`bitwise`, and the largest difference):
-  before     the decode at main 8d6725d (`lib/decode_before.py`): the plain passes, blends by concatenation
-  layout     today's decode with the plain passes: blends written in place, the patch layout copied to float32 once
-  +residual, +swiglu, +qk   layout with the Triton passes added one at a time (`accel.vae.decoder_passes`)
-  all        every Triton pass (what the engine runs on CUDA)
+  before     the decode at main 8d6725d (`lib/decode_before.py`): the plain ops, blends by concatenation
+  plain      today's decode with the plain passes: blends written in place, the patch layout copied to float32 once
+  +qk        plain, with the qk-norm and rotary in one Triton pass (`accel.vae.decoder_passes`)
+  +norms     plain, with the residual adds and the norms after them in one Triton pass each
+  all        every Triton pass (what the engine runs on CUDA): the two above and the SwiGLU gate
 Then a kernel profile (torch.profiler) of `before` and `all` over one decode window of the default request (its 28
 tiles: a whole decode under the profiler ran out of GPU memory on 2026-12-03), by category (GEMM, attention, copies
-(casts, concatenations, layout), other element-wise, other); the time of one preview-sized window
-(`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes); and whether torch's rms_norm
-of a float16 input is bitwise its float32 norm rounded (what a qk pass without the float32 copy would need).
+(casts, concatenations, layout), other element-wise, other); and the time of one preview-sized window
+(`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def build(device: torch.device) -> VideoVAE:
     return vae
 
 
-def variants(vae: VideoVAE) -> dict:
-    fast = decoder_passes()
+def variants(vae: VideoVAE, launch: dict | None = None) -> dict:
+    fast = decoder_passes(launch)
     plain = REFERENCE_PASSES
 
     def with_passes(passes):
@@ -69,16 +69,58 @@ def variants(vae: VideoVAE) -> dict:
         set_decoder_passes(vae, plain)
         return decode_before(vae, z, AUTOCAST)
 
-    residual = dataclasses.replace(plain, residual=fast.residual)
-    swiglu = dataclasses.replace(residual, swiglu=fast.swiglu)
+    norms = dataclasses.replace(plain, norm=fast.norm, residual_norm=fast.residual_norm, residual=fast.residual)
     return {
         "before": before,
-        "layout": with_passes(plain),
-        "+residual": with_passes(residual),
-        "+swiglu": with_passes(swiglu),
-        "+qk": with_passes(dataclasses.replace(swiglu, qk=fast.qk)),
+        "plain": with_passes(plain),
+        "+qk": with_passes(dataclasses.replace(plain, qk=fast.qk)),
+        "+norms": with_passes(norms),
         "all": with_passes(fast),
     }
+
+
+SWEEP = {
+    "norm": [(1, 4, True), (2, 4, True), (4, 4, True), (2, 8, True), (8, 8, True), (4, 4, False), (8, 8, False)],
+    "qk": [(16, 2, True), (32, 4, True), (64, 4, True), (128, 8, True), (32, 4, False), (64, 4, False)],
+}
+
+
+def sweep(device: torch.device) -> tuple[dict, dict]:
+    """Each launch choice of the norm and qk passes (`triton_decoder.LAUNCH`) at a released tile (1,797 rows), timed
+    (microseconds, `triton.testing.do_bench`) and checked bit for bit against the plain ops; the fastest exact one of
+    each."""
+    from triton.testing import do_bench
+
+    from h3serve.accel import triton_decoder as td
+    from h3serve.model.ops import rotary_table
+
+    g = torch.Generator(device).manual_seed(3)
+    s = 1797
+    x = torch.randn(1, s, 2048, device=device, generator=g) * 4
+    y = torch.randn(1, s, 2048, device=device, generator=g).to(AUTOCAST)
+    scale = torch.randn(2048, device=device, generator=g) * 0.1
+    weight = 1 + 0.3 * torch.randn(2048, device=device, generator=g)
+    qkv = (torch.randn(1, s, 32, 192, device=device, generator=g) * 3).to(AUTOCAST)
+    q, k = qkv[..., :64], qkv[..., 64:128]
+    cos, sin = rotary_table(torch.randn(s, 24, device=device, generator=g) * 3)
+    with torch.autocast("cuda", dtype=AUTOCAST):
+        want_x, want_h = REFERENCE_PASSES.residual_norm(x, y, scale, weight, 1e-5)
+        want = {"norm": (want_x, want_h.to(AUTOCAST)), "qk": REFERENCE_PASSES.qk(q, k, 1e-5, cos, sin)}
+        runs = {"norm": lambda launch: td.residual_norm(x, y, scale, weight, 1e-5, launch),
+                "qk": lambda launch: td.qk(q, k, 1e-5, cos, sin, launch)}  # fmt: skip
+        results: dict = {}
+        for name, choices in SWEEP.items():
+            results[name] = {}
+            for launch in choices:
+                got = runs[name](launch)
+                exact = all(torch.equal(a, b) for a, b in zip(got, want[name], strict=True))
+                us = do_bench(lambda launch=launch, name=name: runs[name](launch), warmup=10, rep=50) * 1e3
+                results[name][str(launch)] = {"us": round(us, 1), "bitwise": exact}
+    best = {}
+    for name, choices in SWEEP.items():
+        exact = [c for c in choices if results[name][str(c)]["bitwise"]]
+        best[name] = min(exact, key=lambda c: results[name][str(c)]["us"]) if exact else td.LAUNCH[name]
+    return results, best
 
 
 def timed(fn, iters: int) -> tuple[list[float], float, torch.Tensor]:
@@ -134,27 +176,30 @@ def profile(fn) -> dict:
             "top_kernels": kernels[:30]}  # fmt: skip
 
 
-def qk_norm_fp16_check(device: torch.device) -> dict:
-    """rms_norm over 64 channels of a float16 input against the float32 norm of the same values, rounded."""
-    g = torch.Generator(device).manual_seed(1)
-    qkv = torch.randn(1, 1797, 32, 192, device=device, generator=g).mul_(3).to(torch.float16)
-    q = qkv[..., :64]
-    ref = torch.nn.functional.rms_norm(q.float(), (64,), None, 1e-5).to(torch.float16)
-    direct = torch.nn.functional.rms_norm(q, (64,), None, 1e-5)
-    return {"bitwise": bool(torch.equal(ref, direct)), "differing": int((ref != direct).sum())}
-
-
+@torch.no_grad()  # the windows and the preview windows are timed outside `decode`'s own no_grad
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--shapes", default="default,reference")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--variants", help="comma-separated variants to time (default: every one; `before` always)")
+    parser.add_argument("--sweep", action="store_true", help="time the norm and qk passes' launch choices first and "
+                        "run the fastest exact ones (recorded as `launch`)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
     vae = build(device)
     result = {**run_header(device), "autocast": str(AUTOCAST), "shapes": {}}
-    runs = variants(vae)
+    from h3serve.accel import triton_decoder
+
+    launch = None
+    if args.sweep:
+        result["sweep"], launch = sweep(device)
+        print(json.dumps(result["sweep"]), launch, flush=True)
+    result["launch"] = {k: list(v) for k, v in (launch or triton_decoder.LAUNCH).items()}
+    runs = variants(vae, launch)
+    if args.variants:
+        runs = {k: v for k, v in runs.items() if k == "before" or k in args.variants.split(",")}
     for shape in args.shapes.split(","):
         t, h, w = SHAPES[shape]
         z = torch.randn(1, 24, t, h, w, device=device, generator=torch.Generator(device).manual_seed(42))
@@ -191,7 +236,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["profile"] = {
             "before": profile(lambda: window(REFERENCE_PASSES, True)),
-            "all": profile(lambda: window(decoder_passes(), False)),
+            "all": profile(lambda: window(decoder_passes(launch), False)),
             "what": "one decode window (7 latents, 28 tiles) of the default request",
         }
         print(json.dumps({k: result["profile"][k]["categories_ms"] for k in ("before", "all")}), flush=True)
@@ -199,14 +244,13 @@ def main() -> None:
     t, h, w = SHAPES["default"]
     z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(7))
     result["preview_windows_ms"] = {}
-    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes())):
+    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes(launch))):
         set_decoder_passes(vae, passes)
         result["preview_windows_ms"][passes_name] = {
             n: round(min(timed(lambda n=n: vae.decode_window(z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)
             for n in (1, 2, 3, 5, 7)
         }
-    result["qk_norm_fp16_input"] = qk_norm_fp16_check(device)
-    print(json.dumps({k: result[k] for k in ("preview_windows_ms", "qk_norm_fp16_input")}), flush=True)
+    print(json.dumps(result["preview_windows_ms"]), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
 
 

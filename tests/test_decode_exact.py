@@ -65,7 +65,7 @@ def test_the_passes_are_what_the_blocks_run(vae, monkeypatch):
     from h3serve.accel.vae import set_decoder_passes
     from h3serve.model.video_vae import REFERENCE_PASSES
 
-    calls = {"qk": 0, "residual": 0, "swiglu": 0}
+    calls = {"qk": 0, "residual": 0, "swiglu": 0, "norm": 0, "residual_norm": 0}
 
     def counting(name):
         def run(*args):
@@ -82,4 +82,5 @@ def test_the_passes_are_what_the_blocks_run(vae, monkeypatch):
     finally:
         set_decoder_passes(vae, REFERENCE_PASSES)
     layers = vae.cfg.decoder_num_layers
-    assert calls == {"qk": layers, "residual": 2 * layers, "swiglu": layers}
+    # every add but the last is fused with the norm after it; the first block's first norm stands alone
+    assert calls == {"qk": layers, "residual": 1, "swiglu": layers, "norm": 1, "residual_norm": 2 * layers - 1}

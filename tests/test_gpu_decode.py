@@ -1,5 +1,6 @@
 """The video decoder's Triton passes (`accel.vae.decoder_passes`) on the GPU: each bit for bit its plain reference at
-the released decoder's widths under float16 (and bfloat16), and a whole decode with them bit for bit the decode
+the released decoder's widths under float16 (and bfloat16; the norms also without autocast, and over rows whose
+scales span six decades), and a whole decode with them bit for bit the decode
 before issue 41 (`bench/lib/decode_before.py`) under the engine's float16 autocast.
 
 Marked `gpu`: skipped without CUDA (the CPU machines and CI), run on the GPU machine with `pytest -m gpu`. What they
@@ -53,8 +54,44 @@ def test_each_pass_is_bitwise_its_reference(fast, dtype):
     angles = randn(S, 24, scale=3.0, seed=5)
     cos, sin = rotary_table(angles)  # R = 48 of 64: 16 channels pass through
     want_q, want_k = REFERENCE_PASSES.qk(q, k, 1e-5, cos, sin)
-    got_q, got_k = fast.qk(q, k, 1e-5, cos, sin)
-    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    for got_q, got_k in (fast.qk(q, k, 1e-5, cos, sin), fast.qk(q.contiguous(), k.contiguous(), 1e-5, cos, sin)):
+        assert got_q.is_contiguous() and torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+def rows_of_every_scale(n: int, seed: int) -> torch.Tensor:
+    """S rows of n channels whose magnitudes span 1e-3 to 1e3 (so the sums of squares round in many places)."""
+    return randn(1, S, n, seed=seed) * torch.logspace(-3, 3, S, device="cuda")[None, :, None]
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16, None])
+def test_the_norm_passes_are_bitwise_torchs_rms_norm(fast, autocast):
+    """The block norms (2048 channels, the weight) and the add before them: what torch's float32 rms_norm gives,
+    rounded to the projection's dtype as autocast's cast rounds it (float32 without autocast: the norm itself)."""
+    out_dtype = autocast or torch.float32
+    weight = 1.0 + randn(DIM, scale=0.3, seed=7)
+    scale = randn(DIM, scale=0.1, seed=8)
+    with torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None):
+        for seed in range(3):
+            x = rows_of_every_scale(DIM, 10 + seed)
+            y = randn(1, S, DIM, dtype=autocast or torch.float32, scale=2.0, seed=20 + seed)
+            for stream in (x, x.to(torch.float16)):  # the first block's norm reads the embedding's float16
+                got = fast.norm(stream, weight, 1e-5)
+                want = REFERENCE_PASSES.norm(stream, weight, 1e-5).to(out_dtype)
+                assert got.dtype == out_dtype and torch.equal(got, want), (seed, stream.dtype)
+            got_x, got_h = fast.residual_norm(x, y, scale, weight, 1e-5)
+            want_x, want_h = REFERENCE_PASSES.residual_norm(x, y, scale, weight, 1e-5)
+            assert torch.equal(got_x, want_x) and torch.equal(got_h, want_h.to(out_dtype)), seed
+
+
+def test_the_qk_norm_is_bitwise_at_every_scale(fast):
+    """q and k whose head vectors span six decades, in float16 and float32 (no autocast)."""
+    cos, sin = rotary_table(randn(S, 24, scale=3.0, seed=5))
+    for dtype in (torch.float16, torch.float32):
+        qkv = rows_of_every_scale(HEADS * 3 * HEAD_DIM, 30).view(1, S, HEADS, 3 * HEAD_DIM).to(dtype)
+        q, k = qkv[..., :HEAD_DIM], qkv[..., HEAD_DIM : 2 * HEAD_DIM]
+        want_q, want_k = REFERENCE_PASSES.qk(q, k, 1e-5, cos, sin)
+        got_q, got_k = fast.qk(q, k, 1e-5, cos, sin)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k), dtype
 
 
 def test_a_decode_with_the_passes_is_bitwise_the_decode_before(fast):

@@ -1,17 +1,19 @@
 """The video decode as it was before issue 41 (main at 8d6725d, 2026-12-03): the reference the new decode is held to,
 bit for bit, under the same autocast (bench/decode.py on the GPU, tests/test_decode_exact.py on the CPU).
 
-It differs from today's `VideoVAE.decode` in how it moves data, not in what it computes: the blocks' plain passes
-(`video_vae.REFERENCE_PASSES`, whatever `ViTDecoder3d.passes` holds), the patch layout reshaped in the compute dtype
-and then copied to float32, tiles and windows cross-faded by concatenation (a new tensor per blend) and copied
-again into the canvas and the output.
+It differs from today's `VideoVAE.decode` in how it moves data, not in what it computes: the blocks' plain ops one
+at a time (whatever `ViTDecoder3d.passes` holds), the patch layout reshaped in the compute dtype and then copied to
+float32, tiles and windows cross-faded by concatenation (a new tensor per blend) and copied again into the canvas and
+the output.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from h3serve.model.video_vae import REFERENCE_PASSES, VideoVAE, _autocast, split_tiles
+from h3serve.model.ops import attention
+from h3serve.model.video_vae import TransformerBlock, VideoVAE, _autocast, qk_reference, split_tiles, swiglu_reference
 
 
 def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
@@ -52,6 +54,18 @@ def _stitch(run_tile, starts_y, overlaps_y, starts_x, overlaps_x, out_h, out_w) 
     return canvas
 
 
+def _block(block: TransformerBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A decoder block as it ran: the plain ops, one at a time."""
+    attn, eps = block.attn, block.eps
+    h = F.rms_norm(x.float(), (x.shape[-1],), block.norm1.weight, eps)
+    b, s, _ = h.shape
+    q, k, v = attn.to_qkv(h).view(b, s, attn.heads, 3 * attn.head_dim).chunk(3, dim=-1)
+    q, k = qk_reference(q, k, attn.eps, cos, sin)
+    x = x + attn.to_out(attention(q, k, v, kernel=attn.kernel).reshape(b, s, -1)) * block.scale1
+    h = F.rms_norm(x.float(), (x.shape[-1],), block.norm2.weight, eps)
+    return x + block.ff.w2(swiglu_reference(block.ff.w1(h))) * block.scale2
+
+
 def _decoder(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
     dec = vae.decoder
     b, c, t, h, w = z.shape
@@ -60,7 +74,7 @@ def _decoder(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
     x = torch.cat([x, regs, torch.zeros_like(x[:, :1])], dim=1)
     cos, sin = dec._rotary(t, h, w, z.device)
     for block in dec.transformer_blocks:
-        x = block(x, cos, sin, REFERENCE_PASSES)
+        x = _block(block, x, cos, sin)
     x = dec.proj_out(dec.norm_out(x)[:, : t * h * w])
     pt, p, co = dec.cfg.temporal_ratio, dec.cfg.spatial_ratio, dec.cfg.out_channels
     x = x.view(b, t, h, w, co, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)

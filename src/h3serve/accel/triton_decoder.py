@@ -7,8 +7,19 @@ these passes has a reduction: the norms stay torch's own), and no multiply-add c
 residual  x + y * scale: the block's residual add (x, scale float32; y the projection's output)
 swiglu    up * silu(gate) of the feed-forward's `[gate | up]` rows: silu = g / (1 + exp(-g)) in float32 (libdevice's
           expf, torch's CUDA silu's), rounded, then the product, rounded
-qk_rope   the qk-norm's float32 output rounded to the activations' dtype, then the rotate-half rotary on the leading
-          R channels of each head: q and k in one launch
+qk        the qk-norm (rms over each head's channels, no weight) rounded to the activations' dtype, then the
+          rotate-half rotary on the leading R channels of each head: q and k in one launch, read in place from the
+          fused projection's output
+norm, residual_norm   rms_norm with the block's weight, written in the projection's dtype (what autocast's cast
+          makes of torch's float32 output), after the residual add in the same pass
+
+The norms are the one place with a sum. torch's CUDA rms_norm (`vectorized_layer_norm_kernel<T, float, true>` in
+ATen's layer_norm_kernel.cu, taken for every contiguous row of a multiple of 4 channels) adds the squares in a fixed
+order, and `_row_sum_squares` follows it: 128 threads per row, thread t reads vectors of 4 channels at t, t + 128,
+... and adds each square to its sum with one fused multiply-add, in channel order; then the 32 lanes of a warp halve
+(lane l takes lane l + 16, then + 8, ... + 1), and the 4 warps halve the same way. The mean of squares is an IEEE
+division by the width, its reciprocal square root the approximate `rsqrt.approx.f32` (CUDA's rsqrtf), and the
+output `weight * (rstd * x)`. tests/test_gpu_decode.py holds every pass to its reference bit for bit.
 """
 
 from __future__ import annotations
@@ -50,30 +61,117 @@ def _swiglu_kernel(f_ptr, out_ptr, total, H, BLOCK: tl.constexpr, DTYPE: tl.cons
     tl.store(out_ptr + i, (up * silu).to(DTYPE), mask=mask)
 
 
-@triton.jit
-def _rope_one(x_ptr, out_ptr, base, c, cos1, sin1, cos2, sin2, m_half, m_rest, HALF: tl.constexpr,
-              DTYPE: tl.constexpr):  # fmt: skip
-    y1 = _r(tl.load(x_ptr + base + c[None, :], mask=m_half, other=0.0), DTYPE)
-    y2 = _r(tl.load(x_ptr + base + HALF + c[None, :], mask=m_half, other=0.0), DTYPE)
-    # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product and the sum rounded as eager's
-    o1 = _r(y1 * cos1, DTYPE) + _r(-y2 * sin1, DTYPE)
-    o2 = _r(y2 * cos2, DTYPE) + _r(y1 * sin2, DTYPE)
-    tl.store(out_ptr + base + c[None, :], o1.to(DTYPE), mask=m_half)
-    tl.store(out_ptr + base + HALF + c[None, :], o2.to(DTYPE), mask=m_half)
-    y3 = tl.load(x_ptr + base + 2 * HALF + c[None, :], mask=m_rest, other=0.0)
-    tl.store(out_ptr + base + 2 * HALF + c[None, :], y3.to(DTYPE), mask=m_rest)
+THREADS = 128  # torch's rms_norm block: 4 warps of 32 lanes per row
+VEC = 4  # channels a thread reads at a time (the kernels spell it out: a global in a kernel must be constexpr)
 
 
 @triton.jit
-def _qk_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, rows, S, H, cs_stride,
-                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    DTYPE: tl.constexpr):  # fmt: skip
-    """Rows of (B*S*H) head vectors (D channels, contiguous); a row's position is (row // H) % S."""
-    r = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_rows = r < rows
+def _squares4(v, acc, R: tl.constexpr, L: tl.constexpr, FMA: tl.constexpr):
+    """acc + v[..., 0]^2, then + v[..., 1]^2, ... + v[..., 3]^2, each one fused multiply-add (nvcc contracts torch's
+    `sum + val * val`; FMA=False rounds the product first): v (R, L, 4)."""
+    a, b = tl.split(tl.reshape(v, (R, L, 2, 2)))  # a: channels 0 and 2 of each vector, b: 1 and 3
+    e0, e2 = tl.split(a)
+    e1, e3 = tl.split(b)
+    if FMA:
+        acc = tl.fma(e0, e0, acc)
+        acc = tl.fma(e1, e1, acc)
+        acc = tl.fma(e2, e2, acc)
+        acc = tl.fma(e3, e3, acc)
+    else:
+        acc = acc + e0 * e0
+        acc = acc + e1 * e1
+        acc = acc + e2 * e2
+        acc = acc + e3 * e3
+    return acc
+
+
+@triton.jit
+def _halve(s, R: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr):
+    """(R, G, 2 * HALF) -> (R, G, HALF): lane l plus lane l + HALF within each group (a warp's shuffle-down step).
+    A sum of two is one addition whichever way it is written (SPLIT: by halves; else a reduction over 2)."""
+    if SPLIT:
+        a, b = tl.split(tl.permute(tl.reshape(s, (R, G, 2, HALF)), (0, 1, 3, 2)))
+        return a + b
+    else:
+        return tl.sum(tl.reshape(s, (R, G, 2, HALF)), axis=2)
+
+
+@triton.jit
+def _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr,
+                     ADD: tl.constexpr, FMA: tl.constexpr, SPLIT: tl.constexpr = True):  # fmt: skip
+    """The sum of squares of R rows of N contiguous channels starting at x_ptr + rows (of x + y * scale with ADD,
+    recomputed as `_norm_kernel` computes it), added in torch's order. LANES: the threads that read anything
+    (min(128, N / 4)); the others hold 0, and adding 0 changes no sum, so they are left out."""
+    V: tl.constexpr = 4  # VEC
+    J: tl.constexpr = N // (V * LANES)  # vectors per thread
+    t = tl.arange(0, LANES)
+    e = tl.arange(0, V)
+    acc = tl.zeros((R, LANES), tl.float32)
+    m = r_mask[:, None, None]
+    for j in tl.static_range(J):
+        off = (j * LANES + t[None, :, None]) * V + e[None, None, :]
+        v = tl.load(x_ptr + rows[:, None, None] + off, mask=m, other=0.0).to(tl.float32)
+        if ADD:
+            y = tl.load(y_ptr + rows[:, None, None] + off, mask=m, other=0.0).to(tl.float32)
+            v = v + y * tl.load(scale_ptr + off)
+        acc = _squares4(v, acc, R, LANES, FMA)
+    W: tl.constexpr = LANES // 32 if LANES > 32 else 1  # warps
+    L: tl.constexpr = LANES // W  # lanes per warp that read anything
+    s = tl.reshape(acc, (R, W, L))
+    if L >= 32:
+        s = _halve(s, R, W, 16, SPLIT)
+    if L >= 16:
+        s = _halve(s, R, W, 8, SPLIT)
+    if L >= 8:
+        s = _halve(s, R, W, 4, SPLIT)
+    if L >= 4:
+        s = _halve(s, R, W, 2, SPLIT)
+    if L >= 2:
+        s = _halve(s, R, W, 1, SPLIT)
+    s = tl.reshape(s, (R, 1, W))
+    if W >= 4:
+        s = _halve(s, R, 1, W // 2, SPLIT)  # warps w and w + 2
+    if W >= 2:
+        s = _halve(s, R, 1, 1, SPLIT)
+    return tl.reshape(s, (R,))
+
+
+@triton.jit
+def _rstd(total, eps, N: tl.constexpr):
+    ms = tl.div_rn(total, tl.full(total.shape, N, tl.float32))
+    return libdevice.rsqrt(ms + eps)  # CUDA's rsqrtf: rsqrt.approx.f32
+
+
+@triton.jit
+def _norm_kernel(x_ptr, y_ptr, scale_ptr, w_ptr, xo_ptr, out_ptr, n_rows, eps, N: tl.constexpr, R: tl.constexpr,
+                 LANES: tl.constexpr, ADD: tl.constexpr, OUT: tl.constexpr, FMA: tl.constexpr = True,
+                 SPLIT: tl.constexpr = True):  # fmt: skip
+    """R rows: with ADD, x + y * scale written to xo (float32); then rms_norm(., w) of it written to out as OUT."""
+    r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    r_mask = r < n_rows
+    rows = r * N
+    total = _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N, R, LANES, ADD, FMA, SPLIT)
+    rstd = _rstd(total, eps, N)
+    c = tl.arange(0, N)
+    idx = rows[:, None] + c[None, :]
+    m = r_mask[:, None]
+    x = tl.load(x_ptr + idx, mask=m, other=0.0).to(tl.float32)
+    if ADD:
+        x = x + tl.load(y_ptr + idx, mask=m, other=0.0).to(tl.float32) * tl.load(scale_ptr + c)[None, :]
+        tl.store(xo_ptr + idx, x, mask=m)
+    tl.store(out_ptr + idx, (tl.load(w_ptr + c)[None, :] * (rstd[:, None] * x)).to(OUT), mask=m)
+
+
+@triton.jit
+def _norm_rope_one(x_ptr, out_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps,
+                   D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
+                   LANES: tl.constexpr, DTYPE: tl.constexpr, FMA: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """R head vectors (rows r of (B*S*H)): their rms_norm rounded to DTYPE, then the rotary; out contiguous."""
+    rstd = _rstd(_row_sum_squares(x_ptr, x_ptr, x_ptr, r * in_stride, r_mask, D, R, LANES, False, FMA, SPLIT), eps, D)
+    rstd = rstd[:, None]
     c = tl.arange(0, BLOCK_D)
-    m_half = m_rows[:, None] & (c[None, :] < HALF)
-    m_rest = m_rows[:, None] & (c[None, :] < D - 2 * HALF)
+    m_half = r_mask[:, None] & (c[None, :] < HALF)
+    m_rest = r_mask[:, None] & (c[None, :] < D - 2 * HALF)
     pos = (r // H) % S
     cs = pos[:, None] * cs_stride + c[None, :]
     # The tables rounded to the activations' dtype first, as `apply_rotary` does.
@@ -81,9 +179,29 @@ def _qk_rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, rows, S, H, 
     sin1 = _r(tl.load(sin_ptr + cs, mask=m_half, other=0.0), DTYPE)
     cos2 = _r(tl.load(cos_ptr + HALF + cs, mask=m_half, other=0.0), DTYPE)
     sin2 = _r(tl.load(sin_ptr + HALF + cs, mask=m_half, other=0.0), DTYPE)
-    base = r[:, None] * D
-    _rope_one(q_ptr, qo_ptr, base, c, cos1, sin1, cos2, sin2, m_half, m_rest, HALF, DTYPE)
-    _rope_one(k_ptr, ko_ptr, base, c, cos1, sin1, cos2, sin2, m_half, m_rest, HALF, DTYPE)
+    base = r[:, None] * in_stride + c[None, :]
+    y1 = _r(rstd * tl.load(x_ptr + base, mask=m_half, other=0.0).to(tl.float32), DTYPE)
+    y2 = _r(rstd * tl.load(x_ptr + base + HALF, mask=m_half, other=0.0).to(tl.float32), DTYPE)
+    y3 = rstd * tl.load(x_ptr + base + 2 * HALF, mask=m_rest, other=0.0).to(tl.float32)
+    # [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin], each product and the sum rounded as eager's
+    o1 = _r(y1 * cos1, DTYPE) + _r(-y2 * sin1, DTYPE)
+    o2 = _r(y2 * cos2, DTYPE) + _r(y1 * sin2, DTYPE)
+    out = r[:, None] * D + c[None, :]
+    tl.store(out_ptr + out, o1.to(DTYPE), mask=m_half)
+    tl.store(out_ptr + out + HALF, o2.to(DTYPE), mask=m_half)
+    tl.store(out_ptr + out + 2 * HALF, y3.to(DTYPE), mask=m_rest)
+
+
+@triton.jit
+def _qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, rows, in_stride, S, H, cs_stride, eps,
+               D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr,
+               DTYPE: tl.constexpr, FMA: tl.constexpr = True, SPLIT: tl.constexpr = True):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
+    r_mask = r < rows
+    _norm_rope_one(q_ptr, qo_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps, D, HALF, BLOCK_D, R,
+                   LANES, DTYPE, FMA, SPLIT)  # fmt: skip
+    _norm_rope_one(k_ptr, ko_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps, D, HALF, BLOCK_D, R,
+                   LANES, DTYPE, FMA, SPLIT)  # fmt: skip
 
 
 def residual(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,21 +227,90 @@ def swiglu(f: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def qk_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+def _lanes(n: int) -> int:
+    """The threads of torch's rms_norm block that read channels of an n-wide row (n a multiple of 4, n / 4 a power of
+    two up to 128 or a multiple of 128)."""
+    vectors = n // VEC
+    if n % VEC or not (vectors % THREADS == 0 or (vectors <= THREADS and vectors & (vectors - 1) == 0)):
+        raise ValueError(f"no exact norm pass for rows of {n} channels (a multiple of 4, n/4 a power of 2 or of 128)")
+    return min(vectors, THREADS)
+
+
+def _projection_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the projection after a norm computes in: autocast's, else the norm's float32."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32
+
+
+# (rows per program, warps, halving by split or by a sum of two: the same additions): the block norms' (2048
+# channels) and the qk pass's (64-channel head vectors). bench/decode.py --sweep times the choices.
+LAUNCH = {"norm": (4, 4, True), "qk": (32, 4, True)}
+
+
+def norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, launch: tuple[int, int, bool] | None = None
+) -> torch.Tensor:
+    """rms_norm(x.float(), weight, eps) in the projection's dtype."""
+    rows_per, warps, split = launch or LAUNCH["norm"]
+    x = x.contiguous()
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=_projection_dtype(x), device=x.device)
+    rows = x.numel() // n
+    _norm_kernel[(triton.cdiv(rows, rows_per),)](
+        x, x, weight, weight, x, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=False, OUT=_TL[out.dtype],
+        SPLIT=split, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+def residual_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    launch: tuple[int, int, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: (B, S, H, D) float32 (the norm's output), cos, sin: (S, R) float32 -> (B, S, H, D) in `dtype`."""
-    q, k, cos, sin = q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous()
+    """(x + y * scale, rms_norm of it with weight) in one pass: the stream in float32 (eager's promotion), the
+    norm in the projection's dtype."""
+    rows_per, warps, split = launch or LAUNCH["norm"]
+    x, y = x.contiguous(), y.contiguous()
+    n = x.shape[-1]
+    stream = torch.empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, y.dtype), scale.dtype),
+                         device=x.device)  # fmt: skip
+    if stream.dtype != torch.float32:
+        raise ValueError(f"the residual norm pass keeps a float32 stream, not {stream.dtype}")
+    out = torch.empty(x.shape, dtype=_projection_dtype(x), device=x.device)
+    rows = x.numel() // n
+    _norm_kernel[(triton.cdiv(rows, rows_per),)](
+        x, y, scale, weight, stream, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=True,
+        OUT=_TL[out.dtype], SPLIT=split, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return stream, out
+
+
+def qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    launch: tuple[int, int, bool] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k: (B, S, H, D) views of the fused projection (each head's D channels contiguous, heads at one stride);
+    cos, sin: (S, R) float32 -> the normed, rotated q and k, (B, S, H, D) contiguous in q's dtype."""
     b, s, h, d = q.shape
+    if q.stride() != k.stride() or q.stride(3) != 1 or q.stride(1) != h * q.stride(2) or q.stride(0) != s * q.stride(1):
+        q, k = q.contiguous(), k.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
     r = cos.shape[-1]
     q_out, k_out = (
-        torch.empty(q.shape, dtype=dtype, device=q.device),
-        torch.empty(k.shape, dtype=dtype, device=q.device),
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=q.device),
     )
-    rows, block_m = b * s * h, 16
-    _qk_rope_kernel[(triton.cdiv(rows, block_m),)](
-        q, k, cos, sin, q_out, k_out, rows, s, h, cos.stride(0),
-        D=d, HALF=r // 2, BLOCK_D=triton.next_power_of_2(max(r // 2, d - r)), BLOCK_M=block_m, DTYPE=_TL[dtype],
-        num_warps=4, enable_fp_fusion=False,
+    rows, (rows_per, warps, split) = b * s * h, launch or LAUNCH["qk"]
+    _qk_kernel[(triton.cdiv(rows, rows_per),)](
+        q, k, cos, sin, q_out, k_out, rows, q.stride(2), s, h, cos.stride(0), eps,
+        D=d, HALF=r // 2, BLOCK_D=triton.next_power_of_2(max(r // 2, d - r)), R=rows_per, LANES=_lanes(d),
+        DTYPE=_TL[q.dtype], SPLIT=split, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out

@@ -8,14 +8,16 @@ released VAE) and the casts are gone. Everything autocast keeps in float32 stays
 residual scales, the register tokens (cast where used), and the whole encoder (keyframes encode in float32, no
 autocast).
 
-`decoder_passes`: the decoder blocks' element-wise passes in Triton, the same numbers as the plain ops (the GPU tier
-checks them bit for bit, tests/test_gpu_decode.py); what they buy is bench/decode.py's.
+`decoder_passes`: the decoder blocks' element-wise passes and norms in Triton, the same numbers as the plain ops (the
+GPU tier checks them bit for bit, tests/test_gpu_decode.py); what they buy is bench/decode.py's.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from h3serve.model.video_vae import DecoderPasses, VideoVAE
@@ -50,22 +52,22 @@ def decoder_cast_names(vae: VideoVAE) -> frozenset[str]:
     return frozenset(names)
 
 
-def decoder_passes() -> DecoderPasses:
+def decoder_passes(launch: Mapping[str, tuple[int, int, bool]] | None = None) -> DecoderPasses:
     """The decoder blocks' passes in Triton (`triton_decoder`), each the same numbers as its reference
-    (`video_vae.REFERENCE_PASSES`): the residual add in one pass, the SwiGLU gate in one, and the qk pass as torch's
-    own rms_norm (the sum stays torch's) followed by one pass that rounds and rotates q and k. Needs a CUDA device and
-    Triton (`fused.available`)."""
-    from h3serve.accel import triton_decoder
+    (`video_vae.REFERENCE_PASSES`): every residual add with the norm after it in one pass (the norm written in the
+    projection's dtype, so autocast's cast is gone), the qk-norm and the rotary of q and k in one, the SwiGLU gate in
+    one. `launch`: the norm and qk passes' launch choices where not `triton_decoder.LAUNCH`'s (bench/decode.py
+    --sweep; every choice gives the same bits). Needs a CUDA device and Triton (`fused.available`)."""
+    from h3serve.accel import triton_decoder as t
 
-    def qk(
-        q: torch.Tensor, k: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        d = q.shape[-1]
-        qn = F.rms_norm(q.float(), (d,), None, eps)
-        kn = F.rms_norm(k.float(), (d,), None, eps)
-        return triton_decoder.qk_rope(qn, kn, cos.float(), sin.float(), q.dtype)
-
-    return DecoderPasses(qk=qk, residual=triton_decoder.residual, swiglu=triton_decoder.swiglu)
+    chosen = {**t.LAUNCH, **(launch or {})}
+    return DecoderPasses(
+        qk=functools.partial(t.qk, launch=chosen["qk"]),
+        residual=t.residual,
+        swiglu=t.swiglu,
+        norm=functools.partial(t.norm, launch=chosen["norm"]),
+        residual_norm=functools.partial(t.residual_norm, launch=chosen["norm"]),
+    )
 
 
 def set_decoder_passes(vae: VideoVAE, passes: DecoderPasses) -> None:

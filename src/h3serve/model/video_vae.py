@@ -326,17 +326,46 @@ def swiglu_reference(f: torch.Tensor) -> torch.Tensor:
     return up * F.silu(gate)
 
 
+def norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A block's input norm: rms_norm of the stream in fp32 with its fp32 weight (under autocast the projection that
+    reads it casts it to the compute dtype)."""
+    return _rms_norm(x.float(), weight, eps)
+
+
+def residual_norm_reference(
+    x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the norm of its result that feeds the next projection: (x + y * scale, its norm)."""
+    x = residual_reference(x, y, scale)
+    return x, norm_reference(x, weight, eps)
+
+
+QkPass = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+ResidualNormPass = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+
+
 @dataclass(frozen=True)
 class DecoderPasses:
     """The decoder blocks' passes around their projections and attention: the plain ops (`REFERENCE_PASSES`), or
-    kernels computing the same numbers set from outside (`h3serve.accel.vae`)."""
+    kernels computing the same numbers set from outside (`h3serve.accel.vae`). A norm's output may come in the
+    dtype its projection computes in (what autocast would cast it to) instead of fp32: the same numbers."""
 
-    qk: Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    qk: QkPass  # (q, k, eps, cos, sin) -> q, k normed and rotated
+    residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # the last block's second add
     swiglu: Callable[[torch.Tensor], torch.Tensor]
+    norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # the first block's first norm
+    residual_norm: ResidualNormPass  # every other add and the norm that follows it
 
 
-REFERENCE_PASSES = DecoderPasses(qk=qk_reference, residual=residual_reference, swiglu=swiglu_reference)
+REFERENCE_PASSES = DecoderPasses(
+    qk=qk_reference,
+    residual=residual_reference,
+    swiglu=swiglu_reference,
+    norm=norm_reference,
+    residual_norm=residual_norm_reference,
+)
 
 
 class Attention(nn.Module):
@@ -384,14 +413,23 @@ class TransformerBlock(nn.Module):
         self.scale2 = nn.Parameter(torch.zeros(dim))
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, passes: DecoderPasses = REFERENCE_PASSES
-    ) -> torch.Tensor:
-        # The residual stream stays fp32 (scale1/2 are fp32) and norms run in fp32; under autocast only the
-        # projections and attention drop to fp16.
-        x = passes.residual(
-            x, self.attn(_rms_norm(x.float(), self.norm1.weight, self.eps), cos, sin, passes), self.scale1
-        )
-        return passes.residual(x, self.ff(_rms_norm(x.float(), self.norm2.weight, self.eps), passes), self.scale2)
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        passes: DecoderPasses = REFERENCE_PASSES,
+        next_norm: nn.RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the residual stream, h: `norm1(x)` (made by the add before it). Returns the stream and, when a next
+        block's `next_norm` is given, its norm of it; the add and the norm after it are one pass
+        (`passes.residual_norm`). The stream stays fp32 (scale1/2 are fp32) and norms run in fp32; under autocast
+        only the projections and attention drop to fp16."""
+        x, h = passes.residual_norm(x, self.attn(h, cos, sin, passes), self.scale1, self.norm2.weight, self.eps)
+        f = self.ff(h, passes)
+        if next_norm is None:
+            return passes.residual(x, f, self.scale2), None
+        return passes.residual_norm(x, f, self.scale2, next_norm.weight, self.eps)
 
 
 class ViTDecoder3d(nn.Module):
@@ -428,8 +466,10 @@ class ViTDecoder3d(nn.Module):
         regs = self.register_tokens.expand(b, -1, -1).to(x.dtype)
         x = torch.cat([x, regs, torch.zeros_like(x[:, :1])], dim=1)  # (B, N + R + 1, dim)
         cos, sin = self._rotary(t, h, w, z.device)
-        for block in self.transformer_blocks:
-            x = block(x, cos, sin, self.passes)
+        blocks, passes = self.transformer_blocks, self.passes
+        normed = passes.norm(x, blocks[0].norm1.weight, self.cfg.decoder_norm_eps)
+        for i, block in enumerate(blocks):
+            x, normed = block(x, normed, cos, sin, passes, blocks[i + 1].norm1 if i + 1 < len(blocks) else None)
         x = self.proj_out(self.norm_out(x)[:, : t * h * w])  # (B, N, 3*pt*p*p)
         pt, p, co = self.cfg.temporal_ratio, self.cfg.spatial_ratio, self.cfg.out_channels
         # Each token's patch to its place, in float32, in one copy (the cast is exact).
