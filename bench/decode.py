@@ -54,8 +54,8 @@ def build(device: torch.device) -> VideoVAE:
     return vae
 
 
-def variants(vae: VideoVAE, launch: dict | None = None) -> dict:
-    fast = decoder_passes(launch)
+def variants(vae: VideoVAE) -> dict:
+    fast = decoder_passes()
     plain = REFERENCE_PASSES
 
     def with_passes(passes):
@@ -77,50 +77,6 @@ def variants(vae: VideoVAE, launch: dict | None = None) -> dict:
         "+norms": with_passes(norms),
         "all": with_passes(fast),
     }
-
-
-SWEEP = {
-    "norm": [(1, 4, True), (2, 4, True), (4, 4, True), (2, 8, True), (8, 8, True), (4, 4, False), (8, 8, False)],
-    "qk": [(16, 2, True), (32, 4, True), (64, 4, True), (128, 8, True), (32, 4, False), (64, 4, False)],
-}
-
-
-def sweep(device: torch.device) -> tuple[dict, dict]:
-    """Each launch choice of the norm and qk passes (`triton_decoder.LAUNCH`) at a released tile (1,797 rows), timed
-    (microseconds, `triton.testing.do_bench`) and checked bit for bit against the plain ops; the fastest exact one of
-    each."""
-    from triton.testing import do_bench
-
-    from h3serve.accel import triton_decoder as td
-    from h3serve.model.ops import rotary_table
-
-    g = torch.Generator(device).manual_seed(3)
-    s = 1797
-    x = torch.randn(1, s, 2048, device=device, generator=g) * 4
-    y = torch.randn(1, s, 2048, device=device, generator=g).to(AUTOCAST)
-    scale = torch.randn(2048, device=device, generator=g) * 0.1
-    weight = 1 + 0.3 * torch.randn(2048, device=device, generator=g)
-    qkv = (torch.randn(1, s, 32, 192, device=device, generator=g) * 3).to(AUTOCAST)
-    q, k = qkv[..., :64], qkv[..., 64:128]
-    cos, sin = rotary_table(torch.randn(s, 24, device=device, generator=g) * 3)
-    with torch.autocast("cuda", dtype=AUTOCAST):
-        want_x, want_h = REFERENCE_PASSES.residual_norm(x, y, scale, weight, 1e-5)
-        want = {"norm": (want_x, want_h.to(AUTOCAST)), "qk": REFERENCE_PASSES.qk(q, k, 1e-5, cos, sin)}
-        runs = {"norm": lambda launch: td.residual_norm(x, y, scale, weight, 1e-5, launch),
-                "qk": lambda launch: td.qk(q, k, 1e-5, cos, sin, launch)}  # fmt: skip
-        results: dict = {}
-        for name, choices in SWEEP.items():
-            results[name] = {}
-            for launch in choices:
-                got = runs[name](launch)
-                exact = all(torch.equal(a, b) for a, b in zip(got, want[name], strict=True))
-                us = do_bench(lambda launch=launch, name=name: runs[name](launch), warmup=10, rep=50) * 1e3
-                results[name][str(launch)] = {"us": round(us, 1), "bitwise": exact}
-    best = {}
-    for name, choices in SWEEP.items():
-        exact = [c for c in choices if results[name][str(c)]["bitwise"]]
-        best[name] = min(exact, key=lambda c: results[name][str(c)]["us"]) if exact else td.LAUNCH[name]
-    return results, best
 
 
 def timed(fn, iters: int) -> tuple[list[float], float, torch.Tensor]:
@@ -184,20 +140,11 @@ def main() -> None:
     parser.add_argument("--shapes", default="default,reference")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--variants", help="comma-separated variants to time (default: every one; `before` always)")
-    parser.add_argument("--sweep", action="store_true", help="time the norm and qk passes' launch choices first and "
-                        "run the fastest exact ones (recorded as `launch`)")  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cuda")
     vae = build(device)
     result = {**run_header(device), "autocast": str(AUTOCAST), "shapes": {}}
-    from h3serve.accel import triton_decoder
-
-    launch = None
-    if args.sweep:
-        result["sweep"], launch = sweep(device)
-        print(json.dumps(result["sweep"]), launch, flush=True)
-    result["launch"] = {k: list(v) for k, v in (launch or triton_decoder.LAUNCH).items()}
-    runs = variants(vae, launch)
+    runs = variants(vae)
     if args.variants:
         runs = {k: v for k, v in runs.items() if k == "before" or k in args.variants.split(",")}
     for shape in args.shapes.split(","):
@@ -236,7 +183,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["profile"] = {
             "before": profile(lambda: window(REFERENCE_PASSES, True)),
-            "all": profile(lambda: window(decoder_passes(launch), False)),
+            "all": profile(lambda: window(decoder_passes(), False)),
             "what": "one decode window (7 latents, 28 tiles) of the default request",
         }
         print(json.dumps({k: result["profile"][k]["categories_ms"] for k in ("before", "all")}), flush=True)
@@ -244,7 +191,7 @@ def main() -> None:
     t, h, w = SHAPES["default"]
     z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(7))
     result["preview_windows_ms"] = {}
-    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes(launch))):
+    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes())):
         set_decoder_passes(vae, passes)
         result["preview_windows_ms"][passes_name] = {
             n: round(min(timed(lambda n=n: vae.decode_window(z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)

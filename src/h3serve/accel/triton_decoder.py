@@ -1,8 +1,8 @@
 """The Triton source of `h3serve.accel.vae`'s decoder passes (imported only where Triton is). Each kernel computes
 what its reference in `h3serve.model.video_vae` computes, value for value: every product, sum and quotient rounded
-where eager rounds it (to the activations' dtype between two ops, float32 inside one), no sum reordered (none of
-these passes has a reduction: the norms stay torch's own), and no multiply-add contracted into one FMA (launched with
-`enable_fp_fusion=False`, so each product is rounded before its add, as eager's two kernels do).
+where eager rounds it (to the activations' dtype between two ops, float32 inside one), no sum reordered, and no
+multiply-add contracted into one FMA that eager does not contract (launched with `enable_fp_fusion=False`, so each
+product is rounded before its add, as eager's two kernels do; the norms' explicit FMAs are torch's own, below).
 
 residual  x + y * scale: the block's residual add (x, scale float32; y the projection's output)
 swiglu    up * silu(gate) of the feed-forward's `[gate | up]` rows: silu = g / (1 + exp(-g)) in float32 (libdevice's
@@ -66,39 +66,29 @@ VEC = 4  # channels a thread reads at a time (the kernels spell it out: a global
 
 
 @triton.jit
-def _squares4(v, acc, R: tl.constexpr, L: tl.constexpr, FMA: tl.constexpr):
+def _squares4(v, acc, R: tl.constexpr, L: tl.constexpr):
     """acc + v[..., 0]^2, then + v[..., 1]^2, ... + v[..., 3]^2, each one fused multiply-add (nvcc contracts torch's
-    `sum + val * val`; FMA=False rounds the product first): v (R, L, 4)."""
+    `sum + val * val`: on the H200, 2026-12-03, the products rounded first missed torch's norm in 222,976 of 3.7 M
+    values, the fused ones in none): v (R, L, 4)."""
     a, b = tl.split(tl.reshape(v, (R, L, 2, 2)))  # a: channels 0 and 2 of each vector, b: 1 and 3
     e0, e2 = tl.split(a)
     e1, e3 = tl.split(b)
-    if FMA:
-        acc = tl.fma(e0, e0, acc)
-        acc = tl.fma(e1, e1, acc)
-        acc = tl.fma(e2, e2, acc)
-        acc = tl.fma(e3, e3, acc)
-    else:
-        acc = acc + e0 * e0
-        acc = acc + e1 * e1
-        acc = acc + e2 * e2
-        acc = acc + e3 * e3
-    return acc
+    acc = tl.fma(e0, e0, acc)
+    acc = tl.fma(e1, e1, acc)
+    acc = tl.fma(e2, e2, acc)
+    return tl.fma(e3, e3, acc)
 
 
 @triton.jit
-def _halve(s, R: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, SPLIT: tl.constexpr):
-    """(R, G, 2 * HALF) -> (R, G, HALF): lane l plus lane l + HALF within each group (a warp's shuffle-down step).
-    A sum of two is one addition whichever way it is written (SPLIT: by halves; else a reduction over 2)."""
-    if SPLIT:
-        a, b = tl.split(tl.permute(tl.reshape(s, (R, G, 2, HALF)), (0, 1, 3, 2)))
-        return a + b
-    else:
-        return tl.sum(tl.reshape(s, (R, G, 2, HALF)), axis=2)
+def _halve(s, R: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr):
+    """(R, G, 2 * HALF) -> (R, G, HALF): lane l plus lane l + HALF within each group (a warp's shuffle-down step)."""
+    a, b = tl.split(tl.permute(tl.reshape(s, (R, G, 2, HALF)), (0, 1, 3, 2)))
+    return a + b
 
 
 @triton.jit
 def _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr,
-                     ADD: tl.constexpr, FMA: tl.constexpr, SPLIT: tl.constexpr = True):  # fmt: skip
+                     ADD: tl.constexpr):  # fmt: skip
     """The sum of squares of R rows of N contiguous channels starting at x_ptr + rows (of x + y * scale with ADD,
     recomputed as `_norm_kernel` computes it), added in torch's order. LANES: the threads that read anything
     (min(128, N / 4)); the others hold 0, and adding 0 changes no sum, so they are left out."""
@@ -114,25 +104,25 @@ def _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N: tl.constexpr, R: 
         if ADD:
             y = tl.load(y_ptr + rows[:, None, None] + off, mask=m, other=0.0).to(tl.float32)
             v = v + y * tl.load(scale_ptr + off)
-        acc = _squares4(v, acc, R, LANES, FMA)
+        acc = _squares4(v, acc, R, LANES)
     W: tl.constexpr = LANES // 32 if LANES > 32 else 1  # warps
     L: tl.constexpr = LANES // W  # lanes per warp that read anything
     s = tl.reshape(acc, (R, W, L))
     if L >= 32:
-        s = _halve(s, R, W, 16, SPLIT)
+        s = _halve(s, R, W, 16)
     if L >= 16:
-        s = _halve(s, R, W, 8, SPLIT)
+        s = _halve(s, R, W, 8)
     if L >= 8:
-        s = _halve(s, R, W, 4, SPLIT)
+        s = _halve(s, R, W, 4)
     if L >= 4:
-        s = _halve(s, R, W, 2, SPLIT)
+        s = _halve(s, R, W, 2)
     if L >= 2:
-        s = _halve(s, R, W, 1, SPLIT)
+        s = _halve(s, R, W, 1)
     s = tl.reshape(s, (R, 1, W))
     if W >= 4:
-        s = _halve(s, R, 1, W // 2, SPLIT)  # warps w and w + 2
+        s = _halve(s, R, 1, W // 2)  # warps w and w + 2
     if W >= 2:
-        s = _halve(s, R, 1, 1, SPLIT)
+        s = _halve(s, R, 1, 1)
     return tl.reshape(s, (R,))
 
 
@@ -144,13 +134,12 @@ def _rstd(total, eps, N: tl.constexpr):
 
 @triton.jit
 def _norm_kernel(x_ptr, y_ptr, scale_ptr, w_ptr, xo_ptr, out_ptr, n_rows, eps, N: tl.constexpr, R: tl.constexpr,
-                 LANES: tl.constexpr, ADD: tl.constexpr, OUT: tl.constexpr, FMA: tl.constexpr = True,
-                 SPLIT: tl.constexpr = True):  # fmt: skip
+                 LANES: tl.constexpr, ADD: tl.constexpr, OUT: tl.constexpr):  # fmt: skip
     """R rows: with ADD, x + y * scale written to xo (float32); then rms_norm(., w) of it written to out as OUT."""
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     r_mask = r < n_rows
     rows = r * N
-    total = _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N, R, LANES, ADD, FMA, SPLIT)
+    total = _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N, R, LANES, ADD)
     rstd = _rstd(total, eps, N)
     c = tl.arange(0, N)
     idx = rows[:, None] + c[None, :]
@@ -165,9 +154,9 @@ def _norm_kernel(x_ptr, y_ptr, scale_ptr, w_ptr, xo_ptr, out_ptr, n_rows, eps, N
 @triton.jit
 def _norm_rope_one(x_ptr, out_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps,
                    D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr,
-                   LANES: tl.constexpr, DTYPE: tl.constexpr, FMA: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                   LANES: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """R head vectors (rows r of (B*S*H)): their rms_norm rounded to DTYPE, then the rotary; out contiguous."""
-    rstd = _rstd(_row_sum_squares(x_ptr, x_ptr, x_ptr, r * in_stride, r_mask, D, R, LANES, False, FMA, SPLIT), eps, D)
+    rstd = _rstd(_row_sum_squares(x_ptr, x_ptr, x_ptr, r * in_stride, r_mask, D, R, LANES, False), eps, D)
     rstd = rstd[:, None]
     c = tl.arange(0, BLOCK_D)
     m_half = r_mask[:, None] & (c[None, :] < HALF)
@@ -195,13 +184,13 @@ def _norm_rope_one(x_ptr, out_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_st
 @triton.jit
 def _qk_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, rows, in_stride, S, H, cs_stride, eps,
                D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, R: tl.constexpr, LANES: tl.constexpr,
-               DTYPE: tl.constexpr, FMA: tl.constexpr = True, SPLIT: tl.constexpr = True):  # fmt: skip
+               DTYPE: tl.constexpr):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     r_mask = r < rows
     _norm_rope_one(q_ptr, qo_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps, D, HALF, BLOCK_D, R,
-                   LANES, DTYPE, FMA, SPLIT)  # fmt: skip
+                   LANES, DTYPE)  # fmt: skip
     _norm_rope_one(k_ptr, ko_ptr, r, r_mask, in_stride, cos_ptr, sin_ptr, cs_stride, S, H, eps, D, HALF, BLOCK_D, R,
-                   LANES, DTYPE, FMA, SPLIT)  # fmt: skip
+                   LANES, DTYPE)  # fmt: skip
 
 
 def residual(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -241,23 +230,21 @@ def _projection_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32
 
 
-# (rows per program, warps, halving by split or by a sum of two: the same additions): the block norms' (2048
-# channels) and the qk pass's (64-channel head vectors). bench/decode.py --sweep times the choices.
-LAUNCH = {"norm": (4, 4, True), "qk": (32, 4, True)}
+# (rows per program, warps): the block norms' (2048 channels) and the qk pass's (64-channel head vectors). Any choice
+# adds in the same order; these are the first that ran (not tuned: bench/results/README.md, 2026-12-03, issue 41).
+LAUNCH = {"norm": (4, 4), "qk": (32, 4)}
 
 
-def norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, launch: tuple[int, int, bool] | None = None
-) -> torch.Tensor:
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch: tuple[int, int] | None = None) -> torch.Tensor:
     """rms_norm(x.float(), weight, eps) in the projection's dtype."""
-    rows_per, warps, split = launch or LAUNCH["norm"]
+    rows_per, warps = launch or LAUNCH["norm"]
     x = x.contiguous()
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=_projection_dtype(x), device=x.device)
     rows = x.numel() // n
     _norm_kernel[(triton.cdiv(rows, rows_per),)](
         x, x, weight, weight, x, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=False, OUT=_TL[out.dtype],
-        SPLIT=split, num_warps=warps, enable_fp_fusion=False,
+        num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
@@ -268,11 +255,11 @@ def residual_norm(
     scale: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    launch: tuple[int, int, bool] | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y * scale, rms_norm of it with weight) in one pass: the stream in float32 (eager's promotion), the
     norm in the projection's dtype."""
-    rows_per, warps, split = launch or LAUNCH["norm"]
+    rows_per, warps = launch or LAUNCH["norm"]
     x, y = x.contiguous(), y.contiguous()
     n = x.shape[-1]
     stream = torch.empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, y.dtype), scale.dtype),
@@ -283,7 +270,7 @@ def residual_norm(
     rows = x.numel() // n
     _norm_kernel[(triton.cdiv(rows, rows_per),)](
         x, y, scale, weight, stream, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=True,
-        OUT=_TL[out.dtype], SPLIT=split, num_warps=warps, enable_fp_fusion=False,
+        OUT=_TL[out.dtype], num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return stream, out
 
@@ -294,7 +281,7 @@ def qk(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    launch: tuple[int, int, bool] | None = None,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: (B, S, H, D) views of the fused projection (each head's D channels contiguous, heads at one stride);
     cos, sin: (S, R) float32 -> the normed, rotated q and k, (B, S, H, D) contiguous in q's dtype."""
@@ -307,10 +294,10 @@ def qk(
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=q.device),
     )
-    rows, (rows_per, warps, split) = b * s * h, launch or LAUNCH["qk"]
+    rows, (rows_per, warps) = b * s * h, launch or LAUNCH["qk"]
     _qk_kernel[(triton.cdiv(rows, rows_per),)](
         q, k, cos, sin, q_out, k_out, rows, q.stride(2), s, h, cos.stride(0), eps,
         D=d, HALF=r // 2, BLOCK_D=triton.next_power_of_2(max(r // 2, d - r)), R=rows_per, LANES=_lanes(d),
-        DTYPE=_TL[q.dtype], SPLIT=split, num_warps=warps, enable_fp_fusion=False,
+        DTYPE=_TL[q.dtype], num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out

@@ -14,9 +14,6 @@ GPU tier checks them bit for bit, tests/test_gpu_decode.py); what they buy is be
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
@@ -52,22 +49,14 @@ def decoder_cast_names(vae: VideoVAE) -> frozenset[str]:
     return frozenset(names)
 
 
-def decoder_passes(launch: Mapping[str, tuple[int, int, bool]] | None = None) -> DecoderPasses:
+def decoder_passes() -> DecoderPasses:
     """The decoder blocks' passes in Triton (`triton_decoder`), each the same numbers as its reference
     (`video_vae.REFERENCE_PASSES`): every residual add with the norm after it in one pass (the norm written in the
     projection's dtype, so autocast's cast is gone), the qk-norm and the rotary of q and k in one, the SwiGLU gate in
-    one. `launch`: the norm and qk passes' launch choices where not `triton_decoder.LAUNCH`'s (bench/decode.py
-    --sweep; every choice gives the same bits). Needs a CUDA device and Triton (`fused.available`)."""
+    one. Needs a CUDA device and Triton (`fused.available`)."""
     from h3serve.accel import triton_decoder as t
 
-    chosen = {**t.LAUNCH, **(launch or {})}
-    return DecoderPasses(
-        qk=functools.partial(t.qk, launch=chosen["qk"]),
-        residual=t.residual,
-        swiglu=t.swiglu,
-        norm=functools.partial(t.norm, launch=chosen["norm"]),
-        residual_norm=functools.partial(t.residual_norm, launch=chosen["norm"]),
-    )
+    return DecoderPasses(qk=t.qk, residual=t.residual, swiglu=t.swiglu, norm=t.norm, residual_norm=t.residual_norm)
 
 
 def set_decoder_passes(vae: VideoVAE, passes: DecoderPasses) -> None:
