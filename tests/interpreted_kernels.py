@@ -1,6 +1,8 @@
-"""The Triton kernels (accel/triton_block.py, accel/triton_qk_norm_rope.py) against their reference ops on the CPU,
-under Triton's interpreter, on small shapes: the GPU parity tests' checks (tests/test_fused.py,
-tests/test_fused_block.py), kernel by kernel, where the interpreter computes what the GPU does.
+"""The Triton kernels (accel/triton_block.py, accel/triton_qk_norm_rope.py, accel/triton_decoder.py) against their
+reference ops on the CPU, under Triton's interpreter, on small shapes: the GPU parity tests' checks
+(tests/test_fused.py, tests/test_fused_block.py, tests/test_gpu_decode.py), kernel by kernel, where the interpreter
+computes what the GPU does. The decoder's norms are held bit for bit to torch's CUDA reduction order, written out
+here (`torch_cuda_rstd`); its two libdevice calls are numpy's under the interpreter (`triton_decoder._INTERPRET`).
 
 Not collected by the suite (the name is not test_*): tests/test_triton_interpreter.py runs this file in a process of
 its own with TRITON_INTERPRET=1, which Triton reads when it is imported and which turns every Triton kernel of the
@@ -35,6 +37,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
         "these cases run under Triton's interpreter: TRITON_INTERPRET=1 (tests/test_triton_interpreter.py)"
     )
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -366,3 +369,95 @@ def test_fp8_attention_passes_against_torchs_ops(dtype, rows):
         assert a.dtype == FP8 and a.shape == q.shape and a.transpose(1, 2).is_contiguous()
         expected = interpreted_e4m3(product.clamp(-FP8_MAX, FP8_MAX).transpose(1, 2)).transpose(1, 2)
         assert torch.equal(a.view(torch.uint8), expected.view(torch.uint8)), f"{dtype} {rows}"
+
+
+# ---- the video decoder's passes (accel/triton_decoder.py) ------------------------------------------------------------
+def torch_cuda_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row's 1 / rms as torch's CUDA rms_norm adds it up (`vectorized_layer_norm_kernel`: 128 threads, thread t
+    reading the 4-channel vectors t, t + 128, ... and adding each square with one fused multiply-add in channel order;
+    the 32 lanes of each warp halving, then the 4 warps; an IEEE mean), written out here so that the kernel's order is
+    held to it. The reciprocal square root is the interpreter's 1 / sqrt (the GPU's is CUDA's rsqrtf, which the GPU
+    tier holds to torch itself)."""
+    from triton.runtime.interpreter import _interpreter
+
+    rows = x.float().reshape(-1, x.shape[-1]).numpy()
+    m, n = rows.shape
+    lanes = min(128, n // 4)
+    acc = np.zeros((m, lanes), np.float32)
+    for j in range(n // (4 * lanes)):
+        for e in range(4):
+            v = np.ascontiguousarray(rows[:, (j * lanes + np.arange(lanes)) * 4 + e])
+            acc = _interpreter.fma_fp32(v, v, acc)
+    warps = max(1, lanes // 32)
+    s = acc.reshape(m, warps, lanes // warps)
+    while s.shape[2] > 1:  # lane l takes lane l + half, within each warp
+        s = s[:, :, : s.shape[2] // 2] + s[:, :, s.shape[2] // 2 :]
+    s = s[:, :, 0]
+    while s.shape[1] > 1:  # warp w takes warp w + half
+        s = s[:, : s.shape[1] // 2] + s[:, s.shape[1] // 2 :]
+    rstd = np.float32(1) / np.sqrt(s[:, 0] / np.float32(n) + np.float32(eps))
+    return torch.from_numpy(rstd).reshape(*x.shape[:-1], 1)
+
+
+def decoder_rows(s: int, n: int, seed: int) -> torch.Tensor:
+    """s rows of n channels whose scales span four decades (the sums round in many places)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, s, n, generator=g) * torch.logspace(-2, 2, s)[None, :, None]
+
+
+@pytest.mark.parametrize("n", [2048, 256, 64])  # the released blocks' width; two warps' worth; a head's
+@pytest.mark.parametrize("stream", [torch.float32, torch.float16])  # the first block's norm reads float16
+def test_the_decoder_norm_adds_in_torchs_order(n, stream):
+    from h3serve.accel import triton_decoder
+
+    x = decoder_rows(37, n, seed=n).to(stream)  # 37 rows: the last program's rows part masked
+    w = 1 + 0.3 * torch.randn(n, generator=torch.Generator().manual_seed(1))
+    got = triton_decoder.norm(x, w, 1e-5)
+    want = w * (torch_cuda_rstd(x, 1e-5) * x.float())
+    assert got.dtype == torch.float32 and torch.equal(got, want), (n, stream)
+    # and close to torch's own CPU norm, which adds in another order
+    assert_ulps(got, F.rms_norm(x.float(), (n,), w, 1e-5), max_ulps=8, frac=0.0, what=f"norm {n}")
+
+
+def test_the_decoder_residual_norm_is_the_add_then_the_norm():
+    from h3serve.accel import triton_decoder
+    from h3serve.model.video_vae import REFERENCE_PASSES
+
+    x = decoder_rows(37, 2048, seed=2)
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(1, 37, 2048, generator=g).to(torch.float16)
+    scale, w = 0.1 * torch.randn(2048, generator=g), 1 + 0.3 * torch.randn(2048, generator=g)
+    stream, normed = triton_decoder.residual_norm(x, y, scale, w, 1e-5)
+    want = REFERENCE_PASSES.residual(x, y, scale)
+    assert stream.dtype == torch.float32 and torch.equal(stream, want)
+    assert torch.equal(normed, w * (torch_cuda_rstd(want, 1e-5) * want))
+    assert torch.equal(triton_decoder.residual(x, y, scale), want)
+
+
+@pytest.mark.parametrize("dtype", EXACT)
+def test_the_decoder_qk_pass_is_the_norm_then_the_rotary(dtype):
+    """q and k read in place from the fused projection's rows (per head [q k v]), normed in torch's order, rounded,
+    rotated on the leading 48 of 64 channels as `apply_rotary` rounds: bit for bit; a contiguous copy the same."""
+    from h3serve.accel import triton_decoder
+    from h3serve.model.ops import apply_rotary, rotary_table
+
+    s, heads = 9, 3
+    qkv = decoder_rows(s * heads, 192, seed=4).view(1, s, heads, 192).to(dtype)
+    q, k = qkv[..., :64], qkv[..., 64:128]
+    cos, sin = rotary_table(torch.randn(s, 24, generator=torch.Generator().manual_seed(5)) * 3)
+    want = [apply_rotary((torch_cuda_rstd(t, 1e-5) * t.float()).to(dtype), cos, sin) for t in (q, k)]
+    for got in (
+        triton_decoder.qk(q, k, 1e-5, cos, sin),
+        triton_decoder.qk(q.contiguous(), k.contiguous(), 1e-5, cos, sin),
+    ):
+        assert all(a.dtype == dtype and a.is_contiguous() and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_the_decoder_swiglu_pass():
+    """up * silu(gate), silu as g / (1 + exp(-g)): numpy's exp here against torch's CPU silu, within a unit of
+    float16 (the GPU tier holds libdevice's expf to torch's CUDA silu bit for bit)."""
+    from h3serve.accel import triton_decoder
+    from h3serve.model.video_vae import REFERENCE_PASSES
+
+    f = (torch.randn(5, 2 * 300, generator=torch.Generator().manual_seed(6)) * 3).to(torch.float16)
+    assert_ulps(triton_decoder.swiglu(f), REFERENCE_PASSES.swiglu(f), max_ulps=1, frac=0.0, what="swiglu")

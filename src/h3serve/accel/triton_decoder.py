@@ -24,14 +24,35 @@ output `weight * (rstd * x)`. tests/test_gpu_decode.py holds every pass to its r
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+# Triton's interpreter (tests/interpreted_kernels.py, the CPU tier) has no libdevice: there the two libdevice calls
+# are numpy's exp and 1 / sqrt. Read at import, as Triton reads it; on a GPU the kernels are libdevice's alone.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 BLOCK = 2048  # elements per program of the element-wise passes
 WARPS = 8
+
+
+@triton.jit
+def _exp(x):
+    if _INTERPRET:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)  # CUDA's expf, as torch's silu calls it
+
+
+@triton.jit
+def _rsqrt(x):
+    if _INTERPRET:
+        return tl.rsqrt(x)
+    else:
+        return libdevice.rsqrt(x)  # CUDA's rsqrtf (rsqrt.approx.f32), as torch's rms_norm calls it
 
 
 @triton.jit
@@ -57,7 +78,7 @@ def _swiglu_kernel(f_ptr, out_ptr, total, H, BLOCK: tl.constexpr, DTYPE: tl.cons
     row, col = i // H, i % H
     gate = tl.load(f_ptr + row * 2 * H + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(f_ptr + row * 2 * H + H + col, mask=mask, other=0.0).to(tl.float32)
-    silu = _r(tl.div_rn(gate, 1.0 + libdevice.exp(-gate)), DTYPE)
+    silu = _r(tl.div_rn(gate, 1.0 + _exp(-gate)), DTYPE)
     tl.store(out_ptr + i, (up * silu).to(DTYPE), mask=mask)
 
 
@@ -129,7 +150,7 @@ def _row_sum_squares(x_ptr, y_ptr, scale_ptr, rows, r_mask, N: tl.constexpr, R: 
 @triton.jit
 def _rstd(total, eps, N: tl.constexpr):
     ms = tl.div_rn(total, tl.full(total.shape, N, tl.float32))
-    return libdevice.rsqrt(ms + eps)  # CUDA's rsqrtf: rsqrt.approx.f32
+    return _rsqrt(ms + eps)
 
 
 @triton.jit
