@@ -18,15 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from lib.decode_before import decode_before, decode_window_before
 
 
-def tiny_vae(seed: int = 0) -> VideoVAE:
+def tiny_vae(seed: int = 0, device: str = "cpu", **decoder) -> VideoVAE:
+    """A small tiled video VAE (ratios 4 and 4), every parameter perturbed; `decoder` overrides config fields."""
+    fields = dict(decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16, tile_size=16,
+                  tile_overlap_min=4) | decoder  # fmt: skip
     cfg = VideoVAEConfig(
         block_out_channels=(32, 32), layers_per_block=1, spatial_downsample_factors=(2, 2),
-        temporal_downsample_factors=(2, 2), decoder_num_layers=2, decoder_num_attention_heads=2,
-        decoder_attention_head_dim=16, latents_mean=[0.0] * 24, latents_std=[1.0] * 24, tile_size=16,
-        tile_overlap_min=4,
+        temporal_downsample_factors=(2, 2), latents_mean=[0.0] * 24, latents_std=[1.0] * 24, **fields,
     )  # fmt: skip
     torch.manual_seed(seed)
-    vae = VideoVAE(cfg).eval()
+    vae = VideoVAE(cfg).to(device).eval()
     with torch.no_grad():
         for p in vae.parameters():  # the residual scales and registers start at zero: perturb all so each counts
             p.add_(0.2 * torch.randn_like(p))

@@ -100,19 +100,10 @@ def test_a_decode_with_the_passes_is_bitwise_the_decode_before(fast):
     from h3serve.accel import attention
     from h3serve.accel.profile import Attention
     from h3serve.accel.vae import decoder_weights_to, set_decoder_passes
-    from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+    from test_decode_exact import tiny_vae
 
-    cfg = VideoVAEConfig(
-        block_out_channels=(32, 32), layers_per_block=1, spatial_downsample_factors=(2, 2),
-        temporal_downsample_factors=(2, 2), decoder_num_layers=3, decoder_num_attention_heads=4,
-        decoder_attention_head_dim=64, latents_mean=[0.0] * 24, latents_std=[1.0] * 24, tile_size=32,
-        tile_overlap_min=8,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    vae = VideoVAE(cfg).cuda().eval()
-    with torch.no_grad():
-        for p in vae.parameters():
-            p.add_(0.2 * torch.randn_like(p))
+    vae = tiny_vae(device="cuda", decoder_num_layers=3, decoder_num_attention_heads=4, decoder_attention_head_dim=64,
+                   tile_size=32, tile_overlap_min=8)  # fmt: skip
     decoder_weights_to(vae, torch.float16)
     attention.set_kernel(vae, Attention.CUDNN_ATTN)
     z = randn(1, 24, 12, 14, 18, seed=6)  # two windows, 3 x 3 tiles
