@@ -78,6 +78,18 @@ class Ledger:
                 self.history.setdefault(job_id, []).append(f"{time.monotonic():.2f} gen {self.generation}: {what}")
 
 
+def _get_once_more(c: httpx.Client, path: str) -> httpx.Response:
+    """GET, and once more on a new connection when the server closed the kept-alive one before any response (an idle
+    connection's close crossing the request: HTTP clients retry an idempotent request then, RFC 9112 9.3.1). A body
+    cut short after a response began is not retried: the caller judges it."""
+    try:
+        return c.get(path)
+    except httpx.RemoteProtocolError as err:
+        if "without sending a response" not in str(err):
+            raise
+        return c.get(path)
+
+
 def _client(url: str, ledger: Ledger, stop: threading.Event, seed: int) -> None:
     rng = random.Random(seed)
     with httpx.Client(base_url=url, timeout=30) as c:
@@ -112,7 +124,7 @@ def _client(url: str, ledger: Ledger, stop: threading.Event, seed: int) -> None:
                     generation = ledger.generation
                     job_id = rng.choice(known)
                     try:
-                        r = c.get(f"/v1/videos/{job_id}/content")
+                        r = _get_once_more(c, f"/v1/videos/{job_id}/content")
                     except httpx.RemoteProtocolError as err:  # a body cut short: broken unless a kill cut it
                         if generation == ledger.generation:
                             with ledger.lock:
