@@ -56,8 +56,11 @@ def test_the_stream_tells_a_job_from_queued_to_completed_with_its_previews(serve
         assert ids == sorted(ids) and len(set(ids)) == len(ids)
         names = [name for _, name, _ in events]
         assert names[0] == "queued" and names[-1] == "completed"
+        # the audio before the video: the frames stream into the MP4 as they are decoded, the audio muxed beside them
         assert [d["stage"] for _, n, d in events if n == "stage"] == ["text", "keyframes", "layout", "tables",
-                                                                      "denoise", "video", "audio"]  # fmt: skip
+                                                                      "denoise", "audio", "video"]  # fmt: skip
+        percents = [d["progress"] for _, n, d in events if n in ("stage", "progress")]
+        assert percents == sorted(percents) and percents[-1] <= 100  # never backwards, whatever the stages' order
         denoise = [d["done"] for _, n, d in events if n == "progress" and d["stage"] == "denoise"]
         assert denoise == list(range(1, 8))  # 8 grid points: 7 forwards, each reported
         previews = [(i, d) for i, n, d in events if n == "preview"]

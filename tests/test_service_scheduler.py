@@ -1,10 +1,12 @@
 """The scheduler and the store below the HTTP layer, with the real tiny engine: the encoder thread overlaps the next
-render (shown by order with a held encode, never timed), cancellation in every place a job can be (queued, waiting
-for the encoder, handing off, encoding), and the store's table derived from the job record."""
+render (shown by order with a held encode, never timed) and the job's own decode (its frames streamed into the MP4),
+cancellation in every place a job can be (queued, waiting for the encoder, handing off, encoding, decoding while
+encoding), a render failing mid-stream, and the store's table derived from the job record."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import sqlite3
 import threading
 import time
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from h3serve.media.mp4 import encode_mp4
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.service.metrics import Metrics
 from h3serve.service.scheduler import Scheduler, Work
@@ -51,6 +54,11 @@ def sync_mp4(scheduler: Scheduler, work: Work) -> bytes:
     return again.future.result(60)
 
 
+def handing_off(work: Work) -> bool:
+    """The job's render has decoded its audio and waits to hand its frames to the encoder (the backlog full)."""
+    return work.stream is not None and not work.handed and not work.future.done()
+
+
 def wait_for(condition, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -75,12 +83,13 @@ class HeldEncoder(Scheduler):
 
 def test_the_worker_renders_the_next_jobs_while_the_encoder_writes_the_previous_ones_mp4(tmp_path):
     """The overlap the encoder thread is for, by order and not by the clock: with the first job's MP4 held inside its
-    encode, the worker still renders the next two (the second then waits for the encoder, the third on the hand-off),
-    and once released all four complete, each MP4 the same request's sync render, byte for byte."""
+    encode, the worker still renders the next two (the second then waits for the encoder, the third, its audio
+    decoded, waits to hand its frames off), and once released all four complete, each MP4 the same request's sync
+    render, byte for byte."""
     with running(tmp_path, HeldEncoder) as scheduler:
         works = [job(scheduler, seed) for seed in range(4)]
         assert scheduler.encoding.wait(30)  # the first job is in its encode, held there
-        wait_for(lambda: works[1].result is not None and works[2].result is not None, "the next two renders")
+        wait_for(lambda: works[1].result is not None and handing_off(works[2]), "the next two renders")
         assert not works[0].future.done() and scheduler.store.get(works[0].id).status == JobStatus.IN_PROGRESS
         assert scheduler.depth == 1  # the fourth waits for the worker, which waits to hand the third off
         scheduler.release.set()
@@ -99,8 +108,8 @@ def test_cancel_works_while_a_job_waits_hands_off_or_encodes(tmp_path):
         queued = job(scheduler, 4)
         assert scheduler.encoding.wait(30)  # the first is in its encode
         # While it encodes, the worker renders the next two: the second waits for the encoder, the third (the
-        # backlog being full) waits on the worker to hand off. The fourth waits in the queue.
-        wait_for(lambda: second.result is not None and third.result is not None, "the next two renders")
+        # backlog being full) waits to hand its frames off. The fourth waits in the queue.
+        wait_for(lambda: second.result is not None and handing_off(third), "the next two renders")
         assert store.get(first.id).status == JobStatus.IN_PROGRESS and not first.future.done()
         assert scheduler.depth == 1
 
@@ -157,7 +166,7 @@ def test_a_shutdown_fails_every_unfinished_job_with_the_reason(tmp_path):
         store = scheduler.store
         works = [job(scheduler, seed) for seed in range(4)]
         assert scheduler.encoding.wait(30)
-        wait_for(lambda: works[1].result is not None and works[2].result is not None, "the next two renders")
+        wait_for(lambda: works[1].result is not None and handing_off(works[2]), "the next two renders")
         stopper = threading.Thread(target=scheduler.stop)
         stopper.start()
         wait_for(lambda: works[0].ctx.cancelled, "the stop to reach the encoding job")
@@ -167,6 +176,120 @@ def test_a_shutdown_fails_every_unfinished_job_with_the_reason(tmp_path):
             record = store.get(work.id)
             assert (record.status, record.error.code) == (JobStatus.FAILED, "interrupted"), record
         assert sorted(p.name for p in store.videos.iterdir()) == sorted(f"{w.id}.json" for w in works)
+
+
+# ---- frames streamed into the encode while the render decodes them ------------------------------------------------
+class EncodeSeen(Scheduler):
+    """The real scheduler, noting for each job whether its encode began before its render had returned."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.began: dict[str, bool] = {}
+        self.encoding = threading.Event()
+
+    def _write(self, work: Work):
+        self.began[work.id] = work.result is None
+        self.encoding.set()
+        return super()._write(work)
+
+
+def frames_through(scheduler: Scheduler, monkeypatch, after_put=None) -> None:
+    """Each render's sink (the scheduler's) behind one whose `put` first waits until the encoder has begun the job's
+    MP4 (so the order below is not the clock's), then hands the frames on, then calls `after_put(ctx)`."""
+    engine = scheduler.engine
+    real = engine.render
+
+    def render(request, ctx):
+        sink = ctx.frames_to
+
+        class Behind:
+            def begin(self, *args):
+                sink.begin(*args)
+
+            def put(self, frames):
+                assert scheduler.encoding.wait(30), "the encoder never began this job's MP4"
+                sink.put(frames)
+                if after_put is not None:
+                    after_put(ctx)
+
+        ctx.frames_to = Behind()
+        return real(request, ctx)
+
+    monkeypatch.setattr(engine, "render", render)
+
+
+def test_a_jobs_frames_stream_into_its_mp4_while_it_decodes(tmp_path, monkeypatch):
+    """The encode overlaps the job's own decode, by order: its first frames wait until the encoder has begun its MP4,
+    which it began before the render returned. The MP4 is byte for byte the encode of the same request's frames
+    returned whole."""
+    with running(tmp_path, EncodeSeen) as scheduler:
+        whole = scheduler.engine.render  # the engine's own, before the wrap: frames returned whole
+        frames_through(scheduler, monkeypatch)
+        work = job(scheduler, 7)
+        assert work.future.result(60) == f"{work.id}.mp4"
+        assert scheduler.began == {work.id: True}
+        assert scheduler.store.get(work.id).status == JobStatus.COMPLETED
+        result = whole(work.request)
+        assert result.frames is not None
+        expected = io.BytesIO()
+        encode_mp4(expected, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=1)
+        assert (scheduler.store.videos / f"{work.id}.mp4").read_bytes() == expected.getvalue()
+
+
+def test_a_render_failing_while_its_frames_stream_fails_the_job_once_and_keeps_no_file(tmp_path, monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("the decode broke after its first frames")
+
+    with running(tmp_path, EncodeSeen) as scheduler:
+        real = scheduler.engine.render
+        frames_through(scheduler, monkeypatch, broken)
+        work = job(scheduler, 8)
+        with pytest.raises(RuntimeError, match="the decode broke"):
+            work.future.result(60)
+        assert scheduler.began == {work.id: True}
+        record = scheduler.store.get(work.id)
+        assert (record.status, record.error.code) == (JobStatus.FAILED, "render_failed")
+        assert record.error.message.startswith("the render failed"), record.error.message  # the render's, not the MP4's
+        assert record.file_name is None and [p for p in scheduler.store.videos.iterdir() if p.suffix != ".json"] == []
+        outcomes = scheduler.metrics.registry.get_sample_value
+        assert outcomes("h3serve_renders_total", {"outcome": "failed"}) == 1
+        monkeypatch.setattr(scheduler.engine, "render", real)  # the scheduler goes on
+        after = job(scheduler, 9)
+        assert after.future.result(60) == f"{after.id}.mp4"
+
+
+def test_a_cancel_while_the_frames_stream_ends_the_job_once(tmp_path, monkeypatch):
+    """Cancelled while its render decodes and the encoder reads its frames: one outcome (cancelled, counted once),
+    no MP4 and no partial file, and the next job completes."""
+    ids: list[str] = []
+    answers: list[bool] = []
+
+    def cancel(ctx):
+        if not answers:
+            wait_for(lambda: ids, "the job's id")
+            answers.append(scheduler.cancel(ids[0], "cancelled mid-decode", wait=0))
+
+    with running(tmp_path, EncodeSeen) as scheduler:
+        real = scheduler.engine.render
+        frames_through(scheduler, monkeypatch, cancel)
+        work = job(scheduler, 10)
+        ids.append(work.id)
+        with pytest.raises(RenderCancelled):
+            work.future.result(60)
+        assert answers == [True]
+        record = scheduler.store.get(work.id)
+        assert (record.status, record.error.code, record.error.message) == (
+            JobStatus.CANCELLED,
+            "cancelled",
+            "cancelled mid-decode",
+        )
+        assert record.file_name is None and [p for p in scheduler.store.videos.iterdir() if p.suffix != ".json"] == []
+        outcomes = scheduler.metrics.registry.get_sample_value
+        assert outcomes("h3serve_renders_total", {"outcome": "cancelled"}) == 1
+        assert outcomes("h3serve_renders_total", {"outcome": "failed"}) is None
+        monkeypatch.setattr(scheduler.engine, "render", real)
+        after = job(scheduler, 11)
+        assert after.future.result(60) == f"{after.id}.mp4"
 
 
 # ---- the store ------------------------------------------------------------------------------------------------------

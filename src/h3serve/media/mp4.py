@@ -110,7 +110,7 @@ def write_mp4(
 
 def encode_mp4(
     fh: BinaryIO,
-    frames: np.ndarray | torch.Tensor,
+    frames: np.ndarray | torch.Tensor | FrameStream,
     audio: np.ndarray | torch.Tensor,
     *,
     fps: int = FPS,
@@ -126,7 +126,8 @@ def encode_mp4(
     `moov` to the front, which an in-memory object does not have.
     """
     check_settings(fps, sample_rate, crf, threads)
-    video, pcm = FrameStream.of(_check_frames(frames)), _check_audio(audio)
+    video = frames if isinstance(frames, FrameStream) else FrameStream.of(_check_frames(frames))
+    pcm = _check_audio(audio)
     with tempfile.TemporaryDirectory(prefix="h3serve-mp4-") as folder:
         tmp = Path(folder) / "out.mp4"
         with open(tmp, "xb+") as out:
@@ -228,7 +229,8 @@ def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
 class FrameStream:
     """Frames of one size arriving in chunks ((n, H, W, 3) uint8 RGB, in order) from another thread: `put` each,
     then `close` (or `fail`, which makes the reader raise). Iterating yields the chunks, waiting for each; `put` waits
-    while `depth` chunks are unread, so a slow encoder holds the producer back instead of the host filling up.
+    while `depth` chunks are unread, so a slow encoder holds the producer back instead of the host filling up (depth
+    0: it never waits, the unread chunks stay in memory: the service's, whose GPU must not wait on its encoder).
     `of(frames)`: a whole array as one closed chunk."""
 
     def __init__(self, width: int, height: int, depth: int = 2):

@@ -1,11 +1,15 @@
 """The scheduler: a bounded FIFO of renders, the GPU worker that runs them one at a time (after the startup warmup),
-and the encoder thread that turns each finished render into its MP4 while the worker starts the next:
+and the encoder thread that turns each render's frames into its MP4 as they are decoded, and while the worker starts
+the next:
 
-    submit -> queue (max_queue; full: QueueFull, a 429) -> worker: engine.render
+    submit -> queue (max_queue; full: QueueFull, a 429) -> worker: engine.render, its decode's frames
            -> hand-off (ENCODE_BACKLOG) -> encoder: MP4 to a file (async job) or to bytes (sync render) -> done
 
-Sync and async renders share the queue and the worker, so one render uses the GPU at a time. The encode runs on the
-CPU beside the next render.
+Sync and async renders share the queue and the worker, so one render uses the GPU at a time. A render's frames go to
+the encoder as each decode window's are final (`RenderContext.frames_to`): the job is handed off when its first
+frames are ready, so its encode overlaps its own decode and then the next render. The GPU never waits on the encoder:
+frames it has not reached wait in host memory, never more than the whole video (what a rendered job waiting for the
+encoder held before). An engine that returns its frames whole is handed off when it returns, as before.
 
 Cancellation is real wherever a job is. Waiting in the queue or the hand-off, it is removed at once. Rendering, it
 stops within one denoise step or decode window (`RenderContext`). Encoding, it stops before the next frame goes to
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from h3serve.media.mp4 import encode_mp4, write_mp4
+from h3serve.media.mp4 import FrameStream, encode_mp4, write_mp4
 from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
@@ -47,20 +51,16 @@ from h3serve.startup import describe_folders, folder_problems
 
 log = logging.getLogger(__name__)
 
-# Rendered results waiting for the encoder. Each holds a whole video in host memory (362 frames of 1280x720 are about
-# 1 GB), so the worker waits when one is already waiting: at most the one encoding, one waiting and the worker's own.
+# Jobs waiting for the encoder. Each may hold up to a whole video in host memory (362 frames of 1344x768 are 1.1 GB),
+# so the worker waits when one is already waiting: at most the one encoding, one waiting and the worker's own.
 ENCODE_BACKLOG = 1
 RECOVERY_POLL_S = 0.5  # how often a queued job looks whether the GPU workers are back
 
 
-def progress_percent(p: Progress) -> int:
-    """A job's progress from a render's event: the shares of the stages before it, and its own share done."""
-    done = 0.0
-    for stage, share in STAGES.items():
-        if stage == p.stage:
-            return int(done + share * p.fraction)
-        done += share
-    return 0
+def progress_percent(p: Progress, finished: set[str]) -> int:
+    """A job's progress from a render's event: the shares of the stages it has `finished`, and its own share done.
+    (Not `STAGES`' order alone: a render streaming its frames decodes the audio before the video.)"""
+    return int(sum(STAGES[s] for s in finished if s != p.stage) + STAGES.get(p.stage, 0) * p.fraction)
 
 
 def _live(stage: str, done: int, total: int, elapsed: float | None, ahead: int | None = None) -> dict[str, Any]:
@@ -115,6 +115,39 @@ class Work:
     result: RenderResult | None = None  # set when the render has finished
     started: float | None = None  # time.monotonic() when the worker took it
     progress: Progress | None = None  # the render's latest event (`live`)
+    stream: FrameStream | None = None  # its frames as they are decoded (`_Frames`), for the encoder
+    media: tuple[Any, int, int] | None = None  # (audio, sample rate, fps) of a streamed render
+    handed: bool = False  # in the encoder's hands (queued or encoding): the encoder finishes it
+
+
+class _RenderFailed(Exception):
+    """A streamed render's error, handed to the encoder reading its frames (which finishes the job)."""
+
+    def __init__(self, error: Exception):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Frames:
+    """A job's frames on their way to the encoder while its render decodes them (`RenderContext.frames_to`): at
+    `begin` (the audio decoded, the first frames next) the job is handed off, waiting while the backlog is full as a
+    rendered job does; each run of frames then goes into an unbounded `FrameStream` that the encoder reads as it
+    comes, so the GPU never waits on the encoder."""
+
+    def __init__(self, scheduler: Scheduler, work: Work):
+        self.scheduler, self.work = scheduler, work
+        self.stream: FrameStream | None = None
+
+    def begin(self, audio: Any, sample_rate: int, fps: int, width: int, height: int) -> None:
+        work = self.work
+        self.stream = work.stream = FrameStream(width, height, depth=0)
+        work.media = (audio, sample_rate, fps)
+        if not self.scheduler._hand_off(work):
+            raise RenderCancelled(work.ctx.reason or "cancelled")
+
+    def put(self, frames: Any) -> None:
+        assert self.stream is not None, "put before begin"
+        self.stream.put(frames)
 
 
 class Readiness(enum.StrEnum):
@@ -260,8 +293,8 @@ class Scheduler:
                 active.ctx.cancel(reason)
             # A worker waiting to hand off wakes: to drop this job, or because the backlog has room now.
             self._cond.notify_all()
-        if waiting is not None:
-            self._finish_cancelled(waiting, reason, ran=waiting.result is not None)
+        if waiting is not None:  # (a job handed off while its render still decodes is active too: it stops there)
+            self._finish_cancelled(waiting, reason, ran=waiting.started is not None)
             return True
         if active is None:
             return False
@@ -274,8 +307,8 @@ class Scheduler:
         self._warm()
         while (work := self._next_render()) is not None:
             with self._guard(work):
-                if self._render(work):
-                    self._hand_off(work)
+                if self._render(work) and not self._hand_off(work):
+                    self._finish_cancelled(work, work.ctx.reason, ran=True)
             with self._cond:
                 self._rendering = None
 
@@ -304,19 +337,24 @@ class Scheduler:
             return self._rendering
 
     def _render(self, work: Work) -> bool:
-        """Render one job; True when there is a result to encode (otherwise the job has been finished here)."""
+        """Render one job; True when its frames came back whole and it is to be handed off (otherwise it has been
+        finished here, or its frames streamed to the encoder, which finishes it)."""
         last, stage = -1, None
+        finished: set[str] = set()  # the stages this render has left (their order: `progress_percent`)
 
         def on_progress(p: Progress) -> None:
             nonlocal last, stage
             work.progress = p
-            percent = progress_percent(p)
+            changed = p.stage != stage
+            if changed and stage is not None:
+                finished.add(stage)
+            stage = p.stage
+            percent = progress_percent(p, finished)
             if work.persist and percent != last:
                 last = percent
                 self.store.update(work.id, progress=percent)
             if work.persist:
-                if p.stage != stage:
-                    stage = p.stage
+                if changed:
                     self.events.publish(work.id, "stage", {"stage": p.stage, "progress": percent})
                 if p.done:
                     data = {"stage": p.stage, "done": p.done, "total": p.total, "progress": percent}
@@ -334,26 +372,39 @@ class Scheduler:
             work.ctx.on_preview = on_preview
         if work.persist:
             self.store.update(work.id, status=JobStatus.IN_PROGRESS)
+        frames = work.ctx.frames_to = _Frames(self, work)
         try:
-            work.result = self.engine.render(work.request, work.ctx)
+            result = self.engine.render(work.request, work.ctx)
         except RenderCancelled as err:
-            self._finish_cancelled(work, str(err) or "cancelled", ran=True)
+            if work.handed:  # the encoder reading its frames stops and finishes it
+                frames.stream.fail(err)
+            else:
+                self._finish_cancelled(work, str(err) or "cancelled", ran=True)
             return False
         except Exception as err:
-            self._finish_failed(work, err, "render")
+            if work.handed:
+                frames.stream.fail(_RenderFailed(err))
+            else:
+                self._finish_failed(work, err, "render")
+            return False
+        work.result = result
+        if work.handed:
+            frames.stream.close()  # after the result: the encoder finishes the job once it has read the end
             return False
         return True
 
-    def _hand_off(self, work: Work) -> None:
-        """Give a rendered job to the encoder, waiting while the backlog is full (a cancel wakes the wait)."""
+    def _hand_off(self, work: Work) -> bool:
+        """Give a job to the encoder (rendered, or its frames about to stream), waiting while the backlog is full (a
+        cancel wakes the wait); False when it was cancelled first (and not handed)."""
         with self._cond:
             while len(self._encodes) >= ENCODE_BACKLOG and not work.ctx.cancelled:
                 self._cond.wait()
-            if not work.ctx.cancelled:
-                self._encodes.append(work)
-                self._cond.notify_all()
-                return
-        self._finish_cancelled(work, work.ctx.reason, ran=True)
+            if work.ctx.cancelled:
+                return False
+            self._encodes.append(work)
+            work.handed = True
+            self._cond.notify_all()
+            return True
 
     # ---- the encoder ----------------------------------------------------------------------------------------
     def _encode_loop(self) -> None:
@@ -374,7 +425,7 @@ class Scheduler:
             return self._encoding
 
     def _encode(self, work: Work) -> None:
-        """Encode a rendered job's MP4 and finish the job."""
+        """Encode a job's MP4 (its frames as its render decodes them, or whole) and finish the job."""
         if work.ctx.cancelled:
             self._finish_cancelled(work, work.ctx.reason, ran=True)
             return
@@ -383,10 +434,15 @@ class Scheduler:
         except RenderCancelled:  # cancelled between frames: write_mp4 has removed the partial file
             self._finish_cancelled(work, work.ctx.reason, ran=True)
             return
+        except _RenderFailed as err:  # the render streaming the frames failed: no file was kept
+            self._finish_failed(work, err.error, "render")
+            return
         except OSError as err:  # the encode's own errors are ValueErrors; an OSError is the disk's or the folder's
+            work.ctx.cancel("the MP4 could not be written")  # a render still decoding stops
             self._finish_unwritten(work, err)
             return
         except Exception as err:
+            work.ctx.cancel("the MP4 encode failed")
             self._finish_failed(work, err, "MP4 encode")
             return
         if work.ctx.cancelled:  # cancelled while encoding: the encode has finished, its file goes
@@ -397,20 +453,24 @@ class Scheduler:
         self._finish_completed(work, payload)
 
     def _write(self, work: Work) -> str | bytes:
-        """The MP4 of a rendered job: an async job's file (its name returned) or a sync render's bytes."""
-        result = work.result
+        """The MP4 of a job: an async job's file (its name returned) or a sync render's bytes."""
+        if work.stream is not None:  # read as the render decodes them; its errors come out of the stream
+            frames, (audio, sample_rate, fps) = work.stream, work.media
+        else:
+            result = work.result
+            frames, audio, sample_rate, fps = result.frames, result.audio, result.sample_rate, result.fps
         settings = {
-            "fps": result.fps,
-            "sample_rate": result.sample_rate,
+            "fps": fps,
+            "sample_rate": sample_rate,
             "threads": self.encoder_threads,
             "check": work.ctx.check,  # a cancel stops the encode before the next frame
         }
         if work.persist:
             path = self.store.videos / f"{work.id}.mp4"  # the server's name: nothing a client sent
-            write_mp4(path, result.frames, result.audio, **settings)  # atomic: a failed write leaves no file
+            write_mp4(path, frames, audio, **settings)  # atomic: a failed write leaves no file
             return path.name
         buffer = io.BytesIO()
-        encode_mp4(buffer, result.frames, result.audio, **settings)
+        encode_mp4(buffer, frames, audio, **settings)
         return buffer.getvalue()
 
     # ---- outcomes -------------------------------------------------------------------------------------------
@@ -442,7 +502,7 @@ class Scheduler:
                 step_cache=step_cache_mode(result.step_cache, work.request.quality),
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
-            work.result = None  # the frames are on disk now; a finished job holds no video in memory
+            work.result = work.stream = work.media = None  # the frames are on disk: a finished job holds no video
             self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
         work.future.set_result(payload)
 
@@ -470,7 +530,7 @@ class Scheduler:
             error = JobError(code="write_failed", message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
-        work.result = None
+        work.result = work.stream = work.media = None
         work.future.set_exception(WriteFailed(message))
 
     def _finish_cancelled(self, work: Work, reason: str, ran: bool = False) -> None:
@@ -484,6 +544,6 @@ class Scheduler:
             error = JobError(code=code, message=reason or "cancelled")
             self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
-        work.result = None  # a rendered video nobody will encode: its memory goes now
+        work.result = work.stream = work.media = None  # a video nobody will encode: its memory goes now
         if not work.future.done():
             work.future.set_exception(RenderCancelled(reason))
