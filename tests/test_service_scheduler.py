@@ -287,9 +287,54 @@ def test_a_cancel_while_the_frames_stream_ends_the_job_once(tmp_path, monkeypatc
         outcomes = scheduler.metrics.registry.get_sample_value
         assert outcomes("h3serve_renders_total", {"outcome": "cancelled"}) == 1
         assert outcomes("h3serve_renders_total", {"outcome": "failed"}) is None
+        events, _ = scheduler.events.log(work.id).since(0)
+        assert events[-1].name == "cancelled"  # the render winding down published nothing after the end
+        assert work.sink is None and work.stream is None  # nor holds its frames
         monkeypatch.setattr(scheduler.engine, "render", real)
         after = job(scheduler, 11)
         assert after.future.result(60) == f"{after.id}.mp4"
+
+
+def test_a_render_failing_while_it_waits_for_the_encoder_fails_at_once_not_after_the_encode_ahead(
+    tmp_path, monkeypatch
+):
+    """The first job's MP4 held in its encode; the second, handed off when its audio was decoded, fails in its decode:
+    it is taken back from the encoder's queue and failed on the worker then (logged, no file), while the first still
+    encodes; the first then completes."""
+
+    def broken(ctx):
+        raise RuntimeError("the decode broke while the encoder was busy")
+
+    with running(tmp_path, HeldEncoder) as scheduler:
+        first = job(scheduler, 12)
+        assert scheduler.encoding.wait(30)  # the first is in its encode, held there
+        real = scheduler.engine.render
+
+        def render(request, ctx):
+            sink = ctx.frames_to
+
+            class Broken:
+                def begin(self, *args):
+                    sink.begin(*args)
+
+                def put(self, frames):
+                    sink.put(frames)
+                    broken(ctx)
+
+            ctx.frames_to = Broken()
+            return real(request, ctx)
+
+        monkeypatch.setattr(scheduler.engine, "render", render)
+        second = job(scheduler, 13)
+        with pytest.raises(RuntimeError, match="the encoder was busy"):
+            second.future.result(60)
+        assert not first.future.done()  # failed before the encode ahead of it ended
+        record = scheduler.store.get(second.id)
+        assert (record.status, record.error.code) == (JobStatus.FAILED, "render_failed")
+        assert second.stream is None and second.sink is None  # its frames let go
+        scheduler.release.set()
+        assert first.future.result(60) == f"{first.id}.mp4"
+        assert sorted(p.name for p in scheduler.store.videos.iterdir() if p.suffix != ".json") == [f"{first.id}.mp4"]
 
 
 # ---- the store ------------------------------------------------------------------------------------------------------

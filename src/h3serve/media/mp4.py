@@ -260,15 +260,23 @@ class FrameStream:
         self._chunks.put(_END, timeout=timeout)
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with `error`, raised in the reader (the encode stops and its file is removed). Never
-        waits: unread chunks are dropped to make room."""
+        """End the stream with `error`, raised in the reader at its next chunk (the encode stops and its file is
+        removed). Never waits: the unread chunks are dropped first, so the reader meets the error next."""
         while True:
+            self.drop()
             try:
                 self._chunks.put_nowait(_Failed(error))
                 return
-            except queue.Full:
-                with contextlib.suppress(queue.Empty):
-                    self._chunks.get_nowait()
+            except queue.Full:  # a chunk put meanwhile: drop again
+                continue
+
+    def drop(self) -> None:
+        """Drop the unread chunks (their reader is gone, or is to meet an error next); their memory goes."""
+        while True:
+            try:
+                self._chunks.get_nowait()
+            except queue.Empty:
+                return
 
     def __iter__(self) -> Iterator[np.ndarray]:
         seen = 0

@@ -116,6 +116,7 @@ class Work:
     started: float | None = None  # time.monotonic() when the worker took it
     progress: Progress | None = None  # the render's latest event (`live`)
     stream: FrameStream | None = None  # its frames as they are decoded (`_Frames`), for the encoder
+    sink: _Frames | None = None  # its render's `frames_to`
     media: tuple[Any, int, int] | None = None  # (audio, sample rate, fps) of a streamed render
     handed: bool = False  # in the encoder's hands (queued or encoding): the encoder finishes it
 
@@ -131,23 +132,36 @@ class _RenderFailed(Exception):
 class _Frames:
     """A job's frames on their way to the encoder while its render decodes them (`RenderContext.frames_to`): at
     `begin` (the audio decoded, the first frames next) the job is handed off, waiting while the backlog is full as a
-    rendered job does; each run of frames then goes into an unbounded `FrameStream` that the encoder reads as it
-    comes, so the GPU never waits on the encoder."""
+    rendered job does (`waited`: those seconds, which are not the render's); each run of frames then goes into an
+    unbounded `FrameStream` that the encoder reads as it comes, so the GPU never waits on the encoder. Frames of a job
+    already finished (cancelled, failed) are dropped."""
 
     def __init__(self, scheduler: Scheduler, work: Work):
         self.scheduler, self.work = scheduler, work
         self.stream: FrameStream | None = None
+        self.waited = 0.0
 
     def begin(self, audio: Any, sample_rate: int, fps: int, width: int, height: int) -> None:
         work = self.work
         self.stream = work.stream = FrameStream(width, height, depth=0)
         work.media = (audio, sample_rate, fps)
-        if not self.scheduler._hand_off(work):
+        start = time.perf_counter()
+        handed = self.scheduler._hand_off(work)
+        self.waited = time.perf_counter() - start
+        if not handed:
             raise RenderCancelled(work.ctx.reason or "cancelled")
 
     def put(self, frames: Any) -> None:
         assert self.stream is not None, "put before begin"
-        self.stream.put(frames)
+        if not self.work.future.done():
+            self.stream.put(frames)
+
+    def release(self) -> None:
+        """The job is finished: its unread frames go, and the context lets go of this sink."""
+        if self.stream is not None:
+            self.stream.drop()
+        if self.work.ctx.frames_to is self:
+            self.work.ctx.frames_to = None
 
 
 class Readiness(enum.StrEnum):
@@ -344,6 +358,8 @@ class Scheduler:
 
         def on_progress(p: Progress) -> None:
             nonlocal last, stage
+            if work.future.done():  # finished while its render winds down (cancelled while it streamed its frames)
+                return
             work.progress = p
             changed = p.stage != stage
             if changed and stage is not None:
@@ -361,6 +377,8 @@ class Scheduler:
                     self.events.publish(work.id, "progress", data)
 
         def on_preview(preview) -> None:
+            if work.future.done():
+                return
             self.events.set_preview(work.id, preview.png)
             data = {"url": f"/v1/videos/{work.id}/preview?forward={preview.forward}", "forward": preview.forward,
                     "forwards": preview.forwards, "width": preview.width, "height": preview.height,
@@ -372,33 +390,50 @@ class Scheduler:
             work.ctx.on_preview = on_preview
         if work.persist:
             self.store.update(work.id, status=JobStatus.IN_PROGRESS)
-        frames = work.ctx.frames_to = _Frames(self, work)
+        frames = work.sink = work.ctx.frames_to = _Frames(self, work)
         try:
             result = self.engine.render(work.request, work.ctx)
         except RenderCancelled as err:
-            if work.handed:  # the encoder reading its frames stops and finishes it
+            if not self._take_back(work):  # the encoder reading its frames stops and finishes it
                 frames.stream.fail(err)
-            else:
+            elif not work.future.done():
                 self._finish_cancelled(work, str(err) or "cancelled", ran=True)
             return False
         except Exception as err:
-            if work.handed:
+            if not self._take_back(work):
+                log.error("job %s: the render failed while its frames streamed to the encoder", work.id, exc_info=err)
                 frames.stream.fail(_RenderFailed(err))
-            else:
+            elif not work.future.done():
                 self._finish_failed(work, err, "render")
             return False
-        work.result = result
+        if frames.waited and "total" in result.timings:  # waiting for the encoder's backlog is not rendering
+            result.timings["total"] -= frames.waited
         if work.handed:
+            if not work.future.done():
+                work.result = result
             frames.stream.close()  # after the result: the encoder finishes the job once it has read the end
             return False
+        work.result = result
         return True
+
+    def _take_back(self, work: Work) -> bool:
+        """After its render failed: True when the worker is to finish the job (never handed off, or handed and still
+        waiting for the encoder: taken back from it); False when the encoder is reading its frames (it finishes it)."""
+        with self._cond:
+            if not work.handed:
+                return True
+            if work in self._encodes:
+                self._encodes.remove(work)
+                self._cond.notify_all()  # room in the backlog
+                return True
+            return work is not self._encoding
 
     def _hand_off(self, work: Work) -> bool:
         """Give a job to the encoder (rendered, or its frames about to stream), waiting while the backlog is full (a
         cancel wakes the wait); False when it was cancelled first (and not handed)."""
         with self._cond:
             while len(self._encodes) >= ENCODE_BACKLOG and not work.ctx.cancelled:
-                self._cond.wait()
+                self._cond.wait(RECOVERY_POLL_S)  # a sync render's cancel (its route's) notifies no one: polled
             if work.ctx.cancelled:
                 return False
             self._encodes.append(work)
@@ -434,8 +469,8 @@ class Scheduler:
         except RenderCancelled:  # cancelled between frames: write_mp4 has removed the partial file
             self._finish_cancelled(work, work.ctx.reason, ran=True)
             return
-        except _RenderFailed as err:  # the render streaming the frames failed: no file was kept
-            self._finish_failed(work, err.error, "render")
+        except _RenderFailed as err:  # the render streaming the frames failed (logged there): no file was kept
+            self._finish_failed(work, err.error, "render", logged=True)
             return
         except OSError as err:  # the encode's own errors are ValueErrors; an OSError is the disk's or the folder's
             work.ctx.cancel("the MP4 could not be written")  # a render still decoding stops
@@ -502,14 +537,28 @@ class Scheduler:
                 step_cache=step_cache_mode(result.step_cache, work.request.quality),
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
-            work.result = work.stream = work.media = None  # the frames are on disk: a finished job holds no video
+            self._release(work)  # the frames are on disk: a finished job holds no video
             self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
+        else:
+            self._release(work, keep_result=True)
         work.future.set_result(payload)
 
-    def _finish_failed(self, work: Work, err: Exception, stage: str) -> None:
-        """A render or encode that raised: the traceback goes to the log, the record and the client get a message
-        that names the request id to look for there (an exception's text can hold paths and internals)."""
-        log.error("job %s: the %s failed", work.id, stage, exc_info=err)
+    def _release(self, work: Work, keep_result: bool = False) -> None:
+        """A finished job lets go of its video: the rendered frames (with the result, unless `keep_result`: a sync
+        render's timings for its response), and the streamed ones nobody will read."""
+        if not keep_result:
+            work.result = None
+        work.stream = work.media = None
+        if work.sink is not None:
+            work.sink.release()
+            work.sink = None
+
+    def _finish_failed(self, work: Work, err: Exception, stage: str, logged: bool = False) -> None:
+        """A render or encode that raised: the traceback goes to the log (unless `logged` already), the record and
+        the client get a message that names the request id to look for there (an exception's text can hold paths and
+        internals)."""
+        if not logged:
+            log.error("job %s: the %s failed", work.id, stage, exc_info=err)
         self.metrics.render_finished("failed", None)
         if work.persist:
             message = f"the {stage} failed (internal error); see the server log, request id {work.id}"
@@ -519,6 +568,7 @@ class Scheduler:
             error = JobError(code=code, message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
+        self._release(work)
         work.future.set_exception(err)
 
     def _finish_unwritten(self, work: Work, err: OSError) -> None:
@@ -530,7 +580,7 @@ class Scheduler:
             error = JobError(code="write_failed", message=message)
             self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
-        work.result = work.stream = work.media = None
+        self._release(work)
         work.future.set_exception(WriteFailed(message))
 
     def _finish_cancelled(self, work: Work, reason: str, ran: bool = False) -> None:
@@ -544,6 +594,6 @@ class Scheduler:
             error = JobError(code=code, message=reason or "cancelled")
             self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
             self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
-        work.result = work.stream = work.media = None  # a video nobody will encode: its memory goes now
+        self._release(work)  # a video nobody will encode: its memory goes now
         if not work.future.done():
             work.future.set_exception(RenderCancelled(reason))
