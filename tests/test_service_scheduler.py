@@ -308,23 +308,7 @@ def test_a_render_failing_while_it_waits_for_the_encoder_fails_at_once_not_after
     with running(tmp_path, HeldEncoder) as scheduler:
         first = job(scheduler, 12)
         assert scheduler.encoding.wait(30)  # the first is in its encode, held there
-        real = scheduler.engine.render
-
-        def render(request, ctx):
-            sink = ctx.frames_to
-
-            class Broken:
-                def begin(self, *args):
-                    sink.begin(*args)
-
-                def put(self, frames):
-                    sink.put(frames)
-                    broken(ctx)
-
-            ctx.frames_to = Broken()
-            return real(request, ctx)
-
-        monkeypatch.setattr(scheduler.engine, "render", render)
+        frames_through(scheduler, monkeypatch, broken)  # (its encoder has begun: the first job's, held)
         second = job(scheduler, 13)
         with pytest.raises(RuntimeError, match="the encoder was busy"):
             second.future.result(60)

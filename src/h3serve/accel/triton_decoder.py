@@ -246,7 +246,7 @@ def _lanes(n: int) -> int:
     return min(vectors, THREADS)
 
 
-def _projection_dtype(x: torch.Tensor) -> torch.dtype:
+def _projection_dtype() -> torch.dtype:
     """The dtype the projection after a norm computes in: autocast's, else the norm's float32."""
     return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else torch.float32
 
@@ -256,53 +256,42 @@ def _projection_dtype(x: torch.Tensor) -> torch.dtype:
 LAUNCH = {"norm": (4, 4), "qk": (32, 4)}
 
 
-def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, launch: tuple[int, int] | None = None) -> torch.Tensor:
-    """rms_norm(x.float(), weight, eps) in the projection's dtype."""
-    rows_per, warps = launch or LAUNCH["norm"]
-    x = x.contiguous()
+def _norm(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, stream: torch.Tensor,
+          eps: float, add: bool) -> torch.Tensor:  # fmt: skip
+    """`_norm_kernel` over x's rows (x + y * scale written to `stream` first, with `add`): the norm, in the
+    projection's dtype."""
+    rows_per, warps = LAUNCH["norm"]
     n = x.shape[-1]
-    out = torch.empty(x.shape, dtype=_projection_dtype(x), device=x.device)
+    out = torch.empty(x.shape, dtype=_projection_dtype(), device=x.device)
     rows = x.numel() // n
     _norm_kernel[(triton.cdiv(rows, rows_per),)](
-        x, x, weight, weight, x, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=False, OUT=_TL[out.dtype],
+        x, y, scale, weight, stream, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=add, OUT=_TL[out.dtype],
         num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x.float(), weight, eps) in the projection's dtype."""
+    x = x.contiguous()
+    return _norm(x, x, weight, weight, x, eps, add=False)
+
+
 def residual_norm(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    scale: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    launch: tuple[int, int] | None = None,
+    x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + y * scale, rms_norm of it with weight) in one pass: the stream in float32 (eager's promotion), the
     norm in the projection's dtype."""
-    rows_per, warps = launch or LAUNCH["norm"]
     x, y = x.contiguous(), y.contiguous()
-    n = x.shape[-1]
     stream = torch.empty(x.shape, dtype=torch.promote_types(torch.promote_types(x.dtype, y.dtype), scale.dtype),
                          device=x.device)  # fmt: skip
     if stream.dtype != torch.float32:
         raise ValueError(f"the residual norm pass keeps a float32 stream, not {stream.dtype}")
-    out = torch.empty(x.shape, dtype=_projection_dtype(x), device=x.device)
-    rows = x.numel() // n
-    _norm_kernel[(triton.cdiv(rows, rows_per),)](
-        x, y, scale, weight, stream, out, rows, eps, N=n, R=rows_per, LANES=_lanes(n), ADD=True,
-        OUT=_TL[out.dtype], num_warps=warps, enable_fp_fusion=False,
-    )  # fmt: skip
-    return stream, out
+    return stream, _norm(x, y, scale, weight, stream, eps, add=True)
 
 
 def qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    launch: tuple[int, int] | None = None,
+    q: torch.Tensor, k: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: (B, S, H, D) views of the fused projection (each head's D channels contiguous, heads at one stride);
     cos, sin: (S, R) float32 -> the normed, rotated q and k, (B, S, H, D) contiguous in q's dtype."""
@@ -315,7 +304,7 @@ def qk(
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
         torch.empty(k.shape, dtype=k.dtype, device=q.device),
     )
-    rows, (rows_per, warps) = b * s * h, launch or LAUNCH["qk"]
+    rows, (rows_per, warps) = b * s * h, LAUNCH["qk"]
     _qk_kernel[(triton.cdiv(rows, rows_per),)](
         q, k, cos, sin, q_out, k_out, rows, q.stride(2), s, h, cos.stride(0), eps,
         D=d, HALF=r // 2, BLOCK_D=triton.next_power_of_2(max(r // 2, d - r)), R=rows_per, LANES=_lanes(d),
