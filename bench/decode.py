@@ -10,11 +10,15 @@ Variants, each timed with CUDA events (warm-up, then `--iters`), its peak memory
   plain      today's decode with the plain passes: blends written in place, the patch layout copied to float32 once
   +qk        plain, with the qk-norm and rotary in one Triton pass (`accel.vae.decoder_passes`)
   +norms     plain, with the residual adds and the norms after them in one Triton pass each
-  all        every Triton pass (what the engine runs on CUDA): the two above and the SwiGLU gate
-Then a kernel profile (torch.profiler) of `before` and `all` over one decode window of the default request (its 28
+  all        every Triton pass: the two above and the SwiGLU gate
+  batched    all, a window's tiles decoded `CUDA_TILE_BATCH` at a time (what the engine runs on CUDA)
+  fp8        (only when named) all, with the decoder blocks' linears in FP8 (`quantize_decoder`, lossy: a second
+             decoder of the same weights); its frames' distance from `before`'s as uint8 frames (steps, PSNR)
+Then a kernel profile (torch.profiler) of `before` and `batched` over one decode window of the default request (its 28
 tiles: a whole decode under the profiler ran out of GPU memory on 2026-12-03), by category (GEMM, attention, copies
 (casts, concatenations, layout), other element-wise, other); and the time of one preview-sized window
-(`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes).
+(`decode_window` of 1..7 latents at the default size, what `pipeline.preview` decodes). `streamed_batched`: the
+engine's decode, each window's frames handed on as they are final (`on_frames`), its time and peak memory.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import re
 from pathlib import Path
 
@@ -32,8 +37,9 @@ from lib.models import fill_random, released_configs
 from lib.timing import run_header
 
 from h3serve.accel import attention
+from h3serve.accel.linear import Fp8Linear
 from h3serve.accel.profile import Attention
-from h3serve.accel.vae import decoder_passes, decoder_weights_to, set_decoder_passes
+from h3serve.accel.vae import CUDA_TILE_BATCH, decoder_passes, decoder_weights_to, set_decoder_passes, set_tile_batch
 from h3serve.model.video_vae import REFERENCE_PASSES, VideoVAE
 
 SHAPES = {"default": (37, 48, 84), "reference": (17, 28, 48)}  # latents (T, h, w)
@@ -54,29 +60,62 @@ def build(device: torch.device) -> VideoVAE:
     return vae
 
 
-def variants(vae: VideoVAE) -> dict:
+def quantize_decoder(vae: VideoVAE) -> int:
+    """The decoder blocks' four linears (fused QKV, attention out, the feed-forward's two: 99.8% of its GEMM work) as
+    `Fp8Linear` (e4m3 weights with per-channel scales, activations quantized per row at each call, CUTLASS's rowwise
+    GEMM), in place; the embedding and the patch head stay float16. A lossy experiment, not an engine choice."""
+    count = 0
+    for block in vae.decoder.transformer_blocks:
+        for parent, leaf in ((block.attn, "to_qkv"), (block.attn, "to_out"), (block.ff, "w1"), (block.ff, "w2")):
+            setattr(parent, leaf, Fp8Linear.from_linear(getattr(parent, leaf)))
+            count += 1
+    return count
+
+
+def variants(vae: VideoVAE, fp8: VideoVAE | None = None) -> dict:
     fast = decoder_passes()
     plain = REFERENCE_PASSES
 
-    def with_passes(passes):
+    def with_passes(passes, batch: int = 1):
         def run(z):
             set_decoder_passes(vae, passes)
+            set_tile_batch(vae, batch)
             return vae.decode(z, autocast_dtype=AUTOCAST)
 
         return run
 
     def before(z):
         set_decoder_passes(vae, plain)
+        set_tile_batch(vae, 1)
         return decode_before(vae, z, AUTOCAST)
 
+    def quantized(z):
+        set_decoder_passes(fp8, fast)
+        return fp8.decode(z, autocast_dtype=AUTOCAST)
+
     norms = dataclasses.replace(plain, norm=fast.norm, residual_norm=fast.residual_norm, residual=fast.residual)
-    return {
+    runs = {
         "before": before,
         "plain": with_passes(plain),
         "+qk": with_passes(dataclasses.replace(plain, qk=fast.qk)),
         "+norms": with_passes(norms),
         "all": with_passes(fast),
+        "batched": with_passes(fast, CUDA_TILE_BATCH),
     }
+    if fp8 is not None:
+        runs["fp8"] = quantized
+    return runs
+
+
+def frames_distance(out: torch.Tensor, reference: torch.Tensor) -> dict:
+    """How far `out`'s uint8 frames are from `reference`'s: the largest step, the mean step, the share of values that
+    differ, and the PSNR (dB) over every frame."""
+    a, b = VideoVAE.output_to_rgb(out.clone()).float(), VideoVAE.output_to_rgb(reference.clone()).float()
+    d = (a - b).abs()
+    mse = d.square().mean().item()
+    psnr = float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+    return {"max_step": int(d.max().item()), "mean_step": round(d.mean().item(), 4),
+            "differ": round((d > 0).float().mean().item(), 4), "psnr_db": round(psnr, 2)}  # fmt: skip
 
 
 def timed(fn, iters: int) -> tuple[list[float], float, torch.Tensor]:
@@ -144,7 +183,12 @@ def main() -> None:
     device = torch.device("cuda")
     vae = build(device)
     result = {**run_header(device), "autocast": str(AUTOCAST), "shapes": {}}
-    runs = variants(vae)
+    wanted = args.variants.split(",") if args.variants else None
+    fp8 = None
+    if wanted is not None and "fp8" in wanted:
+        fp8 = build(device)
+        result["fp8_layers"] = quantize_decoder(fp8)
+    runs = variants(vae, fp8)
     if args.variants:
         runs = {k: v for k, v in runs.items() if k == "before" or k in args.variants.split(",")}
     for shape in args.shapes.split(","):
@@ -161,11 +205,19 @@ def main() -> None:
                 "ms": [round(x, 1) for x in times], "best_ms": round(min(times), 1), "peak_gib": round(peak, 2),
                 "bitwise": bool(torch.equal(out, reference)), "max_abs_diff": diff,
             }  # fmt: skip
+            if not entry["variants"][name]["bitwise"]:
+                entry["variants"][name]["frames"] = frames_distance(out, reference)
             print(shape, name, entry["variants"][name], flush=True)
             del out
         before = entry["variants"]["before"]["best_ms"]
         for v in entry["variants"].values():
             v["speedup"] = round(before / v["best_ms"], 3)
+        # As the engine decodes: each window's final frames handed on (`on_frames`) instead of one whole output.
+        set_decoder_passes(vae, decoder_passes())
+        set_tile_batch(vae, CUDA_TILE_BATCH)
+        times, peak, _ = timed(lambda z=z: vae.decode(z, autocast_dtype=AUTOCAST, on_frames=lambda _p: None), 1)
+        entry["streamed_batched"] = {"ms": round(times[0], 1), "peak_gib": round(peak, 2)}
+        print(shape, "streamed batched", entry["streamed_batched"], flush=True)
         result["shapes"][shape] = entry
         del reference
         args.out.write_text(json.dumps(result, indent=1))
@@ -175,6 +227,7 @@ def main() -> None:
 
         def window(passes, before: bool):
             set_decoder_passes(vae, passes)
+            set_tile_batch(vae, 1 if before else CUDA_TILE_BATCH)
             if before:
                 return decode_window_before(vae, z, AUTOCAST)
             return vae.decode_window(z, autocast_dtype=AUTOCAST)
@@ -183,16 +236,17 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["profile"] = {
             "before": profile(lambda: window(REFERENCE_PASSES, True)),
-            "all": profile(lambda: window(decoder_passes(), False)),
+            "batched": profile(lambda: window(decoder_passes(), False)),
             "what": "one decode window (7 latents, 28 tiles) of the default request",
         }
-        print(json.dumps({k: result["profile"][k]["categories_ms"] for k in ("before", "all")}), flush=True)
+        print(json.dumps({k: result["profile"][k]["categories_ms"] for k in ("before", "batched")}), flush=True)
     # Preview-sized windows: the first n latents decoded as one window (`pipeline.preview` decodes 3).
     t, h, w = SHAPES["default"]
     z = torch.randn(1, 24, 7, h, w, device=device, generator=torch.Generator(device).manual_seed(7))
     result["preview_windows_ms"] = {}
-    for passes_name, passes in (("before", REFERENCE_PASSES), ("all", decoder_passes())):
+    for passes_name, passes, batch in (("before", REFERENCE_PASSES, 1), ("batched", decoder_passes(), CUDA_TILE_BATCH)):
         set_decoder_passes(vae, passes)
+        set_tile_batch(vae, batch)
         result["preview_windows_ms"][passes_name] = {
             n: round(min(timed(lambda n=n: vae.decode_window(z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)
             for n in (1, 2, 3, 5, 7)

@@ -60,6 +60,7 @@ from lib.timing import run_header
 from h3serve.accel import attention
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Attention, Profile, ProfileError, check
+from h3serve.config import ENCODER_THREADS
 from h3serve.media.mp4 import Mp4Writer
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.context import RenderContext
@@ -113,7 +114,7 @@ def runs(names: list[str], default: Attention | str = ATTENTION) -> list[Run]:
     return sorted(out.values(), key=lambda r: order.index(r.base))
 
 
-def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None) -> dict:
+def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None, threads: int = ENCODER_THREADS) -> dict:
     """A warmup render (the same request, or `warmup_steps` points of it), then a timed one: its stage times, per
     forward, rank 0's peak, whether it is byte-identical to the warmup; an error instead, as text. With `mp4` the timed
     render streams its frames into that MP4 as `h3serve render` does (`media.mp4.Mp4Writer`), and its end to end
@@ -134,13 +135,13 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None) ->
         # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render with
         # previews against one without.
         keep = lambda p: previews.append((time.perf_counter() - start, p))  # noqa: E731
-        writer = None if mp4 is None else Mp4Writer(mp4)
+        writer = None if mp4 is None else Mp4Writer(mp4, threads=threads)
         ctx = RenderContext(on_preview=keep if request.preview_every else None, frames_to=writer)
         second = engine.render(request, ctx)
         if writer is not None:
             entry["render_returned_s"] = round(time.perf_counter() - start, 3)
             writer.finish()
-            entry["mp4_bytes"] = mp4.stat().st_size
+            entry["mp4_bytes"], entry["mp4_threads"] = mp4.stat().st_size, threads
         entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
         if request.preview_every:
             entry["previews"] = [{"forward": p.forward, "seconds": round(p.seconds, 4), "at_s": round(at, 3),
@@ -180,6 +181,12 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, help="warm up with a render of this many points")
     parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
     parser.add_argument("--mp4", type=Path, help="stream the timed render's frames into an MP4 in this folder")
+    parser.add_argument(
+        "--mp4-threads",
+        type=int,
+        default=ENCODER_THREADS,
+        help=f"the MP4 encoder's threads (the `--threads` setting; default {ENCODER_THREADS})",
+    )
     parser.add_argument("--preview-every", type=int, default=0,
                         help="previews in the timed render after every N forwards: their time, share and the first's "
                         "latency (the warmup renders without, so identical_to_first compares the two)")  # fmt: skip
@@ -230,7 +237,7 @@ def main() -> None:
                 entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             entry["budget_gib"] = engine.memory_budget()
             mp4 = None if args.mp4 is None else args.mp4 / f"{run.key}.mp4".replace("+", "_")
-            entry |= timed(engine, request, args.warmup_steps, mp4)
+            entry |= timed(engine, request, args.warmup_steps, mp4, args.mp4_threads)
         except Exception as err:  # a split's workers that failed to start: recorded, the next profile still runs
             entry["error"] = f"{type(err).__name__}: {err}"[:2000]
         finally:

@@ -111,3 +111,32 @@ def test_a_decode_with_the_passes_is_bitwise_the_decode_before(fast):
     set_decoder_passes(vae, fast)
     now = vae.decode(z, autocast_dtype=torch.float16)
     assert torch.equal(now, before)
+
+
+@pytest.mark.parametrize("batch", [2, 4, 7])
+def test_tiles_decoded_in_batches_are_bitwise_alone_at_the_released_shapes(fast, batch):
+    """The released decoder's widths and tile (two of its 36 blocks), the default request's window (7 x 48 x 84
+    latents: 28 tiles of 1,797 tokens), the engine's CUDA decode: a batch of tiles gives every tile the bits it has
+    alone (cuBLAS's GEMMs and cuDNN's attention are row and batch invariant here), `CUDA_TILE_BATCH` included."""
+    import dataclasses
+
+    from lib.models import fill_random, released_configs
+
+    from h3serve.accel import attention
+    from h3serve.accel.profile import Attention
+    from h3serve.accel.vae import CUDA_TILE_BATCH, decoder_weights_to, set_decoder_passes, set_tile_batch
+    from h3serve.model.video_vae import VideoVAE
+
+    assert CUDA_TILE_BATCH in (2, 4, 7), "the engine's batch must be one this test holds"
+    cfg = dataclasses.replace(released_configs().video_vae_config, decoder_num_layers=2)
+    vae = VideoVAE(cfg).to("cuda").eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        fill_random(vae)
+    decoder_weights_to(vae, torch.float16)
+    attention.set_kernel(vae, Attention.CUDNN_ATTN)
+    set_decoder_passes(vae, fast)
+    z = randn(1, 24, 7, 48, 84, seed=9)
+    alone = vae.decode_window(z, autocast_dtype=torch.float16)
+    set_tile_batch(vae, batch)
+    assert torch.equal(vae.decode_window(z, autocast_dtype=torch.float16), alone)

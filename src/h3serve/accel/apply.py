@@ -19,7 +19,14 @@ from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
 from h3serve.accel.profile import AdalnWeights, Execution, Fp8Scaling, Linear, Profile, TextLinear
-from h3serve.accel.vae import decoder_cast_names, decoder_passes, decoder_weights_to, set_decoder_passes
+from h3serve.accel.vae import (
+    CUDA_TILE_BATCH,
+    decoder_cast_names,
+    decoder_passes,
+    decoder_weights_to,
+    set_decoder_passes,
+    set_tile_batch,
+)
 from h3serve.checkpoint.safetensors import chain
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block
@@ -105,8 +112,8 @@ def apply(
 ) -> GraphCounter | None:
     """Give every loaded model the profile's choices, on the model itself:
     - each attention module its kernel (DiT, video decoder, audio encoder);
-    - the video decoder its weights in the autocast dtype (bitwise the same decode) and, on CUDA with Triton, its
-      blocks' fused passes (the same numbers);
+    - the video decoder its weights in the autocast dtype (bitwise the same decode), on CUDA its tiles decoded
+      `CUDA_TILE_BATCH` at a time and, with Triton, its blocks' fused passes (the same numbers);
     - the DiTs' block linears: FP8 (CUTLASS) unless the loader already quantized them, or Humming's layout;
       the text encoder's FP8 linears when asked; the FP8 GEMM's scaling, once the self-test chose it;
     - each DiT's block stack: on CUDA with Triton, eager runs the exact passes (bit for bit the reference ops) and
@@ -118,6 +125,8 @@ def apply(
         attention.set_kernel(model, profile.attention)
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
+    if profile.cuda:
+        set_tile_batch(components.video_vae, CUDA_TILE_BATCH)
     for dit in dits:
         if profile.linear == Linear.CUTLASS and not linear.is_quantized(dit):
             linear.quantize_blocks(dit)

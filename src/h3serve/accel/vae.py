@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from h3serve.model.video_vae import DecoderPasses, VideoVAE
+from h3serve.model.video_vae import DecoderPasses, VideoVAE, check_tile_batch
 
 CAST = (nn.Linear, nn.Conv3d)
 
@@ -57,6 +57,18 @@ def decoder_passes() -> DecoderPasses:
     from h3serve.accel import triton_decoder as t
 
     return DecoderPasses(qk=t.qk, residual=t.residual, swiglu=t.swiglu, norm=t.norm, residual_norm=t.residual_norm)
+
+
+# A window's tiles decoded together on CUDA (`VideoVAE.tile_batch`): the same bits as one at a time (cuBLAS's GEMMs
+# and cuDNN's attention give each tile's rows the same values in a batch of 2 to 28 tiles, measured on the H200 and
+# held by tests/test_gpu_decode.py), 5% faster per window at the default request's tiles (fewer, fuller GEMM waves and
+# launches), for about 80 MB more activations per extra tile (bench/results/README.md, 2026-12-03).
+CUDA_TILE_BATCH = 4
+
+
+def set_tile_batch(vae: VideoVAE, batch: int) -> None:
+    """How many of a window's tiles the video decoder runs as one batch (`VideoVAE.tile_batch`)."""
+    vae.tile_batch = check_tile_batch(batch)
 
 
 def set_decoder_passes(vae: VideoVAE, passes: DecoderPasses) -> None:

@@ -45,7 +45,7 @@ BENCHES = (
     "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
     "humming-check", "adaln-tables", "stepcache", "ref2va-smoke", "fused-passes", "text-encoder-fp8",
     "vae-decode-memory", "lora", "split", "one-box", "load", "start", "plot-scaling", "fa4-check", "offload", "decode",
-    "host-memory",
+    "host-memory", "decode-batch",
 )  # fmt: skip
 
 

@@ -27,10 +27,12 @@ from h3serve.model.latents import HasLatentStats
 from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_table, sdpa
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
-# How `VideoVAE.decode` computes its temporal windows: given `clip(i)` and the count, each window's frames in order.
-# How a decode's tiles are computed: given `tile(u)` (the raw decoded tile u, every window's tiles in order) and
-# their count, yields tile(0), tile(1), ... in order (`VideoVAE.decode_tiles`; several GPUs deal them out).
-TileRunner = Callable[[Callable[[int], torch.Tensor], int], Iterable[torch.Tensor]]
+# How a decode's tiles are computed: given `tiles_for(order)` and the tile count, yields tile 0, 1, ... in order.
+# `tiles_for(order)` returns `tile(u)`, the raw decoded tile u (every window's tiles in order), for a caller that asks
+# for the tiles of `order` in that order (`VideoVAE.decode_tiles`); several GPUs deal the tiles out, each asking for
+# its own.
+TileFn = Callable[[int], torch.Tensor]
+TileRunner = Callable[[Callable[[Iterable[int]], TileFn], int], Iterable[torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -629,6 +631,10 @@ class VideoVAE(nn.Module):
         self.quant_conv = nn.Conv3d(2 * c, 2 * c, 1)
         self.post_quant_conv = nn.Conv3d(c, c, 1)
         self.decoder = ViTDecoder3d(cfg)
+        # How many of a window's tiles the decoder runs as one batch (set from outside, `h3serve.accel.apply`): each
+        # tile is still attended alone; whether a batch gives each tile's bits is the kernels' property (on CUDA
+        # cuBLAS's and cuDNN's are row and batch invariant at the decoder's shapes: tests/test_gpu_decode.py).
+        self.tile_batch = 1
 
     # Pixel convention ---------------------------------------------------------------------------------------------
     # The encoder takes, and the decoder returns, ImageNet-normalised RGB (`pixel_norm_type: imagenet` in the
@@ -721,14 +727,25 @@ class VideoVAE(nn.Module):
 
     def _decode_clip(self, z: torch.Tensor, tiled: bool, autocast_dtype: torch.dtype | None) -> torch.Tensor:
         grid = TileGrid.of(self.cfg, z.shape[-2], z.shape[-1], tiled)
-        tiles = (self._decode_tile(z, grid, k, autocast_dtype) for k in range(grid.count))
-        return grid.stitch(tiles)
+        batch = check_tile_batch(self.tile_batch)
 
-    def _decode_tile(self, z: torch.Tensor, grid: TileGrid, k: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-        """Tile k (row-major) of a window's latents `z`, decoded alone: float32 pixels."""
-        zt = grid.latents(z, k)
-        with _autocast(zt.device, autocast_dtype):
-            return self.decoder(self.post_quant_conv(zt)).float()
+        def tiles() -> Iterator[torch.Tensor]:
+            for k in range(0, grid.count, batch):
+                yield from self._decode_tiles(z, grid, range(k, min(k + batch, grid.count)), autocast_dtype)
+
+        return grid.stitch(tiles())
+
+    @torch.no_grad()  # the tiles of a batch are views of one output, blended in place
+    def _decode_tiles(
+        self, z: torch.Tensor, grid: TileGrid, ks: Iterable[int], autocast_dtype: torch.dtype | None
+    ) -> list[torch.Tensor]:
+        """Tiles `ks` (row-major) of a window's latents `z`, float32 pixels each, decoded in one batch: each tile's
+        latents through `post_quant_conv` alone (a 1x1x1 convolution: no batch to gain), then the decoder over them
+        all, every tile its own sequence."""
+        with _autocast(z.device, autocast_dtype):
+            latents = [self.post_quant_conv(grid.latents(z, k)) for k in ks]
+            pixels = self.decoder(latents[0] if len(latents) == 1 else torch.cat(latents)).float()
+        return list(pixels.split(z.shape[0]))
 
     @torch.no_grad()
     def decode(
@@ -747,16 +764,22 @@ class VideoVAE(nn.Module):
         the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
         `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
         frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
-        may raise from it to stop the decode). `run_tiles(tile, n)`: how the tiles of every window are computed,
-        yielding `tile(u)` in order (`decode_tiles`; the default computes each in turn; several GPUs deal them out).
+        may raise from it to stop the decode). `run_tiles(tiles_for, n)`: how the tiles of every window are computed,
+        yielding every tile in order (`TileRunner`; the default computes each in turn, `tile_batch` at a time; several
+        GPUs deal them out).
         `on_frames(pixels)`: each run of frames as it is final (after its cross-fade), (B, 3, n, H, W) float32, which
         it may change in place; the decode then holds one window at a time and returns None.
         """
         cfg = self.cfg
         windows, grid, tile = self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype)
-        tiles = iter(
-            map(tile, range(windows * grid.count)) if run_tiles is None else run_tiles(tile, windows * grid.count)
-        )
+        if run_tiles is None:
+            tiles = iter(map(tile, range(windows * grid.count)))
+        else:
+
+            def tiles_for(order: Iterable[int]) -> TileFn:
+                return self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype, order=order)[2]
+
+            tiles = iter(run_tiles(tiles_for, windows * grid.count))
         num_frames = cfg.decode_plan(z.shape[2])[2]
         chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
         span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
@@ -793,12 +816,21 @@ class VideoVAE(nn.Module):
         return out
 
     def decode_tiles(
-        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
-    ) -> tuple[int, TileGrid, Callable[[int], torch.Tensor]]:
+        self,
+        z: torch.Tensor,
+        *,
+        tiled: bool | None = None,
+        autocast_dtype: torch.dtype | None = None,
+        order: Iterable[int] | None = None,
+    ) -> tuple[int, TileGrid, TileFn]:
         """The temporal windows `decode` cross-fades and their spatial tiles: the window count, the tile grid (the
         same for every window) and `tile(u)`, tile u (window u // grid.count, then row-major) decoded alone. Each
         window reads `chunk + token_overlap` latents; every tile is computed on its own, so any process may compute
-        any of them (`TileRunner`)."""
+        any of them (`TileRunner`).
+
+        `order`: the tiles the caller will ask for, in the order it will (default: every one, in order). A call for
+        a tile decodes it together with the next `tile_batch - 1` of `order` in the same window, which wait for their
+        own calls; a call for a tile not in `order`, or not in its order, is a ValueError."""
         cfg = self.cfg
         self._check_decode(z, autocast_dtype)
         tiled = cfg.decoder_tiling if tiled is None else tiled
@@ -809,12 +841,40 @@ class VideoVAE(nn.Module):
         chunk = cfg.tokens_chunk_size
         grid = TileGrid.of(cfg, z.shape[-2], z.shape[-1], tiled)
 
+        wanted = list(range(windows * grid.count)) if order is None else list(order)
+        batch = check_tile_batch(self.tile_batch)
+        if not set(wanted) <= set(range(windows * grid.count)) or len(set(wanted)) != len(wanted):
+            raise ValueError(f"order must name distinct tiles of 0..{windows * grid.count - 1}, got {wanted}")
+        ready: dict[int, torch.Tensor] = {}  # decoded with an earlier tile of their batch, waiting for their call
+        at = 0  # the next place in `wanted`
+
         def tile(u: int) -> torch.Tensor:
+            nonlocal at
+            if at >= len(wanted) or wanted[at] != u:
+                expected = wanted[at] if at < len(wanted) else "none"
+                raise ValueError(f"tile {u} asked out of order: the next tile of `order` is {expected}")
+            at += 1
+            if u in ready:
+                return ready.pop(u)
             i = u // grid.count
+            group = [u]
+            for v in wanted[at : at + batch - 1]:
+                if v // grid.count != i:
+                    break
+                group.append(v)
             window = z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap]
-            return self._decode_tile(window, grid, u % grid.count, autocast_dtype)
+            first, *rest = self._decode_tiles(window, grid, [v % grid.count for v in group], autocast_dtype)
+            ready.update(zip(group[1:], rest, strict=True))
+            return first
 
         return windows, grid, tile
+
+
+def check_tile_batch(batch: object) -> int:
+    """`batch` as `VideoVAE.tile_batch` takes it (a positive int); ValueError otherwise."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"tile_batch must be a positive int, got {batch!r}")
+    return batch
 
 
 def posterior_sample(

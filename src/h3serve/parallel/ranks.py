@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 
 from h3serve.config import NUM_MODALITIES
 from h3serve.model.ops import AttentionKernel
+from h3serve.model.video_vae import TileFn
 from h3serve.parallel.group import Group, row_ranges
 from h3serve.pipeline.context import ProgressCallback, RenderCancelled, RenderContext
 from h3serve.pipeline.decode import decode_audio, decode_video, video_latents
@@ -118,8 +119,11 @@ class Ranks:
             raise ValueError("a split render's frames cannot stream to an encoder: they reach the parent whole")
         if self.lead:
             return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_tiles))
-        windows, grid, tile = vae.decode_tiles(video_latents(vae, video_rows, layout), autocast_dtype=autocast)
         g = self.group
+        z = video_latents(vae, video_rows, layout)
+        windows, grid, _ = vae.decode_tiles(z, autocast_dtype=autocast)
+        # This rank's tiles (`_lead_tiles` deals them), decoded `tile_batch` at a time within each window.
+        tile = vae.decode_tiles(z, autocast_dtype=autocast, order=range(g.rank, windows * grid.count, g.size))[2]
         for window in range(windows):
             # Tiles are dealt round-robin over every window's tiles in order (`_lead_tiles`): this rank's of this
             # window computed and sent to rank 0, then the same check point as rank 0's after the window.
@@ -156,10 +160,12 @@ class Ranks:
             out.index_copy_(0, rows, part.view(-1, width))
         return out
 
-    def _lead_tiles(self, tile: Callable[[int], torch.Tensor], count: int) -> Iterator[torch.Tensor]:
-        """Rank 0's decode tiles, every window's in order: tile u is rank u % size's, its own computed, the others'
-        received (each tile is decoded alone, so the bits are the same whichever rank computes it)."""
+    def _lead_tiles(self, tiles_for: Callable[[Iterable[int]], TileFn], count: int) -> Iterator[torch.Tensor]:
+        """Rank 0's decode tiles, every window's in order (a `TileRunner`): tile u is rank u % size's, its own
+        computed, the others' received (each tile is decoded alone, so the bits are the same whichever rank computes
+        it)."""
         g = self.group
+        tile = tiles_for(range(0, count, g.size))
         for u in range(count):
             owner = u % g.size
             if owner == 0:
