@@ -95,7 +95,7 @@ class Graphed:
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         self.static.copy_(batch)
         self.graph.replay()
-        return self.out.float()
+        return self.out.clone()  # the next replay writes over the static output
 
 
 def run_graphed(graphs: dict, tiles: list[torch.Tensor], b: int) -> list[torch.Tensor]:
@@ -196,8 +196,9 @@ def main() -> None:
 
     result["graphed"] = {}
     for b in (int(b) for b in args.graph_batches.split(",")):
+        graphs: dict = {}
         try:
-            graphs = {b: Graphed(vae, tiles[0], b)}
+            graphs[b] = Graphed(vae, tiles[0], b)
             outs = run_graphed(graphs, tiles, b)
             same = sum(torch.equal(o, r) for o, r in zip(outs, reference, strict=True))
             del outs

@@ -36,3 +36,10 @@ def inject_faults(engine, rank: int) -> None:
         engine.components.text_encoder.model.register_forward_pre_hook(text_hook, with_kwargs=True)
     for dit in engine.components.dits.values():
         dit.blocks[0].register_forward_pre_hook(hook)
+
+
+def batch_tiles(engine, rank: int) -> None:
+    """Each rank decodes its own tiles of a window 2 at a time (`VideoVAE.tile_batch`; the CPU profile runs 1)."""
+    from h3serve.accel.vae import set_tile_batch
+
+    set_tile_batch(engine.components.video_vae, 2)

@@ -85,21 +85,55 @@ def test_tiles_dealt_to_ranks_in_batches_are_the_decode_of_one(vae, ranks):
         set_tile_batch(vae, 1)
 
 
+def calls(vae, z, batch: int, order=None) -> tuple[list[int], int]:
+    """The batch size of each decoder call, and the tiles whose latents went through `post_quant_conv`, when every
+    tile of `order` is asked for in order."""
+    sizes, tiles = [], []
+    hooks = [
+        vae.decoder.register_forward_pre_hook(lambda _m, args: sizes.append(args[0].shape[0])),
+        vae.post_quant_conv.register_forward_pre_hook(lambda _m, args: tiles.append(args[0])),
+    ]
+    set_tile_batch(vae, batch)
+    try:
+        windows, grid, tile = vae.decode_tiles(z, order=order)
+        for u in range(windows * grid.count) if order is None else order:
+            tile(u)
+    finally:
+        set_tile_batch(vae, 1)
+        for hook in hooks:
+            hook.remove()
+    return sizes, len(tiles)
+
+
+def test_only_whole_batches_run_and_each_tile_is_decoded_once(vae):
+    """A window's tiles go `tile_batch` at a time and the ones left over one at a time (so a decode runs batches of
+    two sizes only, each one the GPU tier holds); a rank's batches hold only its own tiles, of one window."""
+    z = latents(12)  # 2 windows x 6 tiles
+    assert calls(vae, z, 4) == ([4, 1, 1] * 2, 12)
+    assert calls(vae, z, 6) == ([6] * 2, 12)
+    assert calls(vae, z, 20) == ([1] * 12, 12)
+    assert calls(vae, z, 2, order=range(0, 12, 2)) == ([2, 1] * 2, 6)  # rank 0 of 2: (0, 2), 4 | (6, 8), 10
+    assert calls(vae, z, 2, order=range(1, 12, 3)) == ([2] * 2, 4)  # rank 1 of 3: (1, 4) | (7, 10)
+
+
 def test_tiles_asked_out_of_their_order_are_refused(vae):
     z = latents(7)
     set_tile_batch(vae, 4)
     try:
         _, _, tile = vae.decode_tiles(z, order=[0, 2, 4])
         tile(0)
-        with pytest.raises(ValueError, match="tile 4 asked out of order: the next tile of `order` is 2"):
+        with pytest.raises(ValueError, match="tile 4 asked out of `order`: the next is 2"):
             tile(4)
+        tile(2), tile(4)
+        with pytest.raises(ValueError, match="tile 5 asked out of `order`: every tile of it was asked"):
+            tile(5)
         _, _, tile = vae.decode_tiles(z)
-        with pytest.raises(ValueError, match="tile 1 asked out of order: the next tile of `order` is 0"):
+        with pytest.raises(ValueError, match="tile 1 asked out of `order`: the next is 0"):
             tile(1)
-        with pytest.raises(ValueError, match=r"order must name distinct tiles of 0\.\.5"):
-            vae.decode_tiles(z, order=[0, 6])
-        with pytest.raises(ValueError, match="order must name distinct tiles"):
-            vae.decode_tiles(z, order=[1, 1])
+        with pytest.raises(ValueError, match=r"order must name distinct tiles of 0\.\.5: \[-1, 6\] are not"):
+            vae.decode_tiles(z, order=[0, 6, -1])
+        with pytest.raises(ValueError, match=r"order must name distinct tiles of 0\.\.5: \[1\] are not"):
+            vae.decode_tiles(z, order=[1, 2, 1])
     finally:
         set_tile_batch(vae, 1)
 

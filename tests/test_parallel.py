@@ -26,7 +26,7 @@ from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
 from h3serve.settings import SettingsError, load_settings
 from h3serve.vocab import TaskType
-from parallel_fixtures import FAULT_ALL, FAULT_ONE, FAULT_TEXT, inject_faults
+from parallel_fixtures import FAULT_ALL, FAULT_ONE, FAULT_TEXT, batch_tiles, inject_faults
 from service_fixtures import png_bytes
 from test_ref2va_render import wav
 from test_stepcache_engine import CACHING
@@ -92,6 +92,18 @@ def test_a_split_render_is_bit_for_bit_the_one_process_render(one, two, four, ta
         np.testing.assert_array_equal(result.audio, reference.audio)
         assert result.step_cache.cached == reference.step_cache.cached
         assert mp4_bytes(result) == mp4_bytes(reference)
+
+
+def test_ranks_decoding_their_tiles_in_batches_give_the_one_process_frames(one):
+    """Each rank's tiles of a window in batches of 2 (`parallel.ranks` asks for its own through `decode_tiles(order=)`,
+    rank 0 through `_lead_tiles`): 2 x 2 tiles per window dealt over 2 ranks, so each rank runs one batch a window."""
+    engine = ParallelEngine(spec(2, setup=batch_tiles))
+    try:
+        request = REQUESTS["t2va-tiles"]
+        result = engine.render(engine.validate(PROMPT, **request))
+        np.testing.assert_array_equal(result.frames, one.render(one.validate(PROMPT, **request)).frames)
+    finally:
+        engine.close()
 
 
 def test_a_split_render_hands_a_sink_its_audio_then_its_frames_whole(two, tmp_path):

@@ -125,8 +125,7 @@ def apply(
         attention.set_kernel(model, profile.attention)
     if profile.vae_autocast_dtype is not None:
         decoder_weights_to(components.video_vae, profile.vae_autocast_dtype)
-    if profile.cuda:
-        set_tile_batch(components.video_vae, CUDA_TILE_BATCH)
+    set_tile_batch(components.video_vae, CUDA_TILE_BATCH if profile.cuda else 1)
     for dit in dits:
         if profile.linear == Linear.CUTLASS and not linear.is_quantized(dit):
             linear.quantize_blocks(dit)

@@ -59,10 +59,11 @@ def decoder_passes() -> DecoderPasses:
     return DecoderPasses(qk=t.qk, residual=t.residual, swiglu=t.swiglu, norm=t.norm, residual_norm=t.residual_norm)
 
 
-# A window's tiles decoded together on CUDA (`VideoVAE.tile_batch`): the same bits as one at a time (cuBLAS's GEMMs
-# and cuDNN's attention give each tile's rows the same values in a batch of 2 to 28 tiles, measured on the H200 and
-# held by tests/test_gpu_decode.py), 5% faster per window at the default request's tiles (fewer, fuller GEMM waves and
-# launches), for about 80 MB more activations per extra tile (bench/results/README.md, 2026-12-03).
+# A window's tiles decoded together on CUDA (`VideoVAE.tile_batch`; the tiles left over one at a time): the same bits
+# as one at a time. cuBLAS's GEMMs and cuDNN's attention give each tile's rows the same values in batches of 1, 2, 4,
+# 7 and 14 tiles (bench/decode_batch.py on the H200); tests/test_gpu_decode.py holds batches of 2, 4 and 7 at the
+# released shapes. 5% faster per window at the default request (a quarter of the launches), for about 80 MB more
+# activations per extra tile (bench/results/README.md, 2026-12-03).
 CUDA_TILE_BATCH = 4
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -634,6 +635,8 @@ class VideoVAE(nn.Module):
         # How many of a window's tiles the decoder runs as one batch (set from outside, `h3serve.accel.apply`): each
         # tile is still attended alone; whether a batch gives each tile's bits is the kernels' property (on CUDA
         # cuBLAS's and cuDNN's are row and batch invariant at the decoder's shapes: tests/test_gpu_decode.py).
+        # Only whole batches run: the tiles left over (fewer than tile_batch in a window, or of a rank's share) go
+        # one at a time, so a decode runs batches of exactly these two sizes.
         self.tile_batch = 1
 
     # Pixel convention ---------------------------------------------------------------------------------------------
@@ -730,8 +733,8 @@ class VideoVAE(nn.Module):
         batch = check_tile_batch(self.tile_batch)
 
         def tiles() -> Iterator[torch.Tensor]:
-            for k in range(0, grid.count, batch):
-                yield from self._decode_tiles(z, grid, range(k, min(k + batch, grid.count)), autocast_dtype)
+            for group in _batches(list(range(grid.count)), batch):
+                yield from self._decode_tiles(z, grid, group, autocast_dtype)
 
         return grid.stitch(tiles())
 
@@ -771,15 +774,13 @@ class VideoVAE(nn.Module):
         it may change in place; the decode then holds one window at a time and returns None.
         """
         cfg = self.cfg
-        windows, grid, tile = self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype)
-        if run_tiles is None:
-            tiles = iter(map(tile, range(windows * grid.count)))
-        else:
+        windows, grid = self.tile_plan(z, tiled=tiled, autocast_dtype=autocast_dtype)
 
-            def tiles_for(order: Iterable[int]) -> TileFn:
-                return self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype, order=order)[2]
+        def tiles_for(order: Iterable[int]) -> TileFn:
+            return self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype, order=order)[2]
 
-            tiles = iter(run_tiles(tiles_for, windows * grid.count))
+        count = windows * grid.count
+        tiles = iter(map(tiles_for(range(count)), range(count)) if run_tiles is None else run_tiles(tiles_for, count))
         num_frames = cfg.decode_plan(z.shape[2])[2]
         chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
         span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
@@ -824,50 +825,63 @@ class VideoVAE(nn.Module):
         order: Iterable[int] | None = None,
     ) -> tuple[int, TileGrid, TileFn]:
         """The temporal windows `decode` cross-fades and their spatial tiles: the window count, the tile grid (the
-        same for every window) and `tile(u)`, tile u (window u // grid.count, then row-major) decoded alone. Each
-        window reads `chunk + token_overlap` latents; every tile is computed on its own, so any process may compute
-        any of them (`TileRunner`).
+        same for every window) and `tile(u)`, tile u (window u // grid.count, then row-major), each tile its own
+        sequence through the decoder (`tile_batch` of them in one call). Each window reads `chunk + token_overlap`
+        latents; every tile is computed on its own, so any process may compute any of them (`TileRunner`).
 
         `order`: the tiles the caller will ask for, in the order it will (default: every one, in order). A call for
-        a tile decodes it together with the next `tile_batch - 1` of `order` in the same window, which wait for their
-        own calls; a call for a tile not in `order`, or not in its order, is a ValueError."""
+        a tile decodes it together with the next `tile_batch - 1` of `order` when they are all in its window, which
+        wait for their own calls (else it is decoded alone); a call for a tile out of `order` is a ValueError."""
         cfg = self.cfg
-        self._check_decode(z, autocast_dtype)
-        tiled = cfg.decoder_tiling if tiled is None else tiled
+        windows, grid = self.tile_plan(z, tiled=tiled, autocast_dtype=autocast_dtype)
+        count = windows * grid.count
+        wanted = list(range(count)) if order is None else list(order)
+        stray = sorted({u for u, n in Counter(wanted).items() if n > 1 or not 0 <= u < count})
+        if stray:
+            raise ValueError(f"order must name distinct tiles of 0..{count - 1}: {stray[:8]} are not")
+        groups = {g[0]: g for w in range(windows) for g in _batches([u for u in wanted if u // grid.count == w],
+                                                                    check_tile_batch(self.tile_batch))}  # fmt: skip
         z = z.float()
-        pad, windows, _ = cfg.decode_plan(z.shape[2])
+        pad = cfg.decode_plan(z.shape[2])[0]
         if pad:
             z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
         chunk = cfg.tokens_chunk_size
-        grid = TileGrid.of(cfg, z.shape[-2], z.shape[-1], tiled)
-
-        wanted = list(range(windows * grid.count)) if order is None else list(order)
-        batch = check_tile_batch(self.tile_batch)
-        if not set(wanted) <= set(range(windows * grid.count)) or len(set(wanted)) != len(wanted):
-            raise ValueError(f"order must name distinct tiles of 0..{windows * grid.count - 1}, got {wanted}")
         ready: dict[int, torch.Tensor] = {}  # decoded with an earlier tile of their batch, waiting for their call
         at = 0  # the next place in `wanted`
 
         def tile(u: int) -> torch.Tensor:
             nonlocal at
             if at >= len(wanted) or wanted[at] != u:
-                expected = wanted[at] if at < len(wanted) else "none"
-                raise ValueError(f"tile {u} asked out of order: the next tile of `order` is {expected}")
+                expected = f"the next is {wanted[at]}" if at < len(wanted) else "every tile of it was asked"
+                raise ValueError(f"tile {u} asked out of `order`: {expected}")
             at += 1
             if u in ready:
                 return ready.pop(u)
-            i = u // grid.count
-            group = [u]
-            for v in wanted[at : at + batch - 1]:
-                if v // grid.count != i:
-                    break
-                group.append(v)
+            group, i = groups[u], u // grid.count
             window = z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap]
             first, *rest = self._decode_tiles(window, grid, [v % grid.count for v in group], autocast_dtype)
             ready.update(zip(group[1:], rest, strict=True))
             return first
 
         return windows, grid, tile
+
+    def tile_plan(
+        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
+    ) -> tuple[int, TileGrid]:
+        """The window count and the tile grid of decoding latents `z` (what `decode_tiles` returns first), checked,
+        with no copy of z."""
+        self._check_decode(z, autocast_dtype)
+        tiled = self.cfg.decoder_tiling if tiled is None else tiled
+        return self.cfg.decode_plan(z.shape[2])[1], TileGrid.of(self.cfg, z.shape[-2], z.shape[-1], tiled)
+
+
+def _batches(tiles: list[int], batch: int) -> Iterator[list[int]]:
+    """`tiles` (one window's, in order) as whole batches of `batch`, then the rest one at a time."""
+    whole = len(tiles) - len(tiles) % batch
+    for k in range(0, whole, batch):
+        yield tiles[k : k + batch]
+    for u in tiles[whole:]:
+        yield [u]
 
 
 def check_tile_batch(batch: object) -> int:

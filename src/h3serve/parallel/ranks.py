@@ -121,7 +121,7 @@ class Ranks:
             return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_tiles))
         g = self.group
         z = video_latents(vae, video_rows, layout)
-        windows, grid, _ = vae.decode_tiles(z, autocast_dtype=autocast)
+        windows, grid = vae.tile_plan(z, autocast_dtype=autocast)
         # This rank's tiles (`_lead_tiles` deals them), decoded `tile_batch` at a time within each window.
         tile = vae.decode_tiles(z, autocast_dtype=autocast, order=range(g.rank, windows * grid.count, g.size))[2]
         for window in range(windows):
@@ -162,8 +162,9 @@ class Ranks:
 
     def _lead_tiles(self, tiles_for: Callable[[Iterable[int]], TileFn], count: int) -> Iterator[torch.Tensor]:
         """Rank 0's decode tiles, every window's in order (a `TileRunner`): tile u is rank u % size's, its own
-        computed, the others' received (each tile is decoded alone, so the bits are the same whichever rank computes
-        it)."""
+        computed, the others' received. Each tile is its own sequence through the decoder, so its bits are the same
+        whichever rank computes it, alone or in a batch (`VideoVAE.tile_batch`: the kernels' batch invariance,
+        tests/test_gpu_decode.py)."""
         g = self.group
         tile = tiles_for(range(0, count, g.size))
         for u in range(count):
