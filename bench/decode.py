@@ -190,7 +190,7 @@ def main() -> None:
         result["fp8_layers"] = quantize_decoder(fp8)
     runs = variants(vae, fp8)
     if args.variants:
-        runs = {k: v for k, v in runs.items() if k == "before" or k in args.variants.split(",")}
+        runs = {k: v for k, v in runs.items() if k == "before" or k in wanted}
     for shape in args.shapes.split(","):
         t, h, w = SHAPES[shape]
         z = torch.randn(1, 24, t, h, w, device=device, generator=torch.Generator(device).manual_seed(42))

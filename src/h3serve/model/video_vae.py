@@ -17,6 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -839,8 +840,9 @@ class VideoVAE(nn.Module):
         stray = sorted({u for u, n in Counter(wanted).items() if n > 1 or not 0 <= u < count})
         if stray:
             raise ValueError(f"order must name distinct tiles of 0..{count - 1}: {stray[:8]} are not")
-        groups = {g[0]: g for w in range(windows) for g in _batches([u for u in wanted if u // grid.count == w],
-                                                                    check_tile_batch(self.tile_batch))}  # fmt: skip
+        batch = check_tile_batch(self.tile_batch)
+        runs = groupby(wanted, key=lambda u: u // grid.count)  # consecutive tiles of `order` in one window
+        groups = {g[0]: g for _, run in runs for g in _batches(list(run), batch)}
         z = z.float()
         pad = cfg.decode_plan(z.shape[2])[0]
         if pad:
@@ -876,7 +878,7 @@ class VideoVAE(nn.Module):
 
 
 def _batches(tiles: list[int], batch: int) -> Iterator[list[int]]:
-    """`tiles` (one window's, in order) as whole batches of `batch`, then the rest one at a time."""
+    """`tiles` (a run of one window's) as whole batches of `batch`, then the rest one at a time."""
     whole = len(tiles) - len(tiles) % batch
     for k in range(0, whole, batch):
         yield tiles[k : k + batch]
