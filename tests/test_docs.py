@@ -129,3 +129,34 @@ def test_recorded_result_files_exist():
     text = (results / "README.md").read_text(encoding="utf-8")
     for name in set(re.findall(r"`(\d{4}-\d{2}-\d{2}-[A-Za-z0-9._-]+\.(?:json|txt))`", text)):
         assert (results / name).is_file(), name
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """.ci/run calls command 2 of the README's set-up as written there, so the two cannot drift apart; the command
+    activates command 1's environment itself (a new shell does not have it active)."""
+    commands = re.findall(r"^# 2\..*\n(.+)$", README, flags=re.MULTILINE)
+    assert len(commands) == 1, "the README's set-up has one command 2"
+    command = commands[0].strip()
+    assert command.startswith(". .venv/bin/activate && "), command
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command in [line.strip() for line in ci]
+
+
+def test_the_readmes_range_of_render_settings_is_the_render_flags():
+    """The README says which rows of the settings table are `render` flags by naming the last one: it must be the
+    last engine setting, and every engine setting with a flag must be a flag of `render`, and no service setting."""
+    import argparse
+
+    from h3serve.cli import build_parser
+    from h3serve.settings import ENGINE_FIELDS
+
+    named = re.search(r"every row of the full settings table up to\s+`(H3_[A-Z0-9_]+)`", README)
+    assert named, "the README names the last row that is a render flag"
+    assert named.group(1) == env_name(ENGINE_FIELDS[-1])
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {flag for action in commands.choices["render"]._actions for flag in action.option_strings}
+    for field in ENGINE_FIELDS:
+        assert field in NO_FLAG or flag_name(field) in flags, field
+    # The service's settings are not render's (render's own --preview-every is a request flag, not the setting).
+    service = [f for f in Settings.model_fields if f not in ENGINE_FIELDS and f not in NO_FLAG]
+    assert service and not [f for f in service if flag_name(f) in flags and f != "preview_every"]
