@@ -366,6 +366,8 @@ def test_a_wrong_key_another_model_and_a_second_node_1_are_refused_on_both_sides
     node0, url = pair
     wrong = refused(hosts.serve1(H3_NODE_KEY=secrets.token_hex(20)))
     assert f"node 0 at {hosts.address} does not hold this node's key (H3_NODE_KEY)" in wrong, wrong
+    # The line names the setting at fault: the key, not the node's rank (H3_NODE_RANK, before 2026-12-07).
+    assert "error: H3_NODE_KEY: refused: " in wrong and "H3_NODE_RANK" not in wrong, wrong
     other = hosts.folders[1].parent.parent / "other" / "FL2VA"
     if not other.exists():
         shutil.copytree(hosts.folders[1], other)
@@ -373,8 +375,10 @@ def test_a_wrong_key_another_model_and_a_second_node_1_are_refused_on_both_sides
         config.write_text(config.read_text() + "\n")  # the same weights, another release's config file
     model = refused(hosts.serve1(H3_MODEL=str(other)))
     assert "refused node 1: it runs something else: model (config and index digest)" in model, model
+    assert "error: H3_MODEL (--model): refused: " in model, model
     second = refused(hosts.serve1())
     assert "node 1 has already joined" in second and "a second node 1 is refused" in second, second
+    assert "error: H3_NODE_RANK (--node-rank): 1: refused: " in second, second
     log = node0.log()
     assert "node 1 refused node 0: the keys differ (H3_NODE_KEY)" in log
     assert "node 1: it runs something else: model (config and index digest)" in log

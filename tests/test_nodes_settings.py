@@ -75,7 +75,7 @@ def test_the_heads_must_divide_by_every_nodes_gpus():
 
     # Three nodes are valid settings; the model's heads decide at the start (the tiny DiT's 4 do not divide by 3).
     s = load_settings(env={**NODES, "H3_NNODES": "3"}, check_profile=False, schema=EngineSettings)
-    with pytest.raises(ValueError, match=r"H3_NUM_GPUS \(--num-gpus\): 3: the DiT's 4 attention heads"):
+    with pytest.raises(ValueError, match=r"H3_NNODES \(--nnodes\): 3 ranks \(3 nodes x 1 GPU\): the DiT's 4 attention"):
         startup.plan(s, "fl2va")
 
 

@@ -251,7 +251,9 @@ def test_accept_passes_against_the_server_and_fails_on_a_wrong_identity(server, 
 
 def test_accept_keeps_an_error_body_out_of_the_mp4(server, tmp_path):
     # 768x448 is above the tiny model's canvas cap: the server answers 400, which must never become an .mp4.
-    assert main(["accept", server.url, "--steps", "3", "--out", str(tmp_path)]) == 1
+    # (asked for explicitly: left unset, accept picks the server's default size from /v1/models)
+    big = ["--width", "768", "--height", "448"]
+    assert main(["accept", server.url, *big, "--steps", "3", "--out", str(tmp_path)]) == 1
     assert (tmp_path / "accept-1.error.json").is_file() and not list(tmp_path.glob("*.mp4"))
     assert json.loads((tmp_path / "accept-1.error.json").read_text())["error"]["param"] == "width"
 

@@ -340,7 +340,7 @@ def test_the_store_columns_are_the_job_record_fields(tmp_path):
         full = VideoJob(
             id="video_gen_full", object="video", status=JobStatus.FAILED, progress=37, model="m", prompt="p",
             size="224x128", seconds="0.917", quality="high", created_at=5, completed_at=6, expires_at=7,
-            error=JobError(code="render_failed", message="m"), media_type="video/mp4", file_name="f.mp4",
+            error=JobError(code="render_failed", message="m"), media_type="video/mp4", file_name="video_gen_full.mp4",
             inference_time_s=1.5, stage_durations={"denoise": 0.25}, peak_memory_mb=12.5, num_gpus=2, task="i2va",
             num_frames=22, num_inference_steps=4, seed=3, flow_shift=6.0, audio_flow_shift=2.5, step_cache="server",
             cached_steps=[1, 3], preview_every=5,

@@ -2,9 +2,12 @@
 
 1. `GET /health` answers and reports ready; `GET /v1/models` lists exactly the expected model id.
 2. The fixed request (seed 42, 768x448, duration 2.0 s -> 56 frames, 20 steps unless told otherwise) is rendered
-   twice through `POST /v1/videos/sync`. Each body is written to `NAME.part`; a non-2xx answer is kept as
-   `NAME.error.json` and fails; a body that is not the contract's MP4 (H.264 yuv420p of the right size and frame
-   count at 24 fps, AAC-LC stereo at 32 kHz) is kept as `NAME.invalid` and fails; otherwise it becomes `NAME.mp4`.
+   twice through `POST /v1/videos/sync`. A value not given is the smoke request's where the server's limits
+   (`/v1/models`) admit it, else the server's default (the tiny model's canvas is 224x128). Each body is written
+   to `NAME.part`; a non-2xx answer is kept as `NAME.error.json` and fails; a body that is not the contract's MP4
+   (H.264 yuv420p of the right size and frame count at 24 fps, AAC-LC stereo at 32 kHz) is kept as `NAME.invalid`
+   and fails; otherwise it becomes `NAME.mp4`.
+   A refusal's reason (the API's `error.message`) is in the check's detail, so the console shows it.
 3. The two renders' decoded frames must be byte-identical and their audio must match by PSNR (identical PCM is
    infinite PSNR).
 
@@ -14,6 +17,7 @@ exits 0 only if every check passed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,19 +33,23 @@ from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_has
 from h3serve.vocab import SMOKE_REQUEST, Task, seconds_to_frames, snap_up
 
 ACCEPT_PROMPT = SMOKE_REQUEST.prompt
+SMOKE_STEPS = 20
 
 
 @dataclass
 class AcceptPlan:
+    """What to ask for. `width`, `height`, `duration` and `steps` left None are chosen from the server's limits
+    (`fit_request`): the smoke request's where they admit it, else the server's defaults."""
+
     url: str
     out_dir: Path
     key: str | None = None
     expect_model: str | None = None
     prompt: str = ACCEPT_PROMPT
-    width: int = SMOKE_REQUEST.width
-    height: int = SMOKE_REQUEST.height
-    duration: float = SMOKE_REQUEST.seconds
-    steps: int = 20
+    width: int | None = None
+    height: int | None = None
+    duration: float | None = None
+    steps: int | None = None
     seed: int = 42
     min_audio_psnr: float = math.inf
     timeout: float = 7200.0
@@ -49,7 +57,7 @@ class AcceptPlan:
 
     @property
     def num_frames(self) -> int:
-        return snap_up(seconds_to_frames(self.duration))
+        return snap_up(seconds_to_frames(self.duration if self.duration is not None else SMOKE_REQUEST.seconds))
 
     def form(self) -> dict[str, str]:
         """The seed's smoke request, field for field."""
@@ -85,16 +93,74 @@ class Report:
         return bool(self.checks) and all(c["passed"] for c in self.checks)
 
 
+def fit_request(plan: AcceptPlan, limits: dict[str, Any] | None) -> tuple[AcceptPlan, list[str]]:
+    """The plan with each value left None chosen: the smoke request's (768x448, 2.0 s, 20 steps) where the server's
+    `limits` (its /v1/models entry's) admit it, else the server's default; without limits, the smoke request's.
+    Returns the plan and a note for each value that is not the smoke request's."""
+    limits = limits if isinstance(limits, dict) else {}
+    notes: list[str] = []
+    width, height, duration, steps = plan.width, plan.height, plan.duration, plan.steps
+    if width is None and height is None:
+        width, height = SMOKE_REQUEST.width, SMOKE_REQUEST.height
+        size = limits.get("size")
+        if isinstance(size, dict) and not _size_fits(width, height, size) and _size(size.get("default")):
+            width, height = _size(size["default"])
+            notes.append(f"size {width}x{height}: the server's default (768x448 is beyond its limits)")
+    width = SMOKE_REQUEST.width if width is None else width
+    height = SMOKE_REQUEST.height if height is None else height
+    if duration is None:
+        duration, frames = SMOKE_REQUEST.seconds, limits.get("frames")
+        wanted = snap_up(seconds_to_frames(duration))
+        if isinstance(frames, dict) and not _within(wanted, frames) and isinstance(frames.get("default"), int):
+            duration = frames["default"] / FPS
+            notes.append(f"{frames['default']} frames: the server's default ({wanted} is beyond its limits)")
+    if steps is None:
+        steps, bounds = SMOKE_STEPS, limits.get("num_inference_steps")
+        if isinstance(bounds, dict) and not _within(steps, bounds) and isinstance(bounds.get("default"), int):
+            steps = bounds["default"]
+            notes.append(f"{steps} steps: the server's default ({SMOKE_STEPS} is beyond its limits)")
+    return dataclasses.replace(plan, width=width, height=height, duration=duration, steps=steps), notes
+
+
+def _size(text: Any) -> tuple[int, int] | None:
+    """`"224x128"` -> (224, 128), or None."""
+    w, x, h = str(text).partition("x")
+    return (int(w), int(h)) if x and w.isascii() and w.isdigit() and h.isascii() and h.isdigit() else None
+
+
+def _size_fits(width: int, height: int, size: dict[str, Any]) -> bool:
+    try:
+        multiple, max_pixels = int(size["multiple"]), int(size["max_pixels"])
+        low, high = float(size["min_aspect"]), float(size["max_aspect"])
+    except (KeyError, TypeError, ValueError):
+        return True  # limits this client cannot read: ask, and the server says
+    return (
+        not width % multiple
+        and not height % multiple
+        and width * height <= max_pixels
+        and low <= width / height <= high
+    )
+
+
+def _within(value: int, bounds: dict[str, Any]) -> bool:
+    low, high = bounds.get("min"), bounds.get("max")
+    return (not isinstance(low, int) or value >= low) and (not isinstance(high, int) or value <= high)
+
+
 def run_accept(plan: AcceptPlan) -> tuple[bool, dict[str, Any]]:
-    """Run the acceptance; return (passed, report as a dict). Writes the MP4s (or error bodies) into plan.out_dir."""
+    """Run the acceptance; return (passed, report as a dict). Writes the MP4s (or error bodies) into plan.out_dir.
+    Values the plan leaves None are chosen from the server's limits once its identity is checked (`fit_request`)."""
     report = Report()
     headers = {"Authorization": f"Bearer {plan.key}"} if plan.key else {}
     plan.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    notes: list[str] = []
     with httpx.Client(
         base_url=plan.url.rstrip("/"), headers=headers, timeout=httpx.Timeout(plan.timeout, connect=10)
     ) as client:
-        if _identity(client, plan, report):
+        limits = _identity(client, plan, report)
+        plan, notes = fit_request(plan, limits)
+        if report.passed:
             outputs = [_render(client, plan, report, i) for i in (1, 2)]
             if all(outputs):
                 _compare(outputs, plan, report)
@@ -104,6 +170,7 @@ def run_accept(plan: AcceptPlan) -> tuple[bool, dict[str, Any]]:
         "started_at": started,
         "request": plan.form(),
         "expected": {"width": plan.width, "height": plan.height, "num_frames": plan.num_frames, "fps": FPS},
+        "notes": notes,
         "checks": report.checks,
         "renders": report.renders,
         "comparison": report.comparison,
@@ -111,7 +178,8 @@ def run_accept(plan: AcceptPlan) -> tuple[bool, dict[str, Any]]:
     return report.passed, result
 
 
-def _identity(client: httpx.Client, plan: AcceptPlan, report: Report) -> bool:
+def _identity(client: httpx.Client, plan: AcceptPlan, report: Report) -> dict[str, Any] | None:
+    """Health, readiness and the model's id, each a check; the model's request limits (None where not listed)."""
     deadline = time.monotonic() + plan.wait_ready
     while True:
         try:
@@ -125,16 +193,19 @@ def _identity(client: httpx.Client, plan: AcceptPlan, report: Report) -> bool:
     ok = report.check("health", health is not None and health.status_code == 200, body)
     ok = report.check("ready", bool(body.get("ready")), body.get("readiness")) and ok
     if not ok:
-        return False
+        return None
     try:
         models = client.get("/v1/models")
-        ids = [m.get("id") for m in models.json().get("data", [])] if models.status_code == 200 else []
+        data = models.json().get("data", []) if models.status_code == 200 else []
+        ids = [m.get("id") for m in data]
         detail: Any = {"status": models.status_code, "ids": ids}
     except (httpx.HTTPError, ValueError, AttributeError) as err:
-        ids, detail = [], f"{type(err).__name__}: {err}"
+        data, ids, detail = [], [], f"{type(err).__name__}: {err}"
     if plan.expect_model is not None:
-        return report.check("model identity", ids == [plan.expect_model], detail)
-    return report.check("model identity", len(ids) == 1, detail)
+        report.check("model identity", ids == [plan.expect_model], detail)
+    else:
+        report.check("model identity", len(ids) == 1, detail)
+    return data[0].get("limits") if len(data) == 1 and isinstance(data[0], dict) else None
 
 
 def _render(client: httpx.Client, plan: AcceptPlan, report: Report, index: int) -> Path | None:
@@ -163,7 +234,8 @@ def _render(client: httpx.Client, plan: AcceptPlan, report: Report, index: int) 
         target = name.with_suffix(".error.json")
         part.replace(target)
         record["file"] = str(target)
-        report.check(f"render {index}", False, f"HTTP {response.status_code}, body kept in {target}")
+        reason = _reason(target)
+        report.check(f"render {index}", False, f"HTTP {response.status_code}{reason} (body kept in {target})")
         return None
     try:
         info = verify_mp4(part, width=plan.width, height=plan.height, num_frames=plan.num_frames, fps=FPS,
@@ -200,6 +272,16 @@ def _compare(outputs: list[Path], plan: AcceptPlan, report: Report) -> None:
     report.check(
         f"audio PSNR >= {plan.min_audio_psnr:g} dB", psnr >= plan.min_audio_psnr, report.comparison["audio_psnr_db"]
     )
+
+
+def _reason(path: Path) -> str:
+    """`: the server's message` from an API error body (`{"error": {"message", "param"}}`), or nothing."""
+    try:
+        error = json.loads(path.read_bytes()).get("error", {})
+        message, param = str(error["message"]), error.get("param")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return ""
+    return f": {message[:500]}" + (f" (param {param})" if param else "")
 
 
 def _float(value: str | None) -> float | None:

@@ -6,11 +6,19 @@ SettingError with the field name and a message that does not repeat the label; w
 settings' violation list, the service's log) reads `err.setting` rather than parsing the text.
 
 A value a message echoes, a setting's or a client's, is written by `shown`: at most ECHO_CHARS characters of it.
+
+How a number a person types is read is here too (`whole_number`, `decimal_number`), so that a setting, a flag, a port
+in an address and an adapter's scale are read by one rule: ASCII digits. Python's int() and float() also take other
+scripts' digits ("٨٠٨٠", full-width "８０８０"), "²", "1_000" and surrounding space, and fail in their own words.
+`did_you_mean` is the one way a misspelt name is answered, for a flag, an H3_ variable and a config-file key alike.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 ENV_PREFIX = "H3_"
@@ -21,6 +29,10 @@ ECHO_CHARS = 80
 # A path is echoed longer: it is the operator's own, and its file name, the part that tells, is at its end. Longer
 # than this it names no file anyway (PATH_MAX is 4096 bytes, a name at most 255), so nothing useful is cut.
 PATH_ECHO_CHARS = 300
+WHOLE_NUMBER = re.compile(r"-?[0-9]+")
+DECIMAL_NUMBER = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+# How close a misspelling must be to a real name to be offered (difflib's ratio; the step-cache options' cutoff too).
+CLOSE_NAME = 0.6
 
 
 def env_name(setting: str) -> str:
@@ -84,3 +96,29 @@ def shown(value: object, limit: int = ECHO_CHARS) -> str:
 def shown_path(path: Path | str) -> str:
     """A path as a message names it: quoted as `shown` writes text, cut at PATH_ECHO_CHARS characters."""
     return shown(str(path), PATH_ECHO_CHARS)
+
+
+def whole_number(text: str) -> int:
+    """`text` read as a whole number: an optional '-' and the ASCII digits 0-9, nothing else (no other script's
+    digits, no '_', '+' or space); ValueError in our words otherwise (the caller adds what the number is for)."""
+    if not WHOLE_NUMBER.fullmatch(text):
+        raise ValueError("must be a whole number written in the digits 0-9")
+    return int(text)
+
+
+def decimal_number(text: str, *, infinite: bool = False) -> float:
+    """`text` read as a number: ASCII digits with an optional '-', '.' and exponent (`1.5`, `.5`, `2e3`); `inf` only
+    where `infinite` is allowed. ValueError in our words otherwise."""
+    if infinite and text in ("inf", "infinity"):
+        return float("inf")
+    if not DECIMAL_NUMBER.fullmatch(text):
+        raise ValueError("must be a number written in the digits 0-9 (with an optional '.' and exponent, e.g. 1.5)")
+    return float(text)
+
+
+def did_you_mean(name: str, names: Iterable[str]) -> str | None:
+    """The one of `names` closest to a misspelt `name` (difflib, case-insensitive), or None when none is close."""
+    names = list(names)
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=CLOSE_NAME)
+    return by_lower[close[0]] if close else None

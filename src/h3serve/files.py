@@ -6,6 +6,8 @@ character device (/dev/zero reads until memory runs out), a folder, a file far l
 stats the path, opens it with O_NONBLOCK (a FIFO swapped in after the stat opens at once instead of waiting for a
 writer) and O_NOCTTY, and checks with fstat that what it opened is still that regular file. `read_setting_file` reads
 at most cap + 1 bytes of it, so a file that grew past the cap after the stat is refused too, never read whole.
+`follow=False` (a file the server itself wrote, such as a job's record in videos/, never a link) also refuses a
+symbolic link: the path is lstat'ed and opened with O_NOFOLLOW, so a link swapped in after the lstat fails to open.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from h3serve.errors import SettingError, shown_path
 
 # What a path that is not a regular file is, by its stat mode's type bits.
 KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),  # only seen by lstat (`follow=False`)
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO"),
     (stat.S_ISCHR, "a character device"),
@@ -68,13 +71,16 @@ def _os_refusal(path: Path, err: OSError) -> FileRefused:
 
 
 @contextmanager
-def open_regular(path: Path, cap: int | None = None) -> Iterator[int]:
+def open_regular(path: Path, cap: int | None = None, *, follow: bool = True) -> Iterator[int]:
     """The file descriptor of `path` opened for reading, once it is a regular file of at most `cap` bytes (None: no
-    cap); closed on leaving. FileRefused names the path and what it is. Never blocks on a FIFO or a device."""
+    cap); closed on leaving. FileRefused names the path and what it is. Never blocks on a FIFO or a device.
+    `follow=False`: a symbolic link is refused too, rather than followed."""
     path = Path(path)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
     try:
-        _check(path, os.stat(path), cap)  # follows links: a secret mounted as a link to a regular file is fine
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+        # Following links by default: a secret mounted as a link to a regular file is fine.
+        _check(path, os.stat(path) if follow else os.lstat(path), cap)
+        fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
     except (OSError, ValueError) as err:  # ValueError: a path holding a NUL byte
         if isinstance(err, FileRefused):
             raise
@@ -86,9 +92,10 @@ def open_regular(path: Path, cap: int | None = None) -> Iterator[int]:
         os.close(fd)
 
 
-def read_regular(path: Path, cap: int) -> bytes:
-    """The bytes of a regular file of at most `cap` bytes (FileRefused otherwise); at most cap + 1 bytes are read."""
-    with open_regular(path, cap) as fd:
+def read_regular(path: Path, cap: int, *, follow: bool = True) -> bytes:
+    """The bytes of a regular file of at most `cap` bytes (FileRefused otherwise); at most cap + 1 bytes are read.
+    `follow=False`: a symbolic link is refused (`open_regular`)."""
+    with open_regular(path, cap, follow=follow) as fd:
         chunks: list[bytes] = []
         left = cap + 1
         try:

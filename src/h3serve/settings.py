@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from h3serve.accel.profile import (
     MAX_TABLES_KEPT,
@@ -48,7 +49,20 @@ from h3serve.accel.profile import (
     is_integrated,
 )
 from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
-from h3serve.errors import ECHO_CHARS, ENV_PREFIX, NO_FLAG, SettingError, env_name, flag_name, label, shown, shown_path
+from h3serve.errors import (
+    ECHO_CHARS,
+    ENV_PREFIX,
+    NO_FLAG,
+    SettingError,
+    decimal_number,
+    did_you_mean,
+    env_name,
+    flag_name,
+    label,
+    shown,
+    shown_path,
+    whole_number,
+)
 from h3serve.files import FileRefused, open_regular, read_regular, read_setting_file
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
@@ -258,6 +272,19 @@ class EngineSettings(BaseModel):
         "room for other processes, or to plan as a smaller GPU would); unset: the device's free memory at start",
     )
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _ascii_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number given as text (a flag, an H3_ variable) is read by the one rule (`errors.whole_number`,
+        `decimal_number`: ASCII digits only). Left to pydantic, "2_0" would be 20 and "٢" refused in its words."""
+        kind = _number_kind(cls.model_fields[info.field_name].annotation) if info.field_name else None
+        if kind is None or not isinstance(value, str):
+            return value
+        try:
+            return whole_number(value) if kind is int else decimal_number(value)
+        except ValueError as err:
+            raise PydanticCustomError("ascii_number", str(err)) from None
+
     def profile(self, *, ask_hardware: bool = True) -> Profile:
         """The engine profile these settings select (ProfileError naming what cannot be combined). What the hardware
         can run is not asked here (`accel.profile.check`); which GPU it is is (an integrated one has other defaults),
@@ -428,6 +455,14 @@ class Settings(EngineSettings):
         return values
 
 
+def _number_kind(annotation: Any) -> type | None:
+    """int or float for a numeric setting (`int`, `float | None`), else None (bool is no number here)."""
+    for arg in (annotation, *getattr(annotation, "__args__", ())):
+        if arg is int or arg is float:
+            return arg
+    return None
+
+
 class Violation(str):
     """One refusal: the line shown, and the setting it concerns as data (`setting`: a field name; None for a config
     file or a variable that is no setting)."""
@@ -535,7 +570,7 @@ def load_settings(
             if key in RENAMED:
                 violations.append(Violation(f"{where}: {shown(key)} was replaced by {RENAMED[key]}", key))
             elif key not in Settings.model_fields:
-                violations.append(f"{where}: unknown setting {shown(key)}; allowed: {', '.join(Settings.model_fields)}")
+                violations.append(f"{where}: unknown setting {shown(key)}; {_config_key_hint(str(key))}")
             elif key in fields:
                 raw[key], source[key] = value, f"{where}, key {key}"
     for var, value in env.items():
@@ -547,9 +582,7 @@ def load_settings(
             continue
         if name not in Settings.model_fields:
             named = var if len(var) <= ECHO_CHARS and var.isprintable() else shown(var)
-            violations.append(
-                f"{named}: not an h3serve setting; allowed: {', '.join(map(env_name, Settings.model_fields))}"
-            )
+            violations.append(f"{named}: not an h3serve setting; {_nearest(var, map(env_name, Settings.model_fields))}")
             continue
         if value == "" or name not in fields:  # compose passes unset variables as empty strings
             continue
@@ -577,6 +610,21 @@ def load_settings(
     if violations:
         raise SettingsError(violations)
     return settings
+
+
+def _nearest(name: str, names: Any) -> str:
+    """`did you mean X?` for a misspelt setting name, or the allowed names where none is close."""
+    names = list(names)
+    close = did_you_mean(name, names)
+    return f"did you mean {close}?" if close is not None else f"allowed: {', '.join(names)}"
+
+
+def _config_key_hint(key: str) -> str:
+    """What to write instead of an unknown config-file key: the setting's own name where the key is its environment
+    variable (`H3_API_PORT`: the file's keys drop the prefix), else the nearest name."""
+    if key.upper().startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() in Settings.model_fields:
+        return f"a file's keys are the setting names without {ENV_PREFIX}: write {key[len(ENV_PREFIX) :].lower()}"
+    return _nearest(key, Settings.model_fields)
 
 
 def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
@@ -670,10 +718,11 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
     out += _node_rules(s, failed)
     if ok("num_gpus", "nnodes", "linear_backend", "device", "diffusion_attention_backend") and s.ranks > 1:
-        from h3serve.parallel.plan import split_refusals
+        from h3serve.parallel.plan import ranks_text, split_refusals, split_setting
 
         refused = split_refusals(s.linear_backend, s.device, s.ranks, s.diffusion_attention_backend)
-        out += [refusal("num_gpus", f"{s.ranks} GPUs: {message}") for message in refused]
+        setting, ranks = split_setting(s.num_gpus, s.nnodes), ranks_text(s.num_gpus, s.nnodes)
+        out += [refusal(setting, f"{ranks}: {message}") for message in refused]
         local = s.num_gpus > 1 and not (s.device or "").startswith("cuda:")  # this node's GPUs, each one rank
         if local and check_profile and s.device != "cpu":  # cpu: gloo processes
             import torch
@@ -699,6 +748,10 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
     return out
 
 
+# The settings that only apply to several nodes: refused with one node, where they would be ignored.
+NODE_SETTINGS = ("dist_init_addr", "node_key", "node_key_file", "node_timeout", "node_grace", "allow_remote_nodes")
+
+
 def _node_rules(s: EngineSettings, failed: set[str]) -> list[str]:
     """Several hosts: an address to meet at (a loopback one unless remote nodes are allowed), a strong shared key given
     one way, a node rank among the nodes; and none of these given for one host, where they would be ignored."""
@@ -706,9 +759,10 @@ def _node_rules(s: EngineSettings, failed: set[str]) -> list[str]:
 
     out: list[str] = []
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
-    if not ok("nnodes", "node_rank", "dist_init_addr", "node_key", "node_key_file"):
+    if not ok("nnodes", "node_rank", *NODE_SETTINGS):
         return out
-    given = [name for name in ("dist_init_addr", "node_key", "node_key_file") if getattr(s, name) is not None]
+    # Given: set at all (a file key, a variable, a flag), even to its default: with one node it would do nothing.
+    given = [name for name in NODE_SETTINGS if getattr(s, name) is not None and name in s.model_fields_set]
     if s.nnodes == 1:
         if s.node_rank != 0:
             out.append(refusal("node_rank", f"{s.node_rank}: H3_NNODES is 1, whose only node is 0"))
@@ -770,7 +824,7 @@ def parse_lora_setting(value: str) -> tuple[Path, float]:
             f"adapter setting {shown(value)}: nothing after ':' (write PATH:SCALE, e.g. {shown(head + ':0.8')})"
         )
     try:
-        scale = float(tail)
+        scale = decimal_number(tail)
     except ValueError:
         raise ValueError(
             f"adapter setting {shown(value)}: scale {shown(tail)} is not a number (write PATH:SCALE; a path that "

@@ -83,7 +83,7 @@ def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
     folder = model_folder(settings, task_type)
     adapters = read_adapters(settings, folder, task_type)
     config = folder.dit if folder is not None else TINY_DIT
-    check_heads(config, settings.ranks)
+    check_heads(config, settings.num_gpus, settings.nnodes)
     return LaunchPlan(settings, task_type, folder, adapters)
 
 
@@ -125,8 +125,7 @@ def preflight(
     tiny_default = settings.offload == Offload.AUTO and settings.device_memory_gib is None
     if launch_plan.folder is not None or not tiny_default:  # the tiny model needs no plan unless one is asked for
         budget, placement = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type)
-        if placement.streams or settings.device_memory_gib is not None:
-            say(f"placement: {placement.describe()}")
+        say(f"placement: {placement.describe()}")
     return dataclasses.replace(launch_plan, profile=profile, budget=budget, placement=placement, notes=notes)
 
 
@@ -194,7 +193,9 @@ def join(launch_plan: LaunchPlan, stopping: threading.Event) -> None:
     try:
         join_node(plan, lambda store, generation: NodeRanks(spec, s.node_rank, store), stopping)
     except NodeRefused as err:
-        raise SettingError("node_rank", f"{s.node_rank}: refused: {err.reason}") from err
+        # The setting node 0 named (the key for a failed proof, the model for a node that runs something else).
+        what = f"{s.node_rank}: refused" if err.setting == "node_rank" else "refused"
+        raise SettingError(err.setting, f"{what}: {err.reason}") from err
     except NodeMissing as err:
         raise SettingError("dist_init_addr", str(err)) from err
 
@@ -319,12 +320,13 @@ def describe_folders(problems: dict[str, str], folders: dict[str, Path] | None =
 
 
 def check_job_store(path: Path, store_check: Callable[[Path], object]) -> None:
-    """The job store in the output folder, opened read-only and checked (integrity, its table, every record, jobs the
-    folder holds that the store lacks) before any weight loads: a damaged store is H3_OUTPUT_DIR's refusal, naming
-    the file and what is wrong."""
+    """The job store in the output folder, checked before any weight loads: the folder not in use by another h3serve
+    process (its lock, which a server holds while it runs), the store opened read-only and checked (integrity, its
+    table, every record, jobs the folder holds that the store lacks), and SQLite's write lock free. Each refusal is
+    H3_OUTPUT_DIR's, naming the file and what is wrong."""
     try:
         store_check(path)
-    except ValueError as err:  # store.StoreDamaged: its text starts with the store's path
+    except ValueError as err:  # store.FolderBusy, StoreDamaged, StoreUnavailable: each text starts with its file
         raise SettingError("output_dir", str(err)) from err
 
 
@@ -333,14 +335,13 @@ def check_rendezvous(settings: EngineSettings) -> None:
     from h3serve.parallel.plan import split_address
 
     host, port = split_address(settings.dist_init_addr or "")
-    for p in (port, port + 1):
-        try:
-            check_port(host, p)
-        except SettingError as err:
-            raise SettingError("dist_init_addr", err.message) from None
+    check_port(host, port, "dist_init_addr", "node 0's rendezvous")
+    check_port(host, port + 1, "dist_init_addr", f"the process group's store: PORT+1 of {host}:{port}")
 
 
-def check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int, setting: str = "api_port", role: str = "") -> None:
+    """SettingError(setting) unless `host:port` can be listened on now, naming the port refused and, as `role`, what
+    it is for (the rendezvous's store listens on PORT+1, a port the setting does not spell)."""
     import socket
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -351,7 +352,8 @@ def check_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as err:
-            raise SettingError("api_port", f"{host}:{port}: cannot listen there ({err.strerror})") from err
+            what = f" ({role})" if role else ""
+            raise SettingError(setting, f"{host}:{port}{what}: cannot listen there ({err.strerror})") from err
 
 
 def check_memory(
@@ -367,10 +369,11 @@ def check_memory(
     H3_NUM_GPUS > 1 on CUDA every GPU must hold its placement (each rank loads the whole model; the activations are
     counted whole, an upper bound) and the host every rank's host part. `profile`: the one that will run (the FP8
     self-test's choice made); None: the settings'. `task_type`: the DiTs that load (None: the settings'). Returns
-    both; StartupError naming what does not fit, and where."""
+    both; StartupError naming what does not fit, and where, or SettingError("device_memory_gib") where what is free
+    would hold it and H3_DEVICE_MEMORY_GIB does not."""
     import torch
 
-    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget, tiny_budget
+    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget, smaller_settings, tiny_budget
     from h3serve.pipeline.placement import PlacementError, place
     from h3serve.pipeline.rules import RELEASED_RULES
 
@@ -396,6 +399,7 @@ def check_memory(
     offload = settings.offload
     if profile.linear == "HUMMING" or (offload == Offload.AUTO and not profile.cuda):
         offload = Offload.NONE  # HUMMING's layout does not stream (all is refused with it); the CPU streams if told to
+    hint = smaller_settings(budget, profile, offload, folder=folder is not None, planned=planned)
     try:
         one_pool = shared and profile.cuda  # an integrated GPU; the CPU streams when told to (the tests' path)
         pool = min(device_free, min(host for _, host, _ in frees)) if one_pool else device_free
@@ -403,19 +407,23 @@ def check_memory(
     except PlacementError as err:
         least = min(range(gpus), key=lambda rank: frees[rank][0])
         where = f"cuda:{least}: " if gpus > 1 and planned is None else ""
-        raise StartupError(
-            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: {where}{err}"
-            f"\n{budget.table()}\n{SMALLER}"
-        ) from None
+        message = f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
+        message += f"{where}{err}\n{budget.table()}\n{hint}"
+        if planned is not None and _places(budget, pool, offload, one_pool):  # the free memory holds it: the setting
+            raise SettingError("device_memory_gib", message) from None
+        raise StartupError(message) from None
     problems = []
+    setting_short = False  # the plan fits what is free, not H3_DEVICE_MEMORY_GIB: that setting's refusal
+    limited = planned is not None
     if not placement.streams and placement.max_rows is None:  # a limited one was planned against the pool
         for rank, (device_gib, host_free, one_pool) in enumerate(frees):
             where = f"cuda:{rank}: " if gpus > 1 else ""
             device_gib = device_gib if planned is None else planned
-            for problem in check_fits(budget, device_gib, host_free, one_pool, ranks=gpus):
+            for problem in check_fits(budget, device_gib, host_free, one_pool, ranks=gpus, planned=limited):
                 problem = problem if "host memory" in problem else where + problem  # one host for every rank
                 if problem not in problems:
                     problems.append(problem)
+        setting_short = limited and not any(check_fits(budget, d, h, pool, ranks=gpus) for d, h, pool in frees)
     elif placement.streams:
         host_free = min(host for _, host, _ in frees)
         text = budget.streamable.text_layers * budget.streamable.text_layer if placement.text_streamed else 0.0
@@ -428,15 +436,20 @@ def check_memory(
                 f"{host_free:.1f} GiB available: {need - host_free:.1f} GiB missing"
             )
     if problems:
-        raise StartupError(
-            f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
-            + "; ".join(problems)
-            + f"\n{budget.table()}\n{SMALLER}"
-        )
+        message = f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
+        message += "; ".join(problems) + f"\n{budget.table()}\n{hint}"
+        if setting_short:
+            raise SettingError("device_memory_gib", message)
+        raise StartupError(message)
     return budget, placement
 
 
-SMALLER = (
-    "(what makes it smaller: H3_OFFLOAD=auto or all (weights streamed from host memory), H3_LINEAR_BACKEND=CUTLASS, "
-    "H3_TEXT_ENCODER_LINEAR=CUTLASS (FP8), H3_ADALN_WEIGHTS=mapped, a smaller H3_ADALN_TABLES_KEPT)"
-)
+def _places(budget: Budget, device_gib: float, offload: Offload, one_pool: bool) -> bool:
+    """Whether a placement of `budget` within `device_gib` exists (`pipeline.placement.place`)."""
+    from h3serve.pipeline.placement import PlacementError, place
+
+    try:
+        place(budget, device_gib, offload, one_pool=one_pool)
+    except PlacementError:
+        return False
+    return True

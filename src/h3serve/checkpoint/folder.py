@@ -16,6 +16,7 @@ folder names.
 
 from __future__ import annotations
 
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from h3serve.checkpoint.text_encoder import load_text_encoder
 from h3serve.checkpoint.vae import load_audio_vae, load_video_vae, read_audio_vae_config, read_video_vae_config
 from h3serve.config import DiTConfig
 from h3serve.errors import shown_path
+from h3serve.files import KINDS
 from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.model.components import Components, check_compatible
 from h3serve.model.dit import H3DiT
@@ -126,8 +128,15 @@ def resolve_model_folder(path: str | Path, *, qkv_layout: str | None = None) -> 
 
 
 def _component_root(root: Path) -> Path:
-    if not root.is_dir():
-        raise FileNotFoundError(f"model folder {shown_path(root)} does not exist")
+    try:
+        mode = root.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model folder {shown_path(root)} does not exist") from None
+    except OSError as err:  # a folder above it unreadable, a loop of links: the OS's words
+        raise FileNotFoundError(f"model folder {shown_path(root)}: {err.strerror or type(err).__name__}") from None
+    if not stat.S_ISDIR(mode):
+        kind = next((name for test, name in KINDS if test(mode)), "a file")
+        raise NotADirectoryError(f"{shown_path(root)} is {kind}, not a model folder")
     if (root / "FL2VA" / "transformer").is_dir() and not (root / "transformer").is_dir():
         root = root / "FL2VA"
     for name in _SHARED:

@@ -12,20 +12,21 @@ each command imports what it runs.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from h3serve import __version__
 from h3serve.cli import render, serve, store, tools
-from h3serve.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, CliError
+from h3serve.cli.common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED, CliError, Parser, parse_command_line
 from h3serve.cli.signals import Terminated
 
 __all__ = ["build_parser", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3serve", description="MiniMax-H3 inference engine")
+def build_parser() -> Parser:
+    # Parser: a usage error is answered in a line or two naming what to write instead (`common.parse_command_line`);
+    # every subcommand's parser is one too (argparse makes them of the main parser's class).
+    parser = Parser(prog="h3serve", description="MiniMax-H3 inference engine")
     parser.add_argument("--version", action="version", version=f"h3serve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,22 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """The parsed command line; an unknown flag is refused by its subcommand's parser, so the usage printed is the
-    subcommand's (`h3serve render --bogus` shows render's flags, not the list of subcommands)."""
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     command, verbose = "h3serve", False
     # The parse is inside: building the parsers imports the settings (pydantic), where a Ctrl-C may land too.
     # argparse's own exits (--help, --version, a usage error) are SystemExit and pass through.
     try:
-        args = _parse(build_parser(), argv)
+        args = parse_command_line(build_parser(), argv)
         command, verbose = args.command, args.verbose
         # A server's log needs times; a one-shot command's does not.
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s" if command == "serve" else "%(levelname)s %(message)s"

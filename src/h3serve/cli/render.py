@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from h3serve.cli.common import CliError, read_settings, refusals
+from h3serve.cli.common import CliError, decimal_arg, read_settings, refusals, whole_arg
 from h3serve.cli.signals import import_held, sigterm_raises
 from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, FPS, VIDEO_SHIFT
 from h3serve.errors import flag_name
@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Render one video with sound. Without --model, the built-in tiny model runs (its output is "
         "noise; it exists to try the pipeline without downloading weights). The engine's settings are `serve`'s: "
         "the same flags and H3_* variables (flags win over the environment, which wins over --config).",
+        not_flags={
+            "--prompt": "the prompt is render's first argument: h3serve render {value} -o OUT.mp4 (or --prompt-file)"
+        },
     )
     p.add_argument("prompt", nargs="?", help="the shooting-script prompt (or use --prompt-file)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file, verbatim")
@@ -45,26 +48,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--mute-ref",
-        type=int,
+        type=whole_arg,
         action="append",
         default=[],
         metavar="N",
         help="leave out the soundtrack of the video given as the N-th --ref (0-based); repeatable",
     )
-    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
-    p.add_argument("--height", type=int, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
+    p.add_argument("--width", type=whole_arg, help="canvas width, a multiple of 32 (default: from the aspect ratio)")
+    p.add_argument("--height", type=whole_arg, help="canvas height, a multiple of 32 (default: from the aspect ratio)")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--frames", type=int, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
-    length.add_argument("--seconds", type=float, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
+    length.add_argument("--frames", type=whole_arg, help="frame count, snapped up to 17n+5 (default: 124, tiny: 22)")
+    length.add_argument("--seconds", type=decimal_arg, help=f"duration at {FPS} fps, snapped up to 17n+5 frames")
     trained = "; with --lora, the adapter's trained value"
     p.add_argument(
         "--steps",
-        type=int,
+        type=whole_arg,
         help=f"schedule grid points; N points run N-1 forwards ({DEFAULT_STEPS}{trained})",
     )
-    p.add_argument("--video-shift", type=float, help=f"video schedule shift ({VIDEO_SHIFT:g}{trained})")
-    p.add_argument("--audio-shift", type=float, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
-    p.add_argument("--seed", type=int, default=0, help="request seed: same seed, same render (0)")
+    p.add_argument("--video-shift", type=decimal_arg, help=f"video schedule shift ({VIDEO_SHIFT:g}{trained})")
+    p.add_argument("--audio-shift", type=decimal_arg, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
+    p.add_argument("--seed", type=whole_arg, default=0, help="request seed: same seed, same render (0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--preview-dir",
@@ -73,7 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "of --preview-every forwards, then every --preview-every (preview-FFF-of-NNN.png; the render's bits are the "
         "same with or without)",
     )
-    p.add_argument("--preview-every", type=int, help=f"forwards between previews (with --preview-dir; {PREVIEW_EVERY})")
+    p.add_argument(
+        "--preview-every", type=whole_arg, help=f"forwards between previews (with --preview-dir; {PREVIEW_EVERY})"
+    )
     # The engine's settings: the same flags and H3_* variables as `serve` (`settings.EngineSettings`).
     add_flags(p, EngineSettings, old_names=True)
     p.set_defaults(func=cmd_render)

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 
-from h3serve.cli.common import EXIT_ERROR, CliError, read_settings, refusals
+from h3serve.cli.common import EXIT_ERROR, CliError, decimal_arg, read_settings, refusals
 from h3serve.cli.signals import import_held
 
 
@@ -56,7 +56,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "is set; a wildcard bind is asked on loopback) and exit 0 only if it answers 200. Prints the answer.",
     )
     add_flags(r)
-    r.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (5)")
+    r.add_argument("--timeout", type=decimal_arg, default=5.0, help="seconds to wait for the answer (5)")
     r.set_defaults(func=cmd_ready)
 
 
@@ -76,8 +76,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         from h3serve.service.store import check_store  # passed down: startup sits below the service
 
         plan = startup.preflight(plan, service=True, say=print, store_check=check_store)
-    if plan.budget is not None:
-        print(plan.budget.table())
+    budget = plan.budget
+    if budget is None:  # the tiny model at its defaults: serve plans nothing for it; check shows what it would hold
+        try:
+            budget, placement = startup.check_memory(settings, None, profile=plan.profile, task_type=plan.task_type)
+            print(f"placement: {placement.describe()}")
+        except startup.StartupError as err:  # not a refusal: serve does not plan it, so does not refuse it either
+            print(f"note: the built-in tiny model's memory plan: {err}")
+    if budget is not None:
+        print(budget.table())
         if settings.nnodes > 1:
             print(f"(this node's share: {settings.num_gpus} of the {settings.ranks} ranks, each holding this)")
         if settings.num_gpus > 1:

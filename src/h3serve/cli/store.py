@@ -17,7 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="The job store (H3_OUTPUT_DIR/jobs.sqlite3) and the folder it describes. `check` reports what a "
         "start checks; `rebuild` makes a new store from the records beside the MP4s, with the damaged one kept.",
     )
-    commands = p.add_subparsers(dest="store_command", required=True)
+    # metavar: argparse names a missing subcommand by it, else by its dest (an internal word, "store_command").
+    commands = p.add_subparsers(dest="store_command", title="subcommands", metavar="{check,rebuild}", required=True)
     c = commands.add_parser(
         "check",
         allow_abbrev=False,
@@ -32,10 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "rebuild",
         allow_abbrev=False,
         help="move the store aside (never deleted) and build a new one from the records beside the MP4s",
-        description="With the server stopped: move jobs.sqlite3 aside as jobs.sqlite3.damaged-<UTC time> and build "
-        "a new store from every finished job's record in videos/ and every readable row of the old store; MP4s no "
-        "record names are moved to unrecorded-<UTC time>/. Nothing is deleted. A sound store is left as it is unless "
-        "--force is given.",
+        description="With the server stopped (it is refused while a server uses the folder, --force or not): move "
+        "jobs.sqlite3 aside as jobs.sqlite3.damaged-<UTC time> and build a new store from every finished job's record "
+        "in videos/ that passes its checks and every readable row of the old store; MP4s no record names, and records "
+        "that were skipped, are moved to unrecorded-<UTC time>/. Nothing is deleted. A sound store is left as it is "
+        "unless --force is given.",
     )
     add_flags(r)
     r.add_argument("--force", action="store_true", help="rebuild even when the check finds the store sound")
@@ -53,24 +55,34 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
-    from h3serve.service.store import JobStore, inspect_store, rebuild_store
+    from h3serve.service.store import REBUILD, FolderBusy, FolderLock, JobStore, inspect_store, rebuild_store
 
     settings = read_settings(args, check_profile=False)
     output_dir = settings.output_dir
     if not output_dir.is_dir():
         raise CliError(f"{output_dir}: no such folder (H3_OUTPUT_DIR, --output-dir): nothing to rebuild")
-    before = inspect_store(output_dir)
-    if not before.refusals() and not args.force:
-        print(f"{before.path}: sound, {before.rows} job(s); nothing rebuilt (--force rebuilds it anyway)")
-        return 0
-    for line in before.lines():
-        print(line)
-    rebuilt = rebuild_store(output_dir)
-    for line in rebuilt.lines(before.path):
-        print(line)
-    try:  # opened as a start opens it: checked, and the sidecars of the jobs it marks failed written
-        JobStore(output_dir).close()
-    except ValueError as err:
-        raise CliError(f"the rebuilt store is refused too: {err}") from err
+    # The folder's lock, for the whole command: a server finishing or deleting jobs beside a rebuild would have them
+    # lost, or brought back, by the swap. A server holding it is never overridden, --force or not.
+    try:
+        lock = FolderLock(output_dir, REBUILD)
+    except FolderBusy as err:
+        raise CliError(f"{err}. Nothing was changed: a rebuild never runs beside a server (--force or not)") from err
+    with lock:
+        before = inspect_store(output_dir)
+        if not before.refusals() and not args.force:
+            print(f"{before.path}: sound, {before.rows} job(s); nothing rebuilt (--force rebuilds it anyway)")
+            return 0
+        for line in before.lines():
+            print(line)
+        try:
+            rebuilt = rebuild_store(output_dir, lock=lock)
+        except ValueError as err:  # files.FileRefused: videos/ is no folder; checked before anything changed
+            raise CliError(f"{err}. Nothing was changed") from err
+        for line in rebuilt.lines(before.path):
+            print(line)
+        try:  # opened as a start opens it: checked, and the sidecars of the jobs it marks failed written
+            JobStore(output_dir, lock=lock).close()
+        except ValueError as err:
+            raise CliError(f"the rebuilt store is refused too: {err}") from err
     print(f"{before.path}: rebuilt; `h3serve store check` reports it")
     return 0

@@ -10,34 +10,37 @@ import os
 import sys
 from pathlib import Path
 
-from h3serve.cli.common import EXIT_ERROR, CliError
+from h3serve.cli.common import EXIT_ERROR, CliError, bound_arg, decimal_arg, whole_arg
 from h3serve.vocab import SMOKE_REQUEST
 
 
 def add_accept_parser(sub: argparse._SubParsersAction) -> None:
     smoke = SMOKE_REQUEST  # not `accept`'s names: importing it pulls httpx and av into every command's start
+    # allow_abbrev off: a prefix such as --api-key must not silently become --api-key-file (the key has no flag).
     p = sub.add_parser(
         "accept",
+        allow_abbrev=False,
         help="two-render acceptance against a running server",
         description="Check health and model identity, render the fixed request twice through /v1/videos/sync, "
         "check each MP4, compare decoded frames byte for byte and audio by PSNR, and write a JSON report. Exit 0 "
-        "only if everything holds. The key comes from H3_API_KEY or --api-key-file.",
+        "only if everything holds. A size, duration or step count not given is the smoke request's where the "
+        "server's limits (/v1/models) admit it, else the server's default. The key comes from H3_API_KEY or "
+        "--api-key-file.",
     )
     p.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--expect-model", help="the exact id /v1/models must list (default: exactly one model)")
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key (default: $H3_API_KEY)")
     p.add_argument("--out", type=Path, default=Path("accept"), help="folder for the MP4s and the report (accept/)")
     p.add_argument("--prompt", default=smoke.prompt, help="the prompt (the seed's smoke prompt)")
-    p.add_argument("--width", type=int, default=smoke.width, help=f"canvas width ({smoke.width})")
-    p.add_argument("--height", type=int, default=smoke.height, help=f"canvas height ({smoke.height})")
-    p.add_argument(
-        "--duration", type=float, default=smoke.seconds, help=f"seconds, as extra_params.duration ({smoke.seconds})"
-    )
-    p.add_argument("--steps", type=int, default=20, help="num_inference_steps (20)")
-    p.add_argument("--seed", type=int, default=42, help="seed (42)")
-    p.add_argument("--min-audio-psnr", type=float, default=math.inf, help="audio PSNR bound in dB (inf: identical)")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds to wait for each render (7200)")
-    p.add_argument("--wait-ready", type=float, default=0.0, help="seconds to wait for the server to be ready (0)")
+    fits = "where the server admits it, else the server's default"
+    p.add_argument("--width", type=whole_arg, help=f"canvas width ({smoke.width} {fits})")
+    p.add_argument("--height", type=whole_arg, help=f"canvas height ({smoke.height} {fits})")
+    p.add_argument("--duration", type=decimal_arg, help=f"seconds, as extra_params.duration ({smoke.seconds} {fits})")
+    p.add_argument("--steps", type=whole_arg, help=f"num_inference_steps (20 {fits})")
+    p.add_argument("--seed", type=whole_arg, default=42, help="seed (42)")
+    p.add_argument("--min-audio-psnr", type=bound_arg, default=math.inf, help="audio PSNR bound in dB (inf: identical)")
+    p.add_argument("--timeout", type=decimal_arg, default=7200.0, help="seconds to wait for each render (7200)")
+    p.add_argument("--wait-ready", type=decimal_arg, default=0.0, help="seconds to wait for the server to be ready (0)")
     p.set_defaults(func=cmd_accept)
 
 
@@ -45,7 +48,7 @@ BENCHES = (
     "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
     "humming-check", "adaln-tables", "stepcache", "ref2va-smoke", "fused-passes", "text-encoder-fp8",
     "vae-decode-memory", "lora", "split", "one-box", "load", "start", "plot-scaling", "fa4-check", "offload", "decode",
-    "host-memory", "decode-batch",
+    "host-memory", "decode-batch", "event-streams",
 )  # fmt: skip
 
 
@@ -102,6 +105,8 @@ def cmd_accept(args: argparse.Namespace) -> int:
     passed, report = run_accept(plan)
     path = plan.out_dir / "accept-report.json"
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    for note in report["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     for check in report["checks"]:
         print(f"{'PASS' if check['passed'] else 'FAIL'}  {check['check']}: {check['detail']}", file=sys.stderr)
     for r in report["renders"]:

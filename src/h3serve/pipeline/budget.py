@@ -381,25 +381,30 @@ def _mem_available_gib() -> float:
     return math.inf  # unknown here: not a reason to refuse
 
 
-def check_fits(budget: Budget, device_free: float, host_free: float, shared: bool, ranks: int = 1) -> list[str]:
+def check_fits(
+    budget: Budget, device_free: float, host_free: float, shared: bool, ranks: int = 1, planned: bool = False
+) -> list[str]:
     """Why the budget does not fit the free memory (empty when it does), each with the amount missing. `ranks`:
     processes that each hold it (a render split over GPUs: one device each, all their host parts in one host). One
-    pool (`shared`): the GPU's need, the host part and the process's own host memory against what both have free."""
+    pool (`shared`): the GPU's need, the host part and the process's own host memory against what both have free.
+    `planned`: `device_free` is H3_DEVICE_MEMORY_GIB, the memory the plan was told to stay within, named as such."""
     problems = []
     host_need = budget.host_need * ranks
     copies = f" ({ranks} ranks x {budget.host_need:.1f})" if ranks > 1 else ""
     if shared:
         need, free = budget.pool_need() * ranks, min(device_free, host_free)
+        within = f"{gib_text(free)} GiB to plan within" if planned and free == device_free else f"{free:.1f} GiB free"
         if need > free:
             problems.append(
                 f"needs {need:.1f} GiB of the shared memory (GPU {budget.device_need * ranks:.1f} + host "
                 f"{host_need:.1f}{copies} + the process's own {PROCESS_HOST_GIB * ranks:.1f}; page cache not "
-                f"counted), {free:.1f} GiB free: {need - free:.1f} GiB missing"
+                f"counted), {within}: {need - free:.1f} GiB missing"
             )
         return problems
     if budget.device_need > device_free:
+        within = f"{gib_text(device_free)} GiB to plan within" if planned else f"{device_free:.1f} GiB free"
         problems.append(
-            f"needs {budget.device_need:.1f} GiB on the device, {device_free:.1f} GiB free: "
+            f"needs {budget.device_need:.1f} GiB on the device, {within}: "
             f"{budget.device_need - device_free:.1f} GiB missing"
         )
     if host_need > host_free:
@@ -408,3 +413,47 @@ def check_fits(budget: Budget, device_free: float, host_free: float, shared: boo
             f"{host_need - host_free:.1f} GiB missing"
         )
     return problems
+
+
+def gib_text(value: float) -> str:
+    """GiB as a message writes an amount the operator gave: 0.1 precision, and a smaller one as given (0.0001, never
+    0.0)."""
+    return f"{value:.1f}" if value >= 0.1 or value == 0 else f"{value:.2g}"
+
+
+# A change of setting saving less than this is not named as what makes a plan smaller (the table's 0.1 GiB).
+WORTH_NAMING_GIB = 0.05
+
+
+def smaller_settings(budget: Budget, profile: Profile, offload: str, *, folder: bool, planned: float | None) -> str:
+    """What makes this plan smaller, naming only the settings that would change it here: not one already at its
+    smallest (H3_OFFLOAD=all when every part streams), not one this device or model cannot take (FP8 off CUDA,
+    mapped AdaLN weights without a checkpoint), not one that saves nothing worth naming. `offload`: the offload the
+    plan ran with; `folder`: a checkpoint (not the built-in tiny model); `planned`: H3_DEVICE_MEMORY_GIB, if set."""
+    from h3serve.accel.profile import AdalnWeights, Linear, Offload, TextLinear
+
+    st = budget.streamable
+    named: list[str] = []
+    one_pool = budget.shared and profile.cuda  # an integrated GPU streams nothing; the CPU streams when told to
+    # Only from none: auto streams, on CUDA, as much as all would where it must (the CPU's auto streams nothing).
+    if st is not None and offload == Offload.NONE and profile.linear != Linear.HUMMING and not one_pool:
+        streamed = st.dit_blocks * st.dit_block + st.text_layers * st.text_layer + st.video_vae
+        if streamed >= WORTH_NAMING_GIB:
+            choice = "auto" if profile.cuda else "all"
+            named.append(f"H3_OFFLOAD={choice} (up to {streamed:.1f} GiB of weights streamed from host memory)")
+    if st is not None and profile.cuda:
+        if profile.linear == Linear.BF16 and st.dit_blocks * st.dit_block / 2 >= WORTH_NAMING_GIB:
+            named.append("H3_LINEAR_BACKEND=CUTLASS (FP8)")
+        if profile.text_linear == TextLinear.BF16 and st.text_layers * st.text_layer / 2 >= WORTH_NAMING_GIB:
+            named.append("H3_TEXT_ENCODER_LINEAR=CUTLASS (FP8)")
+    if folder and profile.adaln_weights != AdalnWeights.MAPPED:
+        named.append("H3_ADALN_WEIGHTS=mapped")
+    tables = sum(v for k, v in (*budget.device.items(), *budget.host.items()) if k.startswith("adaln_tables"))
+    kept = profile.adaln_tables_kept
+    if kept > 1 and tables * (kept - 1) / kept >= WORTH_NAMING_GIB:
+        named.append(f"a smaller H3_ADALN_TABLES_KEPT (now {kept}: {tables / kept:.1f} GiB each)")
+    if planned is not None:
+        named.append(f"a larger H3_DEVICE_MEMORY_GIB (now {gib_text(planned)}; at most what is free)")
+    if not named:
+        return "(no setting makes this plan smaller here: it needs more free memory, or another device)"
+    return f"(what makes it smaller: {', '.join(named)})"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from h3serve.accel.profile import Offload
-from h3serve.pipeline.budget import OVERHEAD_GIB
+from h3serve.pipeline.budget import OVERHEAD_GIB, gib_text
 
 if TYPE_CHECKING:
     from h3serve.pipeline.budget import Budget
@@ -197,8 +197,8 @@ def place(
         raise PlacementError(
             f"needs {default_need:.1f} GiB on the device for the default request even with every part streamed "
             f"({weights:.1f} GiB of resident weights and slots, {budget.activations_default:.1f} GiB of activations "
-            f"for its {budget.default_rows:,} rows, {OVERHEAD_GIB:.1f} GiB overhead), {device_gib:.1f} GiB to plan "
-            f"within: {default_need - device_gib:.1f} GiB missing"
+            f"for its {budget.default_rows:,} rows, {OVERHEAD_GIB:.1f} GiB overhead), "
+            f"{gib_text(device_gib)} GiB to plan within: {default_need - device_gib:.1f} GiB missing"
         )
     rows = min(rows, budget.largest_rows)
     peak = max(weights + rows * st.activation_per_row + OVERHEAD_GIB, decode)

@@ -35,13 +35,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import json
 import logging
 import os
+import re
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, BinaryIO, Literal
 from urllib.parse import unquote_to_bytes
 
@@ -50,13 +54,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match, Route
 
 from h3serve import __version__
 from h3serve.pipeline.context import NodeLost, RenderCancelled
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
-from h3serve.service.events import Event
+from h3serve.service.events import MAX_STREAMS, Event, Streams
 from h3serve.service.metrics import Metrics
 from h3serve.service.page import INDEX, WebPage
 from h3serve.service.scheduler import QueueFull, Scheduler, Work, WriteFailed
@@ -101,11 +106,22 @@ def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = 
     metrics.watch(scheduler, store)
     # The schema is served by a route of our own, behind the key; there is no /docs page (it would fetch its
     # scripts from the internet, and these servers are often offline).
+    # No redirect to the path with(out) a trailing slash: a 307 with an empty body, which a POST's client rarely
+    # follows; the 404 names the path instead (`_http_error`).
     app = FastAPI(
-        title="h3serve", version=__version__, lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="h3serve",
+        version=__version__,
+        lifespan=_lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        redirect_slashes=False,
+        dependencies=[Depends(literal_paths_first)],
     )
     app.state.settings, app.state.engine, app.state.auth = settings, engine, BearerKey(settings.key)
     app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
+    app.state.streams = Streams(MAX_STREAMS)  # the open event streams, woken by the scheduler's publishes
+    scheduler.events.on_publish = app.state.streams.poke
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
     app.state.page = page or WebPage.load()
     app.add_exception_handler(ApiError, _api_error)
@@ -173,10 +189,20 @@ async def _damaged_record(request: Request, err: RecordDamaged) -> JSONResponse:
     return await _api_error(request, ApiError(409, "damaged_record", message, "video_id"))
 
 
-async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "invalid_request")
-    body = {"error": {"code": code, "message": str(err.detail), "param": None}}
-    return JSONResponse(body, status_code=err.status_code, headers=getattr(err, "headers", None))
+    message, headers = str(err.detail), getattr(err, "headers", None)
+    path = request.scope.get("path", "")
+    if err.status_code == 405:  # Starlette's Allow names only the first route at the path: all of them here
+        allowed = ", ".join(methods_at(request.scope))
+        message, headers = f"{request.method} is not allowed on {shown(path)}; it takes {allowed}", {"Allow": allowed}
+    elif err.status_code == 404 and "route" not in request.scope:  # no route at this path, whatever the method
+        message = f"no such path: {shown(path)}"
+        bare = path.rstrip("/")
+        if bare and bare != path and methods_at({**request.scope, "path": bare}):
+            message += f"; the path is {shown(bare)}, without the trailing slash"
+    body = {"error": {"code": code, "message": message, "param": None}}
+    return JSONResponse(body, status_code=err.status_code, headers=headers)
 
 
 async def _query_error(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -197,6 +223,29 @@ async def _internal_error(request: Request, err: Exception) -> JSONResponse:
     log.error("internal error, request id %s: %s %s", request_id, request.method, request.url.path, exc_info=err)
     answer = internal_error("internal_error", "the request failed", request_id)
     return JSONResponse(answer.body(), status_code=answer.status, headers=answer.headers)
+
+
+# ---- methods: a path a route names literally is that route's ------------------------------------------------------
+def _routes() -> list[Route]:
+    """Every route of the app, from the routers that declare them (FastAPI keeps an included router whole, so the
+    app's own list holds routers, not routes)."""
+    return [r for router in (open_routes, page_routes, routes) for r in router.routes if isinstance(r, Route)]
+
+
+def methods_at(scope: dict) -> list[str]:
+    """The methods the routes at `scope`'s path take. A path that a route names literally (/v1/videos/sync) is that
+    route's alone, not also a value of a parameterised route's (/v1/videos/{video_id})."""
+    found = [r for r in _routes() if r.matches(scope)[0] is not Match.NONE]
+    literal = [r for r in found if not r.param_convertors]
+    return sorted({m for r in literal or found for m in r.methods or ()})
+
+
+async def literal_paths_first(request: Request) -> None:
+    """405 for a method that the literal route at this path does not take, where a parameterised route would
+    otherwise take it (GET /v1/videos/sync is not the job `sync`); the message and Allow come from `_http_error`."""
+    literal = [r for r in _routes() if not r.param_convertors and r.matches(request.scope)[0] is not Match.NONE]
+    if literal and not any(request.method in (r.methods or ()) for r in literal):
+        raise StarletteHTTPException(405)
 
 
 # ---- query strings: declared parameters only, UTF-8 once unescaped ---------------------------------------------------
@@ -500,11 +549,29 @@ def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
     if job.status != JobStatus.COMPLETED or path is None:
         raise ApiError(409, "not_completed", f"job {video_id} is {job.status}; only a completed job has content")
     try:
-        fh = open(path, "rb")  # noqa: SIM115 (the response closes it: when sent, or when dropped unsent)
+        fh = open_mp4(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         _find(store, video_id)  # deleted since it was read (a DELETE drops the record, then the file): a 404
         raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
+    except OSError:  # a link, a FIFO, a device or a folder where the MP4 was: nothing the server wrote
+        log.warning("job %s: %s is not a regular file; not served", video_id, path)
+        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
     return OpenFileResponse(fh, job.file_name or path.name)
+
+
+def open_mp4(path: Path):
+    """`path` opened for reading if it is a regular file the server could have written: never through a symbolic
+    link (something put at `videos/<id>.mp4` by hand must not make `/content` serve a file outside the folder), and
+    never blocking on a FIFO. OSError otherwise (ELOOP for a link, EINVAL for anything else not regular)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")  # the response closes it: when sent, or when dropped unsent
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class OpenFileResponse(Response):
@@ -549,8 +616,8 @@ class OpenFileResponse(Response):
             fh.close()
 
 
-EVENT_POLL_S = 0.1  # how often an event stream looks for new events
 KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
+EVENT_ID = re.compile(r"[0-9]{1,20}")  # what Last-Event-ID may be: an event id, in ASCII digits
 
 
 @routes.get("/v1/videos/{video_id}/events")
@@ -558,42 +625,76 @@ async def events(request: Request, store: StoreDep, scheduler: SchedulerDep, vid
     """The job's events as `text/event-stream` (`service.events`): queued, stage, progress, preview, then completed,
     failed or cancelled, each with its id; `Last-Event-ID` resumes after the event it names. A job whose events this
     server no longer holds (finished long ago, or before a restart) gets one event from its record: how it ended, or
-    where it is. The stream ends after the end event; a client that goes away costs nothing."""
+    where it is. The stream ends after the end event; a client that goes away costs nothing. At most MAX_STREAMS are
+    open at once (429 past it); each waits for its job's next event, woken by the publish (`events.Streams`)."""
     job = _find(store, video_id)
-    header = request.headers.get("last-event-id", "").strip()
-    if header and not header.isdigit():
-        message = f"Last-Event-ID must be an event id (a non-negative integer), got {shown(header)}"
+    header = request.headers.get("last-event-id", "").strip()  # latin-1 as Starlette reads it: no byte is lost
+    if header and not EVENT_ID.fullmatch(header):
+        message = (
+            "Last-Event-ID must be an event id: a non-negative integer of 1 to 20 ASCII digits (0-9), "
+            f"got {shown(header)}"
+        )
         raise bad_request("Last-Event-ID", message)
     last = int(header) if header else 0
     log = scheduler.events.log(video_id)
+    streams: Streams = request.app.state.streams
+    signal = streams.claim(video_id)
+    if signal is None:
+        raise ApiError(
+            429,
+            "too_many_streams",
+            f"this server holds at most {streams.limit} open event streams (MAX_STREAMS) and all are open; close one, "
+            f"or poll GET /v1/videos/{video_id}, and retry",
+            None,
+            {"Retry-After": RETRY_AFTER_S},
+        )
 
     async def stream():
         nonlocal last
         if log is None:
             name = str(job.status) if job.status not in ACTIVE else "status"
-            yield Event(last + 1, name, shown_record(job, scheduler.live())).wire()
+            yield Event(last + 1, name, shown_record(job, scheduler.live())).wire
             return
-        quiet = 0.0
         while True:
+            signal.clear()  # before the read: a publish after it sets the signal again, so none is missed
             fresh, ended = log.since(last)
-            for event in fresh:
-                yield event.wire()
-                last = event.id
-            if ended and not fresh:
-                return
             if fresh:
-                quiet = 0.0
-                continue
-            if await request.is_disconnected():
+                yield "".join(event.wire for event in fresh)  # one write for what came since the last
+                last = fresh[-1].id
+            if ended:
                 return
-            await asyncio.sleep(EVENT_POLL_S)
-            quiet += EVENT_POLL_S
-            if quiet >= KEEPALIVE_S:
-                quiet = 0.0
+            try:
+                await asyncio.wait_for(signal.wait(), KEEPALIVE_S)
+            except TimeoutError:
                 yield ": keep-alive\n\n"
 
-    headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=headers)
+    return EventStream(stream(), streams, video_id)
+
+
+class EventStream(StreamingResponse):
+    """An event stream that gives its place in `Streams` back when it ends, however it ends (the end event, the
+    client gone: Starlette cancels the stream when the server reports the disconnect)."""
+
+    def __init__(self, content, streams: Streams, job_id: str):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
+        self.streams, self.job_id, self.released = streams, job_id, False
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.release()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.streams.release(self.job_id)
+
+    def __del__(self) -> None:  # built and never sent (an exception in between): its place still goes back
+        if not getattr(self, "released", True):
+            self.release()
 
 
 @routes.get("/v1/videos/{video_id}/preview")

@@ -5,20 +5,44 @@ forward's progress, each preview, and the end (completed, failed or cancelled).
 event goes first; stage changes, previews and the end are kept while any progress event is left to drop, and the end
 is never dropped. The render only appends (under a lock held for an append), so a slow or absent reader never slows
 it: a reader that falls behind misses the progress events dropped meanwhile, and resumes from any id it saw
-(`Last-Event-ID`). `Events` holds the logs of the jobs the scheduler knows, the latest preview of each (kept until
-the job is deleted), and forgets the oldest finished jobs' logs beyond `keep` (their records still say how they ended).
-"""
+(`Last-Event-ID`). `Events` holds the logs of the jobs the scheduler knows, forgetting the oldest finished jobs' logs
+beyond `keep` (their records still say how they ended), and each job's latest preview, on disk (`previews/<id>.png`
+beside `videos/`) until the job is deleted: a preview is one PNG per job, so memory does not grow with the jobs, and
+it outlives a restart as the job's record does.
+
+`Streams` bounds and wakes the open event streams of one app. A stream waits on its job's signal on the event loop;
+a publish (on the render thread) hands the loop one wake-up if any stream watches that job, and nothing otherwise: the
+render's cost per event does not grow with the streams, and no stream polls. The loop sets a job's signal at most
+once per WAKE_GAP_S, so however fast a render publishes, each stream writes at most that often, each event's text
+made once for all of them. A stream that never reads holds no queue
+of its own: it pulls from the job's bounded log when its socket takes more, so what it holds is the transport's
+buffer (uvicorn stops writing to a socket that is not read)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import functools
 import json
+import logging
+import os
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
 LIMIT = 256  # events one job's log keeps
-KEEP = 256  # finished jobs whose logs are kept (and their previews, until deleted)
+KEEP = 256  # finished jobs whose logs are kept
+MAX_STREAMS = 256  # event streams one server holds open at once (each a socket and a waiting coroutine)
+# The streams of a job wake at most this often: what came meanwhile goes out as one write. A real render's forward
+# takes seconds, but a small one's events come every few milliseconds, and 256 streams each writing each event took
+# the loop (and the GIL the render needs) whole: measured on the CPU, bench/event_streams.py.
+WAKE_GAP_S = 0.2
+PREVIEWS = "previews"  # the folder beside videos/ that holds each job's latest preview, <id>.png
 TERMINAL = ("completed", "failed", "cancelled")
 DROPPABLE = "progress"
 
@@ -29,8 +53,9 @@ class Event:
     name: str  # queued, stage, progress, preview, completed, failed, cancelled
     data: dict[str, Any]
 
+    @functools.cached_property
     def wire(self) -> str:
-        """The event as `text/event-stream` lines."""
+        """The event as `text/event-stream` lines: made once, however many streams send it."""
         return f"id: {self.id}\nevent: {self.name}\ndata: {json.dumps(self.data, separators=(',', ':'))}\n\n"
 
 
@@ -59,19 +84,28 @@ class JobEvents:
             return event
 
     def since(self, last_id: int) -> tuple[list[Event], bool]:
-        """The events after `last_id`, and whether the log has ended (nothing will follow them)."""
+        """The events after `last_id`, and whether the log has ended (nothing will follow them). From the newest back:
+        a reader that keeps up costs the lock only the events it has not seen, not the whole log."""
         with self._lock:
-            return [e for e in self._events if e.id > last_id], self.ended
+            fresh = []
+            for event in reversed(self._events):
+                if event.id <= last_id:
+                    break
+                fresh.append(event)
+            return fresh[::-1], self.ended
 
 
 class Events:
-    """The logs and latest previews of the jobs the scheduler knows (see the module docstring)."""
+    """The logs and latest previews of the jobs the scheduler knows (see the module docstring). `previews`: the folder
+    of the previews (made on the first one); `on_publish(job_id)` is called after each event is logged, on the thread
+    that published it (`Streams.poke`)."""
 
-    def __init__(self, keep: int = KEEP, limit: int = LIMIT):
+    def __init__(self, previews: Path, keep: int = KEEP, limit: int = LIMIT):
+        self.previews = previews
         self.keep = keep
         self.limit = limit
+        self.on_publish: Callable[[str], None] | None = None
         self._logs: dict[str, JobEvents] = {}
-        self._previews: dict[str, bytes] = {}
         self._finished: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
 
@@ -87,21 +121,106 @@ class Events:
             if name in TERMINAL:
                 self._finished.append(job_id)
                 while len(self._finished) > self.keep:
-                    old = self._finished.popleft()
-                    self._logs.pop(old, None)
-                    self._previews.pop(old, None)
+                    self._logs.pop(self._finished.popleft(), None)
         log.publish(name, data)
+        if self.on_publish is not None:
+            self.on_publish(job_id)
 
-    def set_preview(self, job_id: str, png: bytes) -> None:
-        with self._lock:
-            self._previews[job_id] = png
+    def _preview_path(self, job_id: str) -> Path:
+        return self.previews / f"{job_id}.png"  # a server-made id (store.new_job_id): never a client's name
+
+    def set_preview(self, job_id: str, png: bytes) -> bool:
+        """Keep `png` as the job's latest preview: written beside and renamed over the last, so that a reader gets one
+        whole PNG or the other. False (logged) when the disk refuses it: the render goes on without it."""
+        path = self._preview_path(job_id)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            self.previews.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(png)
+            os.replace(tmp, path)
+        except OSError as err:
+            log.warning("the preview of job %s was not kept: %s (%s)", job_id, err.strerror or err, path)
+            tmp.unlink(missing_ok=True)
+            return False
+        return True
 
     def preview(self, job_id: str) -> bytes | None:
-        with self._lock:
-            return self._previews.get(job_id)
+        try:
+            return self._preview_path(job_id).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def forget(self, job_id: str) -> None:
         """A deleted job: its log and preview go."""
         with self._lock:
             self._logs.pop(job_id, None)
-            self._previews.pop(job_id, None)
+        self._preview_path(job_id).unlink(missing_ok=True)
+
+
+class Streams:
+    """The open event streams of one app (see the module docstring): at most `limit`, each watching one job's signal.
+    Used on the event loop, except `poke`, which any publishing thread calls."""
+
+    def __init__(self, limit: int = MAX_STREAMS, gap: float = WAKE_GAP_S):
+        self.limit = limit
+        self.gap = gap
+        self.open = 0  # streams open now
+        self.wakes = 0  # wake-ups the loop ran: one per event of a watched job, however many streams watch it
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watches: dict[str, _Watch] = {}
+
+    def claim(self, job_id: str) -> asyncio.Event | None:
+        """A stream of `job_id` opens: the signal it waits on, or None when `limit` streams are open."""
+        if self.open >= self.limit:
+            return None
+        self._loop = asyncio.get_running_loop()
+        self.open += 1
+        watch = self._watches.get(job_id)
+        if watch is None:
+            watch = self._watches[job_id] = _Watch()
+        watch.streams += 1
+        return watch.signal
+
+    def release(self, job_id: str) -> None:
+        self.open -= 1
+        watch = self._watches[job_id]
+        watch.streams -= 1
+        if watch.streams == 0:
+            if watch.timer is not None:
+                watch.timer.cancel()
+            del self._watches[job_id]
+
+    def poke(self, job_id: str) -> None:
+        """An event of `job_id` was logged (any thread): one wake-up handed to the loop if a stream watches the job."""
+        loop = self._loop
+        if loop is None or job_id not in self._watches:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has closed (the server stopped): no stream left to wake
+            loop.call_soon_threadsafe(self._wake, job_id)
+
+    def _wake(self, job_id: str) -> None:
+        self.wakes += 1
+        watch = self._watches.get(job_id)
+        if watch is None or watch.timer is not None:  # nobody watches now, or a wake is already due
+            return
+        wait = watch.last + self.gap - self._loop.time()
+        if wait <= 0:
+            self._fire(job_id)
+        else:
+            watch.timer = self._loop.call_later(wait, self._fire, job_id)
+
+    def _fire(self, job_id: str) -> None:
+        watch = self._watches.get(job_id)
+        if watch is not None:
+            watch.timer, watch.last = None, self._loop.time()
+            watch.signal.set()
+
+
+@dataclass
+class _Watch:
+    """The streams of one job: how many, the signal they wait on, when it was last set, a wake that is due."""
+
+    signal: asyncio.Event = field(default_factory=asyncio.Event)
+    streams: int = 0
+    last: float = float("-inf")
+    timer: asyncio.TimerHandle | None = None

@@ -42,7 +42,7 @@ from h3serve.media.mp4 import FrameStream, encode_mp4, write_mp4
 from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
-from h3serve.service.events import Events
+from h3serve.service.events import PREVIEWS, Events
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
 from h3serve.service.store import JobStore
@@ -200,7 +200,8 @@ class Scheduler:
         self._encodes: collections.deque[Work] = collections.deque()  # rendered, waiting for the encoder
         self._encoding: Work | None = None
         self._stopping = False
-        self.events = Events()  # each async job's events and latest preview (`service.events`)
+        # Each async job's events, and its latest preview on disk beside videos/ (`service.events`).
+        self.events = Events(store.output_dir / PREVIEWS)
         self._worker = threading.Thread(target=self._work, name="h3serve-worker", daemon=True)
         self._encoder = threading.Thread(target=self._encode_loop, name="h3serve-encoder", daemon=True)
 
@@ -379,7 +380,8 @@ class Scheduler:
         def on_preview(preview) -> None:
             if work.future.done():
                 return
-            self.events.set_preview(work.id, preview.png)
+            if not self.events.set_preview(work.id, preview.png):  # logged: no event for a preview nobody can fetch
+                return
             data = {"url": f"/v1/videos/{work.id}/preview?forward={preview.forward}", "forward": preview.forward,
                     "forwards": preview.forwards, "width": preview.width, "height": preview.height,
                     "seconds": round(preview.seconds, 4)}  # fmt: skip

@@ -309,6 +309,20 @@ def _preview_every(fields: dict[str, Any], rule: PreviewRule, steps: int, engine
     return rule.default if 0 < rule.default <= steps - 2 and engine.num_gpus == 1 else None
 
 
+def _preview_refusal(every: int, steps: int, rule: PreviewRule) -> ApiError:
+    """A preview interval the request's forwards cannot hold, with the range this server takes: from its minimum
+    (H3_PREVIEW_MIN_EVERY) to the last forward before the final one."""
+    most = max(steps - 2, 0)  # a preview comes before the last of the steps - 1 forwards
+    if most >= rule.minimum:
+        allowed = f"0 (none) or {rule.minimum}..{most}"
+    else:
+        allowed = (
+            f"0 (none): {steps} steps leave {most} forwards to preview, fewer than this server's least interval, "
+            f"{rule.minimum} (H3_PREVIEW_MIN_EVERY)"
+        )
+    return bad_request("preview_every", f"preview_every must be {allowed} for {steps} steps, got {every}")
+
+
 def map_request(
     fields: dict[str, Any],
     uploads: list[Upload],
@@ -435,6 +449,8 @@ def map_request(
     try:
         request = engine.validate(prompt, **kwargs)
     except RequestError as err:
+        if err.field == "preview_every":  # the engine knows 1 as the least; this server's least is its minimum
+            raise _preview_refusal(_int("preview_every", fields["preview_every"]), steps, previews) from err
         hint = ""
         if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
             hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"

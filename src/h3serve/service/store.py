@@ -18,16 +18,25 @@ columns, every row decoded) and a damaged one is refused (`StoreDamaged`), as is
 holds (an empty store beside MP4s). Each finished job's record is also written beside its MP4, `videos/<id>.json`,
 atomically, so that `rebuild_store` can make a new store from the folder. A row that goes bad while the server runs
 is shown as a `DamagedRecord` (status `damaged`, logged once) and never takes the list down.
+
+Nothing read back from the folder becomes a path unchecked: a job's file is `videos/<its id>.mp4` (a row or a record
+naming any other file is damaged), a record file is read only if it is a regular file, not a link, of at most
+RECORD_CAP bytes, and a `.json` in videos/ whose name is not a job id is no job's record (listed, never read).
+
+One process at a time uses an output folder: a server's store and `rebuild_store` hold an exclusive lock on
+`h3serve.lock` in it (`FolderLock`), so a rebuild never runs beside a server, nor two servers on one folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 import types
@@ -42,6 +51,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from h3serve.config import FPS
+from h3serve.errors import shown
+from h3serve.files import FileRefused, read_regular
 from h3serve.pipeline.request import RenderRequest
 from h3serve.service.schemas import JobError, JobStatus, VideoJob
 
@@ -51,8 +62,19 @@ ACTIVE = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
 FINISHED = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)  # the states whose record has a sidecar
 STORE_FILE = "jobs.sqlite3"
 SIDECAR = ".json"  # a finished job's record beside its MP4: videos/<id>.json
-# What a sidecar's name may be: ids are the server's (new_job_id), but a name read back from a folder is checked anyway.
-_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
+MP4 = ".mp4"
+# A job id as `new_job_id` makes it (and always has): what a record file's name must be to be a job's record. Nothing
+# else in videos/ is read as one, and only a name of this shape is ever written or removed there by id.
+JOB_ID = re.compile(r"video_gen_[0-9a-f]{32}")
+# The most bytes a record file may hold: the longest prompt (100,000 characters, H3_MAX_PROMPT_CHARS's bound) at 6
+# bytes each (a control character as JSON writes it, \u0001) is 600 KB; the rest of a record is a few KB.
+RECORD_CAP = 4 << 20
+LOCK_FILE = "h3serve.lock"
+# How long the start's probe of SQLite's write lock waits for a transaction another process holds open. No h3serve
+# process can hold one (the folder's lock keeps them out): whoever does is a person's sqlite3 shell or a backup.
+SQLITE_LOCK_WAIT_S = 1.0
+# The range of SQLite's INTEGER: a record file's larger integer is refused rather than failing the rebuild's insert.
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 INTERRUPTED = "the server stopped before this job finished (restart or crash); submit it again"
 KEY = "id"  # the primary key: VideoJob.id
 _NAME = re.compile(r"[a-z][a-z0-9_]*")  # what a column name may be: it is written into SQL, so nothing else is let in
@@ -184,10 +206,21 @@ def _decode(row: tuple) -> VideoJob:
         else:
             values[c.field] = raw
     try:
-        return VideoJob(**values)
+        job = VideoJob(**values)
     except ValidationError as err:
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors(include_input=False)]
         raise ValueError("; ".join(problems)) from err
+    if (problem := _file_problem(job)) is not None:
+        raise ValueError(problem)
+    return job
+
+
+def _file_problem(job: VideoJob) -> str | None:
+    """What is wrong with a record's `file_name` (None: nothing): it is `<id>.mp4`, the name the server gives a job's
+    MP4, or absent. Anything else (a path, `../x`, another job's MP4) would become a file served and deleted."""
+    if job.file_name is None or job.file_name == f"{job.id}{MP4}":
+        return None
+    return f"file_name: not this job's MP4 (<its id>{MP4}), so never a path here"
 
 
 class DamagedRecord(BaseModel):
@@ -249,12 +282,26 @@ def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
 class JobStore:
     """The job records. Thread-safe: one connection behind a lock; every write is one transaction.
 
-    `check`: refuse a damaged store (`check_store`) before anything is written to it; off only for `rebuild_store`'s
-    new, empty one."""
+    The output folder's lock (`FolderLock`) is held from the open to `close`: a second server on the folder, or a
+    rebuild, is refused (FolderBusy) rather than run beside this one. `lock`: one the caller holds already (a rebuild
+    opening the store it built), used and left to the caller; without it the store takes its own.
+    `check`: refuse a damaged store (StoreDamaged, as the start's check does) before anything is written to it.
+    StoreUnavailable when another process holds SQLite's write lock on it."""
 
-    def __init__(self, output_dir: Path, *, check: bool = True):
-        if check:
-            check_store(output_dir)
+    def __init__(self, output_dir: Path, *, check: bool = True, lock: FolderLock | None = None):
+        output_dir.mkdir(parents=True, exist_ok=True)  # the lock file's folder
+        self._folder_lock = lock if lock is not None else FolderLock(output_dir, SERVER)
+        self._owns_folder_lock = lock is None
+        try:
+            if check:
+                _refuse_damage(output_dir)
+            self._open(output_dir)
+        except BaseException:
+            if self._owns_folder_lock:
+                self._folder_lock.release()
+            raise
+
+    def _open(self, output_dir: Path) -> None:
         self.output_dir = output_dir
         self.videos = output_dir / "videos"
         self.videos.mkdir(parents=True, exist_ok=True)
@@ -266,20 +313,26 @@ class JobStore:
         # isolation_level=None: no implicit transactions; the writes below open theirs explicitly.
         self._db = sqlite3.connect(output_dir / STORE_FILE, check_same_thread=False, isolation_level=None)
         self._db.text_factory = _text
-        with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")  # outside any transaction: the mode cannot change inside one
-            # In WAL mode NORMAL syncs at checkpoints, not at every commit: a commit survives the process dying (a
-            # crash, SIGKILL), and only an OS crash or power loss can undo the last few (never corrupting the file).
-            # FULL would fsync every progress write of a render: 3.4 ms each, measured here, against 0.015 ms.
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        with self._transaction() as db:
-            db.execute(_CREATE)
-            present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
-            for c in COLUMNS:
-                if c.name not in present:
-                    db.execute(f"ALTER TABLE jobs ADD COLUMN {_definition(c, new_table=False)}")
-        self.recovered = self._recover()
-        self._write_missing_sidecars()
+        try:
+            with self._lock:
+                self._db.execute("PRAGMA journal_mode=WAL")  # outside any transaction: the mode cannot change in one
+                # In WAL mode NORMAL syncs at checkpoints, not at every commit: a commit survives the process dying (a
+                # crash, SIGKILL), and only an OS crash or power loss can undo the last few (never corrupting the
+                # file). FULL would fsync every progress write of a render: 3.4 ms each, measured, against 0.015 ms.
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            with self._transaction() as db:
+                db.execute(_CREATE)
+                present = {row[1] for row in db.execute("PRAGMA table_info(jobs)")}
+                for c in COLUMNS:
+                    if c.name not in present:
+                        db.execute(f"ALTER TABLE jobs ADD COLUMN {_definition(c, new_table=False)}")
+            self.recovered = self._recover()
+            self._write_missing_sidecars()
+        except BaseException as err:
+            self._db.close()
+            if isinstance(err, sqlite3.Error):  # "database is locked": named, not SQLite's bare words after a load
+                raise StoreUnavailable(output_dir / STORE_FILE, err) from err
+            raise
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -367,7 +420,7 @@ class JobStore:
         if not rows:
             return
         record = self._entry(rows[0])
-        if isinstance(record, DamagedRecord) or not _SAFE_ID.fullmatch(record.id):
+        if isinstance(record, DamagedRecord) or not JOB_ID.fullmatch(record.id):
             return
         try:
             write_sidecar(self.videos, record)
@@ -427,13 +480,15 @@ class JobStore:
         sidecar, which the next start writes again, never a sidecar that would bring the deleted job back)."""
         with self._records:
             rows = self._read(f"SELECT {_column('file_name')} FROM jobs WHERE {_ID}=?", (job_id,))
-            if _SAFE_ID.fullmatch(job_id):
+            if JOB_ID.fullmatch(job_id):
                 (self.videos / f"{job_id}{SIDECAR}").unlink(missing_ok=True)
             with self._transaction() as db:
                 db.execute(f"DELETE FROM jobs WHERE {_ID}=?", (job_id,))
         file_name = rows[0][0] if rows else None
-        if isinstance(file_name, str) and file_name:
+        if file_name == f"{job_id}{MP4}":  # the job's own MP4 only, whatever its row says (`_file_problem`)
             (self.videos / file_name).unlink(missing_ok=True)
+        elif file_name:
+            log.warning("job %s: its record named a file that is not its MP4; the file was left alone", job_id)
 
     def counts(self) -> dict[str, int]:
         found = dict(self._read(f"SELECT {_STATUS}, COUNT(*) FROM jobs GROUP BY {_STATUS}"))
@@ -445,6 +500,8 @@ class JobStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        if self._owns_folder_lock:
+            self._folder_lock.release()
 
 
 # ---- sidecars: each finished job's record beside its MP4 -----------------------------------------------------------
@@ -470,17 +527,134 @@ def write_sidecar(videos: Path, job: VideoJob) -> Path:
 
 
 def read_sidecar(path: Path) -> VideoJob:
-    """A sidecar's record; ValueError saying what is wrong with it (a name that is not its id's included)."""
+    """A record file's record, read as a settings file is (`files.read_regular`): a regular file, never a link (the
+    server writes none, and one would read a file outside videos/), nor a FIFO or a device, of at most RECORD_CAP
+    bytes. Every field is checked: its name is a job id (JOB_ID) and the record's id, its status a finished one, its
+    file name that job's MP4 (`_file_problem`), its values what the store can hold. ValueError saying what is wrong
+    (FileRefused, one, for what the file is)."""
+    if not JOB_ID.fullmatch(path.stem):
+        raise ValueError(f"its name is not a job id ({JOB_ID.pattern}{SIDECAR})")
+    raw = read_regular(path, RECORD_CAP, follow=False)
     try:
-        job = VideoJob.model_validate_json(path.read_bytes())
+        job = VideoJob.model_validate_json(raw)
     except ValidationError as err:
         problems = [f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in err.errors(include_input=False)]
         raise ValueError("; ".join(problems)) from err
-    if job.id != path.stem or not _SAFE_ID.fullmatch(job.id):
-        raise ValueError(f"holds the record of {job.id[:80]!r}, not of {path.stem!r}")
+    if job.id != path.stem:
+        raise ValueError(f"holds the record of {shown(job.id)}, not of {path.stem}")
     if job.status not in FINISHED:
-        raise ValueError(f"status {job.status}: only a finished job has a sidecar")
+        raise ValueError(f"status {job.status}: only a finished job has a record beside its MP4")
+    for problem in (_file_problem(job), _storable(job)):
+        if problem is not None:
+            raise ValueError(problem)
     return job
+
+
+def _storable(job: VideoJob) -> str | None:
+    """Why a record's values cannot be stored as they are (None: they can): an integer beyond SQLite's 64 bits, text
+    that is not UTF-8 (a lone surrogate, which JSON's \\ud800 can spell). Checked before a rebuild's insert, which would
+    fail on them."""
+    for f in FIELDS:
+        for c, value in _encode(f, getattr(job, f)):
+            if isinstance(value, int) and not _INT64[0] <= value <= _INT64[1]:
+                return f"{c.name}: an integer beyond SQLite's 64 bits"
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return f"{c.name}: not UTF-8 text (a lone surrogate)"
+    return None
+
+
+# ---- one process per output folder ------------------------------------------------------------------------------
+SERVER, REBUILD, START_CHECK = "server", "store rebuild", "start check"  # who holds the lock, as its file says
+_HOLDER = re.compile(rf"([0-9]{{1,10}}) ({SERVER}|{REBUILD}|{START_CHECK})\n")
+
+
+class FolderBusy(ValueError):
+    """The output folder's lock cannot be had: `path` is the lock file, `reason` why (without the path, which the
+    text puts first), `holder` who holds it as it wrote itself there ("h3serve server, pid 12"), None when unknown or
+    when the lock file itself is the problem."""
+
+    def __init__(self, path: Path, reason: str, holder: str | None = None):
+        self.path, self.reason, self.holder = path, reason, holder
+        super().__init__(f"{path}: {reason}")
+
+
+class FolderLock:
+    """An exclusive `flock` on `output_dir/h3serve.lock`, held until `release` (or the end of a `with`): a server's
+    store holds it for the server's life, `rebuild_store` for its run, the start's check for an instant (to see that
+    no one holds it). So a rebuild never runs beside a server, `--force` or not, and a second server on one folder is
+    refused at its check, before any weight loads. FolderBusy when another process (or another open in this one)
+    holds it.
+
+    flock, not SQLite's own locks: those last one transaction, and a rebuild replaces the very file they are taken
+    on. The kernel drops a flock with its process (a crash, kill -9), so the file left behind means nothing and is
+    never removed (removing it while another process waits on the old one would let two hold "the" lock). The holder
+    writes `<pid> <role>` into it, for the refusal's text only. The file is opened without following a link."""
+
+    def __init__(self, output_dir: Path, role: str):
+        self.path = output_dir / LOCK_FILE
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            raise FolderBusy(self.path, f"the output folder's lock file cannot be opened ({_why(err)})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise FolderBusy(self.path, "is not a regular file; h3serve's lock file is: remove what is there")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                found = _HOLDER.fullmatch(os.pread(fd, 64, 0).decode("ascii", "replace"))
+                holder = f"h3serve {found[2]}, pid {found[1]}" if found else None
+                raise FolderBusy(
+                    self.path,
+                    f"the output folder is in use by {holder or 'another h3serve process'}, which holds this lock "
+                    "while it runs: one process uses an output folder at a time; stop that one first, or use another "
+                    "output folder",
+                    holder,
+                ) from None
+            except OSError as err:
+                raise FolderBusy(self.path, f"the output folder's lock cannot be taken ({_why(err)})") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {role}\n".encode("ascii"), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # the lock goes with the file's last descriptor
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _why(err: OSError) -> str:
+    return err.strerror or type(err).__name__
+
+
+class StoreUnavailable(ValueError):
+    """The store cannot be opened for writing: `path`, and `reason` (SQLite's words). `locked`: another process holds
+    SQLite's write lock on it, which no h3serve process does while it is refused (the folder's lock keeps them out)."""
+
+    def __init__(self, path: Path, err: sqlite3.Error):
+        self.path, self.reason = path, str(err)
+        self.locked = (getattr(err, "sqlite_errorcode", 0) & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+        if self.locked:
+            text = (
+                f"locked by another process ({self.reason}); it is no h3serve server's: close whatever holds it in a "
+                "transaction (a sqlite3 shell, a backup tool), then start again"
+            )
+        else:
+            text = f"cannot be opened for writing ({self.reason})"
+        super().__init__(f"{path}: {text}")
 
 
 # ---- the check at start, and the report of `h3serve store check` ---------------------------------------------------
@@ -494,17 +668,19 @@ class DamagedRow:
 @dataclass
 class StoreReport:
     """What `inspect_store` found in an output folder. `problem`: what is wrong with the file as a whole (not SQLite,
-    the integrity check, a foreign `jobs` table); the rest is per job."""
+    the integrity check, a foreign `jobs` table); `folder_problem`: with videos/ (not a folder); the rest is per job."""
 
     path: Path
     exists: bool
     integrity: str = "not run"  # "ok", or the integrity check's first findings
     problem: str | None = None
+    folder_problem: str | None = None
     rows: int = 0
     ids: set[str] = field(default_factory=set)  # the ids of the rows read
     damaged: list[DamagedRow] = field(default_factory=list)
     mp4s: list[str] = field(default_factory=list)  # ids of videos/<id>.mp4
-    sidecars: list[str] = field(default_factory=list)  # ids of videos/<id>.json
+    sidecars: list[str] = field(default_factory=list)  # ids of videos/<id>.json, named by a job id (JOB_ID)
+    ignored: list[str] = field(default_factory=list)  # names of the other videos/*.json: no job's record, never read
     missing_mp4s: list[str] = field(default_factory=list)  # completed records whose MP4 is not on disk
 
     @property
@@ -517,12 +693,15 @@ class StoreReport:
         return [i for i in self.sidecars if i not in self.ids]
 
     def refusals(self) -> list[str]:
-        """Why a start is refused: a damaged file or row, or jobs the folder holds that the store lacks (an empty
-        store beside MP4s included). An MP4 a job record names that is gone is not: its download says so (410)."""
+        """Why a start is refused: a damaged file or row, videos/ not a folder, or jobs the folder holds that the store
+        lacks (an empty store beside MP4s included). An MP4 a job record names that is gone is not: its download says
+        so (410); nor is a .json whose name is no job id (`ignored`)."""
         out = [self.problem] if self.problem else []
+        if self.folder_problem:
+            out.append(self.folder_problem)
         if self.damaged:
-            shown = "; ".join(f"row {d.rowid} (id {d.job_id[:80]}): {d.why}" for d in self.damaged[:3])
-            out.append(f"{len(self.damaged)} job record(s) cannot be read: {shown}")
+            shown_rows = "; ".join(f"row {d.rowid} (id {d.job_id[:80]}): {d.why}" for d in self.damaged[:3])
+            out.append(f"{len(self.damaged)} job record(s) cannot be read: {shown_rows}")
         if self.problem is None:
             lost = self.unrecorded_sidecars
             if lost:
@@ -539,12 +718,15 @@ class StoreReport:
         out = [f"store: {self.path} ({state})", f"integrity: {self.integrity}"]
         if self.problem:
             out.append(f"damaged: {self.problem}")
+        if self.folder_problem:
+            out.append(f"damaged: {self.folder_problem}")
         out.append(f"rows: {self.rows} ({len(self.damaged)} damaged)")
         out += [f"  damaged row {d.rowid} (id {d.job_id[:80]}): {d.why}" for d in self.damaged]
         out.append(f"MP4s: {len(self.mp4s)}; records beside them: {len(self.sidecars)}")
         out += [f"  MP4 without a record in the store: videos/{i}.mp4" for i in self.unrecorded_mp4s]
         out += [f"  record in videos/ the store lacks: videos/{i}{SIDECAR}" for i in self.unrecorded_sidecars]
         out += [f"  completed record whose MP4 is missing: {i}" for i in self.missing_mp4s]
+        out += [f"  ignored: {_in_videos(name)} (its name is no job id: no job's record)" for name in self.ignored]
         refusals = self.refusals()
         out.append("verdict: " + ("damaged: " + "; ".join(refusals) if refusals else "sound"))
         return out
@@ -561,8 +743,30 @@ class StoreDamaged(ValueError):
         self.report = report
 
 
-def _ids(folder: Path, suffix: str) -> list[str]:
-    return sorted(p.name[: -len(suffix)] for p in folder.glob(f"*{suffix}")) if folder.is_dir() else []
+def _in_videos(name: str) -> str:
+    """A file of videos/ as a report names it: quoted, as an echo is (a name may hold a newline, or be long)."""
+    return shown(f"videos/{name}")
+
+
+def _listing(videos: Path, report: StoreReport) -> None:
+    """The MP4s, the job records and the other .json files of videos/ into `report` (names only: nothing is opened);
+    videos/ that is there and no folder is `report.folder_problem`."""
+    if not videos.is_dir():
+        if videos.exists() or videos.is_symlink():
+            report.folder_problem = (
+                f"{videos} is not a folder (the MP4s and their records belong in it): move it aside, and the start "
+                "makes the folder"
+            )
+        return
+    try:
+        names = sorted(p.name for p in videos.iterdir() if not p.name.startswith("."))  # "." names: temporary files
+    except OSError as err:
+        report.folder_problem = f"{videos} cannot be listed ({_why(err)})"
+        return
+    report.mp4s = [n[: -len(MP4)] for n in names if n.endswith(MP4)]
+    records = [n for n in names if n.endswith(SIDECAR)]
+    report.sidecars = [n[: -len(SIDECAR)] for n in records if JOB_ID.fullmatch(n[: -len(SIDECAR)])]
+    report.ignored = [n for n in records if not JOB_ID.fullmatch(n[: -len(SIDECAR)])]
 
 
 def _foreign(db: sqlite3.Connection) -> str | None:
@@ -629,8 +833,11 @@ def inspect_store(output_dir: Path, rows: list[VideoJob] | None = None) -> Store
     path = output_dir / STORE_FILE
     videos = output_dir / "videos"
     report = StoreReport(path=path, exists=path.exists())
-    report.mp4s, report.sidecars = _ids(videos, ".mp4"), _ids(videos, SIDECAR)
+    _listing(videos, report)
     if not report.exists:
+        return report
+    if not path.is_file():  # a FIFO would hold SQLite's open forever
+        report.problem = "is not a regular file (a folder, a FIFO or a device is in its place)"
         return report
     try:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
@@ -671,7 +878,31 @@ def inspect_store(output_dir: Path, rows: list[VideoJob] | None = None) -> Store
 
 
 def check_store(output_dir: Path) -> StoreReport:
-    """The start's check: StoreDamaged if the store must not be opened as it is; else its report."""
+    """The start's check, before any weight loads; its report, or a ValueError naming the file and what is wrong:
+    FolderBusy when another h3serve process (a server, a rebuild) uses the folder, StoreDamaged when the store must
+    not be opened as it is, StoreUnavailable when another process holds SQLite's write lock on it (a sqlite3 shell in
+    a transaction), which the server's first write would otherwise wait on, then fail, after the model had loaded."""
+    if output_dir.is_dir():
+        FolderLock(output_dir, START_CHECK).release()  # free now; the server's store takes it for good
+    report = _refuse_damage(output_dir)
+    path = output_dir / STORE_FILE
+    if path.is_file():
+        # Opened for writing and a write transaction begun and rolled back: nothing is written. After the check
+        # above, so that a damaged store is never opened but read-only.
+        try:
+            db = sqlite3.connect(path, timeout=SQLITE_LOCK_WAIT_S, isolation_level=None)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                db.execute("ROLLBACK")
+            finally:
+                db.close()
+        except sqlite3.Error as err:
+            raise StoreUnavailable(path, err) from None
+    return report
+
+
+def _refuse_damage(output_dir: Path) -> StoreReport:
+    """StoreDamaged if the store must not be opened as it is; else its report."""
     report = inspect_store(output_dir)
     if report.refusals():
         raise StoreDamaged(report)
@@ -679,14 +910,24 @@ def check_store(output_dir: Path) -> StoreReport:
 
 
 # ---- rebuild ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Skipped:
+    """A file of videos/ the rebuild did not take: `name` (in videos/), and `why`."""
+
+    name: str
+    why: str
+
+
 @dataclass
 class Rebuilt:
     moved: list[Path]  # the old store's files, moved aside
     from_sidecars: int
     from_rows: int  # jobs no sidecar held, taken from the old store's readable rows
     lost: list[DamagedRow]  # damaged rows no sidecar held: still in the moved-aside store
-    bad_sidecars: list[str]  # "videos/<name>: why"
-    unrecorded: Path | None  # where MP4s with no record at all (and sidecars that did not read) were moved
+    bad_sidecars: list[Skipped]  # job records that did not read, or did not pass their checks: moved to `unrecorded`
+    ignored: list[str]  # videos/*.json whose name is no job id: no job's record, left where they are
+    unrecorded: Path | None  # where MP4s with no record at all (and the bad records) were moved
+    not_moved: list[Skipped] = field(default_factory=list)  # files that could not be moved there
 
     def lines(self, store: Path) -> list[str]:
         out = [f"moved aside: {p}" for p in self.moved]
@@ -695,20 +936,36 @@ class Rebuilt:
             f"videos/, {self.from_rows} from the old store's readable rows"
         )
         out += [f"  not recovered: row {d.rowid} (id {d.job_id[:80]}): {d.why}" for d in self.lost]
-        out += [f"  sidecar skipped: {s}" for s in self.bad_sidecars]
+        out += [f"  record skipped: {_in_videos(s.name)}: {s.why}" for s in self.bad_sidecars]
+        out += [f"  ignored: {_in_videos(name)} (its name is no job id: no job's record)" for name in self.ignored]
         if self.unrecorded is not None:
-            out.append(f"MP4s with no record anywhere, and sidecars that did not read, moved to {self.unrecorded}")
+            out.append(f"MP4s with no record anywhere, and records that were skipped, moved to {self.unrecorded}")
+        out += [f"  not moved: {_in_videos(s.name)}: {s.why}" for s in self.not_moved]
         return out
 
 
-def rebuild_store(output_dir: Path, now: float | None = None) -> Rebuilt:
-    """A new store from the folder: every sidecar's record, and every readable row of the old store that no sidecar
-    holds (a job that had not finished: the new store's first open marks it failed, interrupted). The old store's
-    files are moved aside as `jobs.sqlite3.damaged-<UTC time>` (and its -wal, -shm), never deleted; MP4s that no
-    record names, and sidecars that do not read, are moved to `unrecorded-<UTC time>/`, so that the folder the new
-    store describes is consistent (and its next start is not refused). The
-    new store is built under a temporary name and renamed into place. Run it with the server stopped."""
+def rebuild_store(output_dir: Path, now: float | None = None, *, lock: FolderLock | None = None) -> Rebuilt:
+    """A new store from the folder: every job record in videos/ that passes `read_sidecar`'s checks, and every
+    readable row of the old store that no record holds (a job that had not finished: the new store's first open marks
+    it failed, interrupted). The old store's files are moved aside as `jobs.sqlite3.damaged-<UTC time>` (and its -wal,
+    -shm), never deleted; MP4s that no record names (or that are no regular file), and records that were skipped, are
+    moved to `unrecorded-<UTC time>/`, so that the folder the new store describes is consistent (and its next start is
+    not refused). A .json whose name is no job id is left alone.
+
+    Everything is read and checked before anything changes; the new store is built under a temporary name in the
+    folder and renamed into place only when complete (a failure before leaves the old store as it was, and removes
+    the temporary one). What can fail after (a file that cannot be moved) is listed, never raised halfway.
+
+    Holds the folder's lock (FolderBusy while a server or another rebuild holds it; `lock`: the caller's, held
+    already). FileRefused, with nothing changed, when videos/ is there and no folder."""
+    with contextlib.nullcontext(lock) if lock is not None else FolderLock(output_dir, REBUILD):
+        return _rebuild(output_dir, now)
+
+
+def _rebuild(output_dir: Path, now: float | None) -> Rebuilt:
     path, videos = output_dir / STORE_FILE, output_dir / "videos"
+    if (videos.exists() or videos.is_symlink()) and not videos.is_dir():
+        raise FileRefused(videos, "is not a folder: move it aside; the MP4s and their records belong in a folder there")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
     taken = (f"{STORE_FILE}.damaged-{stamp}", f"unrecorded-{stamp}")
     if any((output_dir / name).exists() for name in taken):  # a second rebuild within the second: never replace
@@ -717,12 +974,15 @@ def rebuild_store(output_dir: Path, now: float | None = None) -> Rebuilt:
     rows: list[VideoJob] = []
     report = inspect_store(output_dir, rows)
     records: dict[str, VideoJob] = {}
-    bad: list[str] = []
+    bad: list[Skipped] = []
     for job_id in report.sidecars:
+        name = f"{job_id}{SIDECAR}"
         try:
-            records[job_id] = read_sidecar(videos / f"{job_id}{SIDECAR}")
+            records[job_id] = read_sidecar(videos / name)
+        except FileRefused as err:
+            bad.append(Skipped(name, err.reason))
         except (ValueError, OSError) as err:
-            bad.append(f"videos/{job_id}{SIDECAR}: {err}")
+            bad.append(Skipped(name, str(err)))
     from_sidecars = len(records)
     from_rows = 0
     for job in rows:  # a sidecar is the finished record as committed: it wins over a row read from a damaged file
@@ -730,33 +990,55 @@ def rebuild_store(output_dir: Path, now: float | None = None) -> Rebuilt:
             records[job.id] = job
             from_rows += 1
     lost = [d for d in report.damaged if d.job_id not in records]
+    # The MP4s the new store names: regular files only (a link would serve a file outside videos/).
+    named = {j.file_name for j in records.values() if j.file_name and _regular(videos / j.file_name)}
 
     building = output_dir / f".{STORE_FILE}.rebuild-{stamp}.tmp"
     building.unlink(missing_ok=True)
-    db = sqlite3.connect(building, isolation_level=None)
     try:
-        db.execute("BEGIN")
-        db.execute(_CREATE)
-        for job in sorted(records.values(), key=lambda j: (j.created_at, j.id)):  # rowid order: creation order
-            db.execute(_INSERT, [v for f in FIELDS for _, v in _encode(f, getattr(job, f))])
-        db.execute("COMMIT")
-    finally:
-        db.close()
+        db = sqlite3.connect(building, isolation_level=None)
+        try:
+            db.execute("BEGIN")
+            db.execute(_CREATE)
+            for job in sorted(records.values(), key=lambda j: (j.created_at, j.id)):  # rowid order: creation order
+                db.execute(_INSERT, [v for f in FIELDS for _, v in _encode(f, getattr(job, f))])
+            db.execute("COMMIT")
+        finally:
+            db.close()
+    except BaseException:
+        for leftover in (building, building.with_name(f"{building.name}-journal")):
+            leftover.unlink(missing_ok=True)
+        raise
     moved = []
     for suffix in ("", "-wal", "-shm"):
         old = output_dir / f"{STORE_FILE}{suffix}"
-        if old.exists():
+        if old.exists() or old.is_symlink():
             aside = output_dir / f"{STORE_FILE}.damaged-{stamp}{suffix}"
             os.replace(old, aside)
             moved.append(aside)
     os.replace(building, path)
-    named = {j.file_name for j in records.values() if j.file_name}
-    stray = [p for p in sorted(videos.glob("*.mp4")) if p.name not in named]
-    stray += [videos / name.split(":", 1)[0].removeprefix("videos/") for name in bad]  # sidecars that did not read
-    unrecorded = None
+
+    stray = [f"{i}{MP4}" for i in report.mp4s if f"{i}{MP4}" not in named]
+    stray += [s.name for s in bad]
+    unrecorded, not_moved = None, []
     if stray:
         unrecorded = output_dir / f"unrecorded-{stamp}"
-        unrecorded.mkdir(exist_ok=True)
-        for file in stray:
-            os.replace(file, unrecorded / file.name)
-    return Rebuilt(moved, from_sidecars, from_rows, lost, bad, unrecorded)
+        try:
+            unrecorded.mkdir()
+        except OSError as err:
+            not_moved = [Skipped(name, f"{unrecorded} cannot be made ({_why(err)})") for name in stray]
+            stray = []
+        for name in stray:
+            try:
+                os.replace(videos / name, unrecorded / name)  # a rename: the file itself is never opened
+            except OSError as err:
+                not_moved.append(Skipped(name, _why(err)))
+    return Rebuilt(moved, from_sidecars, from_rows, lost, bad, report.ignored, unrecorded, not_moved)
+
+
+def _regular(path: Path) -> bool:
+    """A regular file, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
