@@ -26,12 +26,19 @@ from h3serve.pipeline.schedule import DualSchedule
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
+    parser.add_argument(
+        "--steps",
+        type=lambda v: [int(s) for s in v.split(",")],
+        default=[20, DEFAULT_STEPS],
+        help="comma-separated grid point counts of the schedules (default 20 and the default's)",
+    )
     args = parser.parse_args()
     record: dict = {
         **run_header(),
         "schedules": {},
     }
-    dit = build_dit(torch.device("cuda"))
+    dit = build_dit(torch.device("cuda"), args.blocks)
     before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     tables = AdalnTables(dit, weights="pinned")
@@ -39,7 +46,7 @@ def main() -> None:
     record["gpu_freed_gib"] = round((before - torch.cuda.memory_allocated()) / 2**30, 2)
     geometry = MediaGeometry.from_pixels(448, 768, 56)
     with torch.no_grad():
-        for steps in (20, DEFAULT_STEPS):
+        for steps in args.steps:
             schedule = DualSchedule.build(steps, VIDEO_SHIFT, AUDIO_SHIFT)
             for task, anchors in (("t2va", ()), ("fl2va", ("first", "last"))):
                 layout = build_layout([1] * 537, geometry, anchors)

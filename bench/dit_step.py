@@ -252,7 +252,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     torch.manual_seed(0)
     dev = "cpu" if args.tiny else "cuda"
     shape = SHAPES[args.shape][1 if args.tiny else 0]
-    dit = models.tiny_dit() if args.tiny else models.build_dit(torch.device("cuda"))
+    dit = models.tiny_dit() if args.tiny else models.build_dit(torch.device("cuda"), args.blocks)
     rec.data["weights_gib"] = round(allocated() / 2**30, 2)
     x = inputs(dit, shape["text"], shape, dev)
     other = inputs(dit, shape["other_text"], shape, dev, seed=1)
@@ -262,7 +262,7 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
         **shape,
         "rows": {"text": shape["text"], "audio": layout.num_audio_rows, "video": layout.num_video_rows},
     }
-    rec.data["warmup"], rec.data["iters"] = args.warmup, args.iters
+    rec.data["warmup"], rec.data["iters"], rec.data["blocks"] = args.warmup, args.iters, len(dit.blocks)
     # The engine makes every block's modulation table before the denoise loop (h3serve.accel.adaln); so does this
     # benchmark, once: the 26 GB AdaLN projection is not part of a forward any more (the peer's forward includes it).
     x["tables"] = other["tables"] = AdalnTables(dit, weights="device").for_steps([x["timesteps"]])[0]
@@ -485,7 +485,11 @@ def main() -> None:
         help="comma-separated GPU counts, e.g. 1,2,4,8: the forward split over each (1: the plain one-GPU forward), "
         f"in spawned processes; `--only` picks the profiles (default {','.join(SPLIT_PROFILES)}); no peer",
     )
-    parser.add_argument("--blocks", type=int, help="with --num-gpus: the first BLOCKS main blocks only")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        help="the first BLOCKS main blocks only (not with --tiny; a smoke run's setting, or a split's)",
+    )
     parser.add_argument(
         "--simulate",
         action="store_true",

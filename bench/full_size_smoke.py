@@ -29,10 +29,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
     device = torch.device("cuda")
     start = time.perf_counter()
-    components = build(device)
+    components = build(device, args.blocks)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
     weights_gib = torch.cuda.memory_allocated() / 2**30

@@ -32,7 +32,7 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def one(mode: str) -> dict:
+def one(mode: str, latents: int = LATENTS) -> dict:
     import numpy as np
     import torch
 
@@ -44,9 +44,9 @@ def one(mode: str) -> dict:
     vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).eval()
     cfg = vae.cfg
     z = torch.randn(
-        1, cfg.latent_channels, LATENTS, HEIGHT // 16, WIDTH // 16, generator=torch.Generator().manual_seed(0)
+        1, cfg.latent_channels, latents, HEIGHT // 16, WIDTH // 16, generator=torch.Generator().manual_seed(0)
     )
-    frames_total = cfg.decode_plan(LATENTS)[2]
+    frames_total = cfg.decode_plan(latents)[2]
     audio = np.zeros((2, round(frames_total / FPS * SAMPLE_RATE)), np.float32)
     rgb = lambda pixels: VideoVAE.output_to_rgb(pixels)[0].numpy()  # noqa: E731 (what pipeline.decode hands on)
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,16 +81,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=["whole", "streamed"], help=argparse.SUPPRESS)  # one way, in this process
+    parser.add_argument(
+        "--latents",
+        type=int,
+        default=LATENTS,
+        help=f"latent frames decoded (default {LATENTS}: the largest request; fewer for a smoke run)",
+    )
     args = parser.parse_args()
     if args.mode:
-        print(json.dumps(one(args.mode)))
+        print(json.dumps(one(args.mode, args.latents)))
         return
     from lib.timing import run_header
 
-    record: dict = {**run_header(None), "request": f"{WIDTH}x{HEIGHT}, {LATENTS} latents", "ways": {}}
+    record: dict = {**run_header(None), "request": f"{WIDTH}x{HEIGHT}, {args.latents} latents", "ways": {}}
     for mode in ("whole", "streamed"):
-        run = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--mode", mode], capture_output=True,
-                             text=True, check=True)  # fmt: skip
+        run = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--mode", mode, "--latents",
+                              str(args.latents)], capture_output=True, text=True, check=True)  # fmt: skip
         record["ways"][mode] = json.loads(run.stdout.strip().splitlines()[-1])
         print(mode, record["ways"][mode], flush=True)
     ways = record["ways"]

@@ -70,8 +70,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--profiles", nargs="*", help="profile labels to run (default: all of PROFILES)")
     parser.add_argument("--runs", nargs="*", help="run names to run (default: all of RUNS)")
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
-    components = build(torch.device("cuda"))
+    components = build(torch.device("cuda"), args.blocks)
     config = components.dit_config
     record: dict = {**run_header(), "rank": args.rank, "runs": {}}
     with tempfile.TemporaryDirectory() as folder:

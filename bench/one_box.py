@@ -107,11 +107,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="grid points of the reference render")
     parser.add_argument("--default-steps", type=int, default=3, help="grid points of the default-request render")
     parser.add_argument("--profiles", default="BF16,CUTLASS,CUTLASS+text", help="comma-separated")
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
     record: dict = {**run_header(), "runs": {}}
     record["host_before_build_gib"] = gib(proc_status())
     start = time.perf_counter()
-    components = build(torch.device("cuda"))
+    components = build(torch.device("cuda"), args.blocks)
     record["build_s"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
     record["adaln_written_gib"] = round(map_adaln(components.dit, args.dir), 2)

@@ -73,10 +73,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
     device = torch.device("cuda")
     start = time.perf_counter()
-    full = build(device)
+    full = build(device, args.blocks)
     # The same architecture as the FL2VA DiT, loaded as the Ref2VA one (random weights either way).
     components = Components(
         dit=None, ref_dit=full.dit, text_encoder=full.text_encoder, video_vae=full.video_vae,

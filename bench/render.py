@@ -180,6 +180,11 @@ def main() -> None:
                         "the engine's start chooses it)")  # fmt: skip
     parser.add_argument("--warmup-steps", type=int, help="warm up with a render of this many points")
     parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        help="DiT main blocks of the one-GPU run (default: the released 50); fewer for a smoke run",
+    )
     parser.add_argument("--mp4", type=Path, help="stream the timed render's frames into an MP4 in this folder")
     parser.add_argument(
         "--mp4-threads",
@@ -203,7 +208,9 @@ def main() -> None:
     shape, steps = SHAPES[args.shape]
     steps = args.steps or steps
     split = args.num_gpus > 1 or args.split
-    components = None if split else build(torch.device("cuda"))
+    if split and args.blocks is not None:
+        parser.error("--blocks: the one-GPU run only (a split's workers build the released DiT)")
+    components = None if split else build(torch.device("cuda"), args.blocks)
     record: dict = {**run_header(), "num_gpus": args.num_gpus, "shape": args.shape, "attention": args.attention,
                     "runs": {}}  # fmt: skip
     if components is not None:

@@ -50,10 +50,17 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script with the tiny model on the CPU")
     parser.add_argument("--num-gpus", type=int, default=1, help="serve a render split over this many GPUs")
     parser.add_argument("--split", action="store_true", help="the split path (workers) even for one GPU")
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        help="DiT main blocks of the one-GPU run (default: the released 50); fewer for a smoke run",
+    )
     args = parser.parse_args()
     work = args.out.parent / "serve_accept"
     device = torch.device("cpu" if args.tiny else "cuda")
     split = args.num_gpus > 1 or args.split
+    if args.blocks is not None and (split or args.tiny):
+        parser.error("--blocks: the one-GPU full-size run only")
     t0 = time.perf_counter()
     if split:
         profile = Profile.for_device(device.type)
@@ -61,7 +68,8 @@ def main() -> None:
         spec = WorkerSpec(None, profile, args.num_gpus, cpu_threads=1, **full)
         engine = ParallelEngine(spec)
     else:
-        engine = Engine.load(None, Profile()) if args.tiny else Engine(build(device), Profile.for_device("cuda"))
+        full = None if args.tiny else build(device, args.blocks)
+        engine = Engine.load(None, Profile()) if full is None else Engine(full, Profile.for_device("cuda"))
     shape = dict(width=224, height=128, duration=0.9, steps=3) if args.tiny else {}
     build_s = time.perf_counter() - t0
     idle_mib = _allocated_mib(device)  # this process's (a split engine's memory is in its workers: nvidia-smi below)

@@ -36,13 +36,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
     balanced = parse_cache_config(BALANCED)
     if args.tiny:
         engine = Engine.load(None, Profile.for_device("cpu"), step_cache=balanced)
         shape = {}
     else:
-        engine = Engine(build(torch.device("cuda")), Profile.for_device("cuda"), step_cache=balanced)
+        engine = Engine(build(torch.device("cuda"), args.blocks), Profile.for_device("cuda"), step_cache=balanced)
         shape = dict(width=768, height=448, num_frames=56)
     record: dict = {
         **run_header(),

@@ -25,8 +25,10 @@ from h3serve.pipeline.engine import Engine
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
+    parser.add_argument("--steps", type=int, default=20, help="grid points of the render")
     args = parser.parse_args()
-    components = build(torch.device("cuda"))
+    components = build(torch.device("cuda"), args.blocks)
     gib = lambda: round(torch.cuda.memory_allocated() / 2**30, 2)  # noqa: E731
     record: dict = {
         **run_header(),
@@ -50,7 +52,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     record["resident_both_fp8_gib"] = gib()
     record["memory_budget_gib"] = engine.memory_budget()
-    request = engine.validate(prompt, width=768, height=448, num_frames=56, steps=20, seed=42)
+    request = engine.validate(prompt, width=768, height=448, num_frames=56, steps=args.steps, seed=42)
     start = time.perf_counter()
     engine.render(request)
     record["first_render_s"] = round(time.perf_counter() - start, 2)

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 
-def child(cache: Path, attention: str) -> None:
+def child(cache: Path, attention: str, blocks: int | None) -> None:
     marks = {"interpreter_up": time.time()}  # wall clock, comparable with the parent's launch time
     from h3serve.accel.caches import use_cache_dir
 
@@ -48,7 +48,7 @@ def child(cache: Path, attention: str) -> None:
     prof, line = resolve(prof, 128)  # as the start resolves it: FA4's self-test compiles (or loads) its kernel
     resolved = time.perf_counter() - t0
     marks["resolved"] = time.time()
-    dit = build_dit(torch.device("cuda"))
+    dit = build_dit(torch.device("cuda"), blocks)
     counter = apply(alone(dit), prof)
     x = inputs(dit, SHAPE["text"], SHAPE, "cuda")
     built = time.perf_counter() - t0
@@ -71,10 +71,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--attention", default="CUDNN_ATTN", help="the DiT's attention: CUDNN_ATTN, FA4 or auto")
+    parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.attention)
+        child(args.child, args.attention, args.blocks)
         return
     record: dict = {"date": datetime.date.today().isoformat(), "python": platform.python_version(),
                     "command": " ".join(sys.argv), "runs": {}}  # fmt: skip
@@ -86,7 +87,15 @@ def main() -> None:
             start = time.perf_counter()
             env["BENCH_LAUNCH_TIME"] = repr(time.time())
             done = subprocess.run(
-                [sys.executable, __file__, "--child", cache, "--attention", args.attention],
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    cache,
+                    "--attention",
+                    args.attention,
+                    *(["--blocks", str(args.blocks)] if args.blocks else []),
+                ],
                 env=env,
                 capture_output=True,
                 text=True,

@@ -81,8 +81,10 @@ def build_dit(device: torch.device, blocks: int | None = None) -> H3DiT:
     return dit.eval().requires_grad_(False)
 
 
-def build(device: torch.device) -> Components:
-    dit = build_dit(device)
+def build(device: torch.device, blocks: int | None = None) -> Components:
+    """Every component at the released configuration with random weights (the DiT with `blocks` main blocks when
+    given: a smoke run's setting, which fits an 80 GB card beside the full-size text encoder)."""
+    dit = build_dit(device, blocks)
 
     qwen_cfg = Qwen3VLConfig.from_pretrained(str(REFERENCE / "text_encoder"))
     qwen = truncated_qwen3vl(qwen_cfg, TEXT_ENCODER_LAYER, vision=True)

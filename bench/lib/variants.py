@@ -87,8 +87,17 @@ def profile(attn: str, execution: str, linear: str) -> Profile:
 
 
 def alone(dit: nn.Module) -> Components:
-    """`dit` as the only model `accel.apply` sees (empty stand-ins for the decoders and text encoder)."""
-    return Components(dit=dit, text_encoder=nn.Module(), video_vae=nn.Module(), audio_vae=nn.Module(), name="a DiT")
+    """`dit` as the only model `accel.apply` measures: the VAEs are the tiny model's, built on the meta device (no
+    memory, no weights), so that `apply` gives them what it gives a real model's (attention kernels, the tile batch,
+    the decoder's passes on CUDA) and never meets a shape it does not know; the text encoder is an empty stand-in
+    (`apply` touches it only for FP8 text linears, which no DiT variant asks for)."""
+    from h3serve.model.audio_vae import AudioVAE
+    from h3serve.model.tiny import TINY_AUDIO_VAE, TINY_VIDEO_VAE
+    from h3serve.model.video_vae import VideoVAE
+
+    with torch.device("meta"):
+        video_vae, audio_vae = VideoVAE(TINY_VIDEO_VAE), AudioVAE(TINY_AUDIO_VAE)
+    return Components(dit=dit, text_encoder=nn.Module(), video_vae=video_vae, audio_vae=audio_vae, name="a DiT")
 
 
 def configure(dit, attn: str, execution: str, linear: str, dev: str) -> GraphCounter | None:
@@ -145,18 +154,26 @@ def swap_linears(dit, name: str) -> dict | None:
     if name == "BF16":
         return None
     kept = {name: getattr(parent, leaf) for name, parent, leaf in linear.block_linears(dit)}
-    if profile_linear(name) == "CUTLASS":
-        linear.quantize_blocks(dit)
-    else:
-        humming.quantize_blocks(dit)
+    make = linear.Fp8Linear.from_linear if profile_linear(name) == "CUTLASS" else humming.HummingLinear.from_linear
+
+    def convert(module: nn.Module) -> nn.Module:
+        # Each BF16 layer goes to host memory as soon as its copy exists, as the engine releases it: the device
+        # never holds the BF16 and the FP8 block linears together (61.8 GiB + 19 GiB would not fit an 80 GB card).
+        new = make(module)
+        module.to("cpu")
+        return new
+
+    linear.replace_block_linears(dit, convert)
     return kept
 
 
 def restore(dit, kept: dict) -> None:
-    """Put back the block linears `swap_linears` kept."""
+    """Put back the block linears `swap_linears` kept, on the DiT's device again (each swapped layer released as
+    its BF16 one returns)."""
+    device = next(p.device for p in dit.parameters() if p.device.type != "meta")
     for name, module in kept.items():
         parent, leaf = name.rsplit(".", 1)
-        setattr(dit.get_submodule(parent), leaf, module)
+        setattr(dit.get_submodule(parent), leaf, module.to(device))
 
 
 def uncompile(model, *inputs: dict) -> None:
