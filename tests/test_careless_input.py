@@ -141,8 +141,9 @@ def test_a_model_path_that_is_a_device_says_what_it_is():
         (["render", "a fox", "--num-frames", "22", "-o", "fox.mp4"], "did you mean --frames?"),
         (["serve", "--api-key", "abc"], "set H3_API_KEY in the environment"),
         (["check", "--num-gpu", "2"], "did you mean --num-gpus?"),
+        (["check", "--startup-warmup", "false"], "write --startup-warmup or --no-startup-warmup"),
     ],
-    ids=["prompt-flag", "num-frames", "api-key", "num-gpu"],
+    ids=["prompt-flag", "num-frames", "api-key", "num-gpu", "switch-value"],
 )
 def test_an_unknown_flag_is_answered_in_a_line_with_what_to_write(argv, hint, capsys):
     lines = usage_error(argv, capsys)

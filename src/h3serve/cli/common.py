@@ -101,8 +101,7 @@ def parse_command_line(parser: Parser, argv: list[str] | None) -> argparse.Names
         lines += [_unknown_flag(command, flag, value) for flag, value in strays]
         if not strays:  # (a stray flag's value shifts the arguments after it: only without one are they extra)
             extra = [token for token in unknown or () if not token.startswith("-")]
-            quote = "(a value of several words is one argument: quote it)"
-            lines += [f"unexpected argument {shown(token)} {quote}" for token in extra]
+            lines += [_unexpected(command, tokens, token) for token in extra]
     if refused is not None:
         where = refused.parser
         if where is parser and command is None:
@@ -129,6 +128,17 @@ def _command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse
         if not token.startswith("-"):
             break
     return None, []
+
+
+def _unexpected(parser: argparse.ArgumentParser, tokens: list[str], token: str) -> str:
+    """One line for an argument `parser` did not expect: a value given to a switch (`--startup-warmup false`: a
+    switch takes none, its `--no-` form turns it off), else a value of several words left unquoted."""
+    index = tokens.index(token) if token in tokens else 0
+    before = parser._option_string_actions.get(tokens[index - 1]) if index > 0 else None
+    if before is not None and before.nargs == 0:
+        forms = " or ".join(name for name in before.option_strings if name.startswith("--"))
+        return f"{tokens[index - 1]} takes no value (got {shown(token)}): write {forms}"
+    return f"unexpected argument {shown(token)} (a value of several words is one argument: quote it)"
 
 
 def _unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str:

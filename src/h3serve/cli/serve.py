@@ -117,13 +117,9 @@ def cmd_ready(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import_held("uvicorn", "h3serve.service.app")
-    import uvicorn
-
     from h3serve import startup
-    from h3serve.service.app import create_app
-    from h3serve.service.http import head_deadline_protocol
-    from h3serve.service.page import WebPage
-    from h3serve.service.store import check_store  # passed to the preflight: startup sits below the service
+    from h3serve.errors import SettingError
+    from h3serve.service.store import SERVER, FolderBusy, FolderLock, check_store  # startup sits below the service
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
     log = logging.getLogger("h3serve.serve")
@@ -136,6 +132,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with refusals():
         plan = startup.plan(settings, settings.task_type)
         plan = startup.preflight(plan, service=True, say=log.info, store_check=check_store)
+    # The output folder is this server's from here on, before any weight loads: of two servers started on one folder
+    # at the same instant (both past the preflight's look at the lock), the second is refused now, not after its load.
+    try:
+        folder_lock = FolderLock(settings.output_dir, SERVER)
+    except FolderBusy as err:
+        raise CliError(str(SettingError("output_dir", str(err)))) from err
+    try:
+        return _serve(settings, plan, folder_lock, log)
+    finally:
+        folder_lock.release()
+
+
+def _serve(settings, plan, folder_lock, log: logging.Logger) -> int:
+    """The service, once the start's checks have passed and the output folder is held: load, then serve."""
+    import uvicorn
+
+    from h3serve import startup
+    from h3serve.service.app import create_app
+    from h3serve.service.http import head_deadline_protocol
+    from h3serve.service.page import WebPage
+
     if plan.budget is not None:
         log.info("memory budget before load:\n%s", plan.budget.table())
     for adapter in plan.adapters:
@@ -154,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 engine.admission.sampler.describe(),
             )
         log.info("memory held after load:\n%s", engine.memory_budget().table())
-        app = create_app(settings, engine, page)
+        app = create_app(settings, engine, page, folder_lock=folder_lock)
         uvicorn.run(
             app,
             host=settings.bind_host,

@@ -78,7 +78,15 @@ from h3serve.service.schemas import (
     step_cache_mode,
 )
 from h3serve.service.security import BearerKey, require_key
-from h3serve.service.store import ACTIVE, DamagedRecord, JobStore, RecordDamaged, job_record, new_job_id
+from h3serve.service.store import (
+    ACTIVE,
+    DamagedRecord,
+    FolderLock,
+    JobStore,
+    RecordDamaged,
+    job_record,
+    new_job_id,
+)
 from h3serve.settings import Settings
 from h3serve.startup import service_folders
 
@@ -91,8 +99,10 @@ SYNC_POLL_S = 0.25  # how often a waiting sync route looks for a disconnected cl
 CANCEL_WAIT_S = 30.0  # how long a DELETE waits for an unfinished job to stop before it answers 202
 
 
-def create_app(settings: Settings, engine: RenderEngine, page: WebPage | None = None) -> FastAPI:
-    store = JobStore(settings.output_dir)
+def create_app(
+    settings: Settings, engine: RenderEngine, page: WebPage | None = None, *, folder_lock: FolderLock | None = None
+) -> FastAPI:
+    store = JobStore(settings.output_dir, lock=folder_lock)
     metrics = Metrics()
     scheduler = Scheduler(
         engine,
