@@ -416,7 +416,8 @@ def test_parse_lora_setting(value, expected):
         ("turbo.safetensors:", "nothing after"),
         ("turbo.safetensors:strong", '"strong" is not a number'),
         (":0.5", "no path"),
-        ("turbo.safetensors:nan", "finite"),
+        ("turbo.safetensors:nan", '"nan" is not a number'),  # ASCII digits only (errors.decimal_number)
+        ("turbo.safetensors:1e999", "finite"),
     ],
 )
 def test_parse_lora_setting_refuses(value, why):
