@@ -113,7 +113,10 @@ def main() -> None:
 
         plan = AcceptPlan(url=url, out_dir=work, **shape)
         parts = plan.parts()
-        job = c.post("/v1/videos", files=parts).json()
+        answer = c.post("/v1/videos", files=parts)
+        if answer.status_code != 200:
+            raise SystemExit(f"the async job was refused: {answer.status_code} {answer.text[:500]}")
+        job = answer.json()
         while (record := c.get(f"/v1/videos/{job['id']}").json())["status"] in ("queued", "in_progress"):
             time.sleep(0.2)
         async_mp4 = work / "async.mp4"

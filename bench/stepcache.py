@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a dry run of the script's plumbing on the CPU")
     parser.add_argument("--blocks", type=int, help="DiT main blocks (default: the released 50); fewer for a smoke run")
     args = parser.parse_args()
+    if args.blocks is not None and args.blocks < 2:
+        parser.error("--blocks: at least 2 (the balanced cache computes the first block and caches the rest)")
     balanced = parse_cache_config(BALANCED)
     if args.tiny:
         engine = Engine.load(None, Profile.for_device("cpu"), step_cache=balanced)

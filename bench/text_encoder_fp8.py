@@ -8,6 +8,7 @@ for the resident peak, and the engine's memory budget.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ def main() -> None:
     engine = Engine(components, profile)  # text_linear BF16 here: it is quantized already, above
     torch.cuda.empty_cache()
     record["resident_both_fp8_gib"] = gib()
-    record["memory_budget_gib"] = engine.memory_budget()
+    record["memory_budget_gib"] = dataclasses.asdict(engine.memory_budget())  # a Budget: a dataclass of GiB
     request = engine.validate(prompt, width=768, height=448, num_frames=56, steps=args.steps, seed=42)
     start = time.perf_counter()
     engine.render(request)

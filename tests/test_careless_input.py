@@ -122,6 +122,8 @@ def test_node_settings_with_one_node_are_refused_like_the_address_and_the_key():
     assert all("H3_NNODES is 1" in line for line in err.violations)
     address = refusals({"H3_DIST_INIT_ADDR": "127.0.0.1:29500"}).violations[0]
     assert address.split(": ", 1)[1] == err.violations[0].split(": ", 1)[1]  # the same words
+    # Their defaults, written out (deploy/.env.example uncommented), choose nothing: accepted.
+    load_settings(env={"H3_NODE_TIMEOUT": "300", "H3_NODE_GRACE": "10", "H3_ALLOW_REMOTE_NODES": "false"})
 
 
 def test_a_model_path_that_is_a_device_says_what_it_is():
@@ -197,3 +199,14 @@ def test_accept_chooses_a_request_the_tiny_server_admits_and_shows_a_refusal(tmp
         assert main([*args, "--out", str(tmp_path / "big")]) == 1
     err = capsys.readouterr().err
     assert "HTTP 400: " in err and "width" in err  # the server's reason on the console, not only in a file
+
+
+def test_an_accept_plan_left_unset_asks_for_the_smoke_request_never_none():
+    """`AcceptPlan.form` of a plan whose size, duration and steps are left to the server's limits, used without them
+    (bench/serve_accept.py's async job): the seed's smoke request, not the text "None" (which the server refused)."""
+    from h3serve.accept import SMOKE_REQUEST, AcceptPlan
+
+    form = AcceptPlan(url="http://127.0.0.1:1", out_dir=Path(".")).form()
+    assert "None" not in json.dumps(form), form
+    assert (form["width"], form["height"]) == (str(SMOKE_REQUEST.width), str(SMOKE_REQUEST.height))
+    assert json.loads(form["extra_params"])["duration"] == SMOKE_REQUEST.seconds

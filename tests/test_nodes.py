@@ -428,8 +428,9 @@ def test_render_over_two_hosts_writes_the_one_process_mp4(hosts, pair, tmp_path,
         refs = ["--ref", str(tmp_path / "ref.png"), "--ref", str(tmp_path / "ref.wav")]
     args = ["render", "a lighthouse at dusk", "--steps", "3", "--seed", "4", "--width", "224", "--height", "128",
             "--frames", "22", "--no-progress", *refs]  # fmt: skip
+    # One node: none of the node settings (each is refused with one node).
     one = hosts.start("one", [*args, "-o", str(tmp_path / "one.mp4")], 0, H3_NNODES="1", H3_DIST_INIT_ADDR=None,
-                      H3_NODE_KEY=None, H3_TASK_TYPE=None, H3_NODE_TIMEOUT=None)  # fmt: skip
+                      H3_NODE_KEY=None, H3_TASK_TYPE=None, H3_NODE_TIMEOUT=None, H3_NODE_GRACE=None)  # fmt: skip
     assert one.wait(300) == 0, one.log()[-2000:]
     other = Hosts(tmp_path / "hosts", hosts.folders[0])  # its own port: the pair's node 0 stays as it is
     try:
@@ -465,4 +466,6 @@ def test_check_preflight_on_each_node_reports_the_rendezvous_it_will_use_and_its
     with socket.socket() as taken:  # node 0's check finds the address taken, naming the setting
         taken.bind(("127.0.0.1", hosts.port + 1))
         code, text = check(hosts, 0)
-    assert code == 1 and f"H3_DIST_INIT_ADDR (--dist-init-addr): 127.0.0.1:{hosts.port + 1}: cannot listen" in text
+    # The port named is the one taken, as what it is for: the process group's store at PORT+1 of the address.
+    store = f"127.0.0.1:{hosts.port + 1} (the process group's store: PORT+1 of {hosts.address}): cannot listen"
+    assert code == 1 and f"H3_DIST_INIT_ADDR (--dist-init-addr): {store}" in text, text

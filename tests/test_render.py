@@ -170,7 +170,6 @@ def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
         (["--frames", "5000"], "num_frames must be 22..362"),
         (["--frames", "0"], "num_frames must be >= 22"),
         (["--seconds", "-1"], "--seconds must be a finite number > 0"),
-        (["--seconds", "inf"], "--seconds must be a finite number > 0"),
         (["--threads", "0"], "H3_ENCODER_THREADS (--encoder-threads): Input should be greater than or equal to 1"),
         (
             ["--encoder-threads", "65"],
@@ -186,6 +185,19 @@ def test_error_model_with_unreadable_weights_leaves_no_file(tmp_path, capsys):
 )
 def test_error_invalid_request(tmp_path, capsys, flags, message):
     expect_error(tmp_path, capsys, *flags, message=message)
+
+
+@pytest.mark.parametrize("seconds", ["inf", "nan", "\u0665"])
+def test_seconds_not_written_in_ascii_digits_are_a_usage_error_naming_the_flag(tmp_path, capsys, seconds):
+    """argparse reads --seconds by the settings' rule (`errors.decimal_number`): a usage error (exit 2) in a line
+    that names the flag and what to write, and no file."""
+    before = leftovers(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        main(["render", "a fox", *STEPS, "--seconds", seconds, "-o", str(tmp_path / "out.mp4")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert "--seconds" in err[0] and "digits 0-9" in err[0], err
+    assert leftovers(tmp_path) == before
 
 
 def test_error_unreadable_keyframe(tmp_path, capsys):

@@ -60,16 +60,18 @@ class AcceptPlan:
         return snap_up(seconds_to_frames(self.duration if self.duration is not None else SMOKE_REQUEST.seconds))
 
     def form(self) -> dict[str, str]:
-        """The seed's smoke request, field for field."""
-        extra = {"task": Task.T2VA, "duration": self.duration, "audio_flow_shift": AUDIO_SHIFT}
+        """The seed's smoke request, field for field; a value left None is the smoke request's (`fit_request` without
+        a server's limits), never the text "None"."""
+        plan = fit_request(self, None)[0]
+        extra = {"task": Task.T2VA, "duration": plan.duration, "audio_flow_shift": AUDIO_SHIFT}
         return {
-            "prompt": self.prompt,
-            "width": str(self.width),
-            "height": str(self.height),
+            "prompt": plan.prompt,
+            "width": str(plan.width),
+            "height": str(plan.height),
             "fps": str(FPS),
-            "num_inference_steps": str(self.steps),
+            "num_inference_steps": str(plan.steps),
             "flow_shift": f"{VIDEO_SHIFT:g}",
-            "seed": str(self.seed),
+            "seed": str(plan.seed),
             "extra_params": json.dumps(extra),
         }
 

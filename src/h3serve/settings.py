@@ -761,8 +761,15 @@ def _node_rules(s: EngineSettings, failed: set[str]) -> list[str]:
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
     if not ok("nnodes", "node_rank", *NODE_SETTINGS):
         return out
-    # Given: set at all (a file key, a variable, a flag), even to its default: with one node it would do nothing.
-    given = [name for name in NODE_SETTINGS if getattr(s, name) is not None and name in s.model_fields_set]
+    # Given: set (a file key, a variable, a flag) to a value other than its default, which with one node would do
+    # nothing. Its default is no choice (deploy/.env.example writes each default, and loads uncommented).
+    given = [
+        name
+        for name in NODE_SETTINGS
+        if getattr(s, name) is not None
+        and name in s.model_fields_set
+        and getattr(s, name) != type(s).model_fields[name].default
+    ]
     if s.nnodes == 1:
         if s.node_rank != 0:
             out.append(refusal("node_rank", f"{s.node_rank}: H3_NNODES is 1, whose only node is 0"))
