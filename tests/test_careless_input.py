@@ -144,8 +144,9 @@ def test_a_model_path_that_is_a_device_says_what_it_is():
         (["serve", "--api-key", "abc"], "set H3_API_KEY in the environment"),
         (["check", "--num-gpu", "2"], "did you mean --num-gpus?"),
         (["check", "--startup-warmup", "false"], "write --startup-warmup or --no-startup-warmup"),
+        (["store", "check", "--outputdir", "o"], "not a flag of h3serve store check; did you mean --output-dir?"),
     ],
-    ids=["prompt-flag", "num-frames", "api-key", "num-gpu", "switch-value"],
+    ids=["prompt-flag", "num-frames", "api-key", "num-gpu", "switch-value", "subcommand-flag"],
 )
 def test_an_unknown_flag_is_answered_in_a_line_with_what_to_write(argv, hint, capsys):
     lines = usage_error(argv, capsys)

@@ -88,6 +88,13 @@ def test_a_record_naming_a_file_outside_videos_is_skipped_never_served_nor_delet
     assert stored(folder)[other]["file_name"] == f"{other}.mp4"  # its record file is the one that came back
     assert victim.read_text() == "not the server's"
 
+    # A row whose id itself is a path (and its file_name that id's MP4, so the name rule alone would pass it) is
+    # damaged too: the id names videos/<id>.mp4 and previews/<id>.png.
+    damage_row(folder, "UPDATE jobs SET id='../../victim', file_name='../../victim.mp4' WHERE id=?", other)
+    code, err = preflight(capsys, folder)
+    assert code == 1 and "id: not a plain name" in err, err
+    assert victim.read_text() == "not the server's"
+
 
 # ---- finding 4: what a record file is --------------------------------------------------------------------------
 def test_rebuild_reads_no_fifo_device_link_or_oversized_record_and_lists_each(made, folder, tmp_path, capsys):

@@ -124,7 +124,9 @@ def _command(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse
         return None, []
     for index, token in enumerate(argv):
         if token in commands.choices:
-            return commands.choices[token], argv[index + 1 :]
+            command, tokens = commands.choices[token], argv[index + 1 :]
+            deeper, rest = _command(command, tokens)  # a command's own subcommand (`store rebuild`)
+            return (deeper, rest) if deeper is not None else (command, tokens)
         if not token.startswith("-"):
             break
     return None, []

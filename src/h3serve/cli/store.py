@@ -80,6 +80,13 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
             raise CliError(f"{err}. Nothing was changed") from err
         for line in rebuilt.lines(before.path):
             print(line)
+        if rebuilt.not_moved:  # a start deletes an MP4 no record names: these must leave videos/ first, by hand
+            names = ", ".join(s.name for s in rebuilt.not_moved[:5]) + (", ..." if len(rebuilt.not_moved) > 5 else "")
+            raise CliError(
+                f"the store is rebuilt, but {len(rebuilt.not_moved)} file(s) no record names could not be moved out "
+                f"of videos/ ({names}): move them elsewhere before the next start, which deletes an MP4 without a "
+                "record (a render cut short)"
+            )
         try:  # opened as a start opens it: checked, and the sidecars of the jobs it marks failed written
             JobStore(output_dir, lock=lock).close()
         except ValueError as err:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3serve.errors import shown
 from h3serve.parallel.group import GroupStore
 from h3serve.pipeline.context import NodeLost
 
@@ -71,6 +72,7 @@ RETRY_S = 1.0  # a joining node's pause between attempts to reach node 0
 
 # The settings a refusal may name (`NodeRefused.setting`), as node 0 sends them to a joining node: which of its own
 # settings the operator of the refused node has to change.
+REFUSAL_ECHO_CHARS = 2000  # the most of node 0's refusal a joining node repeats
 REFUSAL_SETTINGS = frozenset({"node_key", "node_rank", "nnodes", "model", "dist_init_addr"})
 
 
@@ -300,7 +302,12 @@ def _refuse(sock: socket.socket, reason: str, setting: str = "node_rank") -> Non
 def _refusal(node: int, answer: dict[str, Any]) -> NodeRefused:
     """Node 0's refusal as a joining node raises it: the setting named where it is one of REFUSAL_SETTINGS."""
     setting = answer.get("setting")
-    return NodeRefused(node, str(answer["refused"]), setting=setting if setting in REFUSAL_SETTINGS else "node_rank")
+    # Echoed as `shown` writes a value: the other side has not proved the key yet, and its words reach a terminal.
+    # (Capped well above node 0's own reasons, which name a model's differences; control characters escaped.)
+    reason = shown(answer["refused"], REFUSAL_ECHO_CHARS)
+    if isinstance(answer["refused"], str) and reason.startswith('"') and reason.endswith('"'):
+        reason = reason[1:-1]
+    return NodeRefused(node, reason, setting=setting if setting in REFUSAL_SETTINGS else "node_rank")
 
 
 # ---- node 0 ----------------------------------------------------------------------------------------------------------
@@ -376,7 +383,8 @@ class Rendezvous:
         self._generation = 0
         self._closed = False
         self._handshaking = 0  # connections accepted whose handshake has not ended
-        self._listener_down: str | None = None  # why the listener stopped for good
+        self._listener_down: str | None = None  # why the listener stopped for good (with its address: the log's)
+        self._listener_why = ""  # the same without the address (/health's)
         self._said = Throttle(log_every_s)
         self._wake = threading.Event()  # set by close: ends the accept loop's pause
         self._listener = _listen(plan.host, plan.port)
@@ -483,8 +491,8 @@ class Rendezvous:
                 entry: dict[str, Any] = {"node": node, "ranks": [r[0], r[-1]], "joined": joined}
                 if node in self._lost:
                     entry["lost"] = self._lost[node]
-                if node == 0 and self._listener_down is not None:
-                    entry["listener"] = self._listener_down
+                if node == 0 and self._listener_down is not None:  # /health answers without a key: no address
+                    entry["listener"] = f"stopped ({self._listener_why}); no node can join until node 0 restarts"
                 out.append(entry)
             return out
 
@@ -559,6 +567,7 @@ class Rendezvous:
 
     def _stopped(self, why: str) -> None:
         with self._cond:
+            self._listener_why = why
             self._listener_down = (f"node 0 no longer accepts connections at {self.plan.address} ({why}); no node can "
                                    "join until node 0 is started again")  # fmt: skip
             self._cond.notify_all()
@@ -605,7 +614,7 @@ class Rendezvous:
             return
         except BadMessage as err:  # told why, then closed: a node of another version learns what it sent wrong
             self._said.error("message", f"refused a connection from {peer}: no handshake ({err})")
-            _refuse(sock, f"node 0 at {self.plan.address} refused this connection: {err}")
+            _refuse(sock, f"node 0 at {self.plan.address} refused this connection: {err}", "dist_init_addr")
             return
         except (OSError, ValueError) as err:  # gone, or no h3serve node
             self._said.error("gone", f"refused a connection from {peer}: no handshake ({err})")
@@ -618,7 +627,7 @@ class Rendezvous:
         hello = receive(sock, HANDSHAKE_MESSAGE, deadline)
         node = hello.get("node")
         if hello.get("protocol") != PROTOCOL or not isinstance(node, int) or not isinstance(hello.get("nonce"), str):
-            _refuse(sock, f"not an h3serve node (expected protocol {PROTOCOL})")
+            _refuse(sock, f"not an h3serve node (expected protocol {PROTOCOL})", "dist_init_addr")
             raise NodeRefused(None, f"not an h3serve node (protocol {_short(hello.get('protocol'))})", "protocol")
         lead_nonce = secrets.token_hex(32)
         send(sock, {"nonce": lead_nonce, "proof": proof(plan.key, "lead", node, hello["nonce"], lead_nonce)}, deadline)

@@ -102,17 +102,22 @@ CANCEL_WAIT_S = 30.0  # how long a DELETE waits for an unfinished job to stop be
 def create_app(
     settings: Settings, engine: RenderEngine, page: WebPage | None = None, *, folder_lock: FolderLock | None = None
 ) -> FastAPI:
+    page = page or WebPage.load()  # before the store opens: nothing to give back if the install lacks the page
     store = JobStore(settings.output_dir, lock=folder_lock)
     metrics = Metrics()
-    scheduler = Scheduler(
-        engine,
-        store,
-        max_queue=settings.max_queue,
-        warmup=settings.startup_warmup,
-        encoder_threads=settings.encoder_threads,
-        metrics=metrics,
-        folders=service_folders(settings.output_dir),
-    )
+    try:
+        scheduler = Scheduler(
+            engine,
+            store,
+            max_queue=settings.max_queue,
+            warmup=settings.startup_warmup,
+            encoder_threads=settings.encoder_threads,
+            metrics=metrics,
+            folders=service_folders(settings.output_dir),
+        )
+    except BaseException:
+        store.close()  # (and the output folder's lock with it, unless the caller holds it)
+        raise
     metrics.watch(scheduler, store)
     # The schema is served by a route of our own, behind the key; there is no /docs page (it would fetch its
     # scripts from the internet, and these servers are often offline).
@@ -133,7 +138,7 @@ def create_app(
     app.state.streams = Streams(MAX_STREAMS)  # the open event streams, woken by the scheduler's publishes
     scheduler.events.on_publish = app.state.streams.poke
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
-    app.state.page = page or WebPage.load()
+    app.state.page = page
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RecordDamaged, _damaged_record)
     app.add_exception_handler(ClientGone, _client_gone)
@@ -563,7 +568,10 @@ def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         _find(store, video_id)  # deleted since it was read (a DELETE drops the record, then the file): a 404
         raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
-    except OSError:  # a link, a FIFO, a device or a folder where the MP4 was: nothing the server wrote
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
+            raise  # out of descriptors, a permission: the server's trouble (a 500), not a file gone for good
+        # A link, a FIFO, a device where the MP4 was: nothing the server wrote.
         log.warning("job %s: %s is not a regular file; not served", video_id, path)
         raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
     return OpenFileResponse(fh, job.file_name or path.name)
@@ -702,9 +710,10 @@ class EventStream(StreamingResponse):
             self.released = True
             self.streams.release(self.job_id)
 
-    def __del__(self) -> None:  # built and never sent (an exception in between): its place still goes back
-        if not getattr(self, "released", True):
-            self.release()
+    def __del__(self) -> None:  # built and never sent (an exception in between): its place still goes back, on the
+        if not getattr(self, "released", True):  # loop (the collector may run this on any thread)
+            self.released = True
+            self.streams.release_soon(self.job_id)
 
 
 @routes.get("/v1/videos/{video_id}/preview")

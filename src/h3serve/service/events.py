@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3serve.files import FileRefused, read_regular
+from h3serve.service.store import PLAIN_ID
+
 log = logging.getLogger(__name__)
 
 LIMIT = 256  # events one job's log keeps
@@ -42,6 +45,7 @@ MAX_STREAMS = 256  # event streams one server holds open at once (each a socket 
 # takes seconds, but a small one's events come every few milliseconds, and 256 streams each writing each event took
 # the loop (and the GIL the render needs) whole: measured on the CPU, bench/event_streams.py.
 WAKE_GAP_S = 0.2
+PREVIEW_CAP = 64 << 20  # bytes: a preview strip is four frames' PNG (a few MB at the largest canvas)
 PREVIEWS = "previews"  # the folder beside videos/ that holds each job's latest preview, <id>.png
 TERMINAL = ("completed", "failed", "cancelled")
 DROPPABLE = "progress"
@@ -127,7 +131,11 @@ class Events:
             self.on_publish(job_id)
 
     def _preview_path(self, job_id: str) -> Path:
-        return self.previews / f"{job_id}.png"  # a server-made id (store.new_job_id): never a client's name
+        # A job's id as the store holds it (store.PLAIN_ID: a plain name); refused here too, so no caller can name a
+        # path outside the folder.
+        if not PLAIN_ID.fullmatch(job_id):
+            raise ValueError(f"not a job id: {job_id!r}")
+        return self.previews / f"{job_id}.png"
 
     def set_preview(self, job_id: str, png: bytes) -> bool:
         """Keep `png` as the job's latest preview: written beside and renamed over the last, so that a reader gets one
@@ -145,16 +153,24 @@ class Events:
         return True
 
     def preview(self, job_id: str) -> bytes | None:
+        """The job's latest preview, read as the server wrote it: a regular file of at most PREVIEW_CAP bytes, never
+        through a link nor from a FIFO (something put there by hand is no preview: None)."""
+        if not PLAIN_ID.fullmatch(job_id):
+            return None
         try:
-            return self._preview_path(job_id).read_bytes()
+            return read_regular(self._preview_path(job_id), PREVIEW_CAP, follow=False)
         except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (FileRefused, OSError) as err:
+            log.warning("the preview of job %s was not read: %s", job_id, err)
             return None
 
     def forget(self, job_id: str) -> None:
         """A deleted job: its log and preview go."""
         with self._lock:
             self._logs.pop(job_id, None)
-        self._preview_path(job_id).unlink(missing_ok=True)
+        if PLAIN_ID.fullmatch(job_id):  # (a damaged row's id may be anything: it never had a preview)
+            self._preview_path(job_id).unlink(missing_ok=True)
 
 
 class Streams:
@@ -189,6 +205,22 @@ class Streams:
             if watch.timer is not None:
                 watch.timer.cancel()
             del self._watches[job_id]
+
+    def release_soon(self, job_id: str) -> None:
+        """`release` from any thread (a response finalised by the garbage collector on a worker thread): on the loop,
+        which alone touches the counts."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is loop:
+            self.release(job_id)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has closed: no stream is left to count
+            loop.call_soon_threadsafe(self.release, job_id)
 
     def poke(self, job_id: str) -> None:
         """An event of `job_id` was logged (any thread): one wake-up handed to the loop if a stream watches the job."""

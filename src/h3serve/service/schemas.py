@@ -450,7 +450,9 @@ def map_request(
         request = engine.validate(prompt, **kwargs)
     except RequestError as err:
         if err.field == "preview_every":  # the engine knows 1 as the least; this server's least is its minimum
-            raise _preview_refusal(_int("preview_every", fields["preview_every"]), steps, previews) from err
+            raise _preview_refusal(
+                _int("preview_every", fields.get("preview_every", preview_every)), steps, previews
+            ) from err
         hint = ""
         if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
             hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"

@@ -215,9 +215,18 @@ def _decode(row: tuple) -> VideoJob:
     return job
 
 
+# An id a row may hold: one plain file name's worth (the server's ids are JOB_ID; tests and older stores hold other
+# plain names). Never a separator, a leading dot or an empty name: the id names `videos/<id>.mp4` and
+# `previews/<id>.png`, so a row written by hand (or a restored store) must not name a path outside them.
+PLAIN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
+
 def _file_problem(job: VideoJob) -> str | None:
-    """What is wrong with a record's `file_name` (None: nothing): it is `<id>.mp4`, the name the server gives a job's
-    MP4, or absent. Anything else (a path, `../x`, another job's MP4) would become a file served and deleted."""
+    """What is wrong with a record's id or `file_name` (None: nothing): the id is a plain name (PLAIN_ID), the file
+    `<id>.mp4`, the name the server gives a job's MP4, or absent. Anything else (a path, `../x`, another job's MP4)
+    would become a file served and deleted."""
+    if not PLAIN_ID.fullmatch(job.id):
+        return "id: not a plain name (letters, digits, '_', '-', '.'; no leading '.'), so never a path here"
     if job.file_name is None or job.file_name == f"{job.id}{MP4}":
         return None
     return f"file_name: not this job's MP4 (<its id>{MP4}), so never a path here"
@@ -1009,14 +1018,24 @@ def _rebuild(output_dir: Path, now: float | None) -> Rebuilt:
         for leftover in (building, building.with_name(f"{building.name}-journal")):
             leftover.unlink(missing_ok=True)
         raise
-    moved = []
-    for suffix in ("", "-wal", "-shm"):
-        old = output_dir / f"{STORE_FILE}{suffix}"
-        if old.exists() or old.is_symlink():
-            aside = output_dir / f"{STORE_FILE}.damaged-{stamp}{suffix}"
-            os.replace(old, aside)
-            moved.append(aside)
-    os.replace(building, path)
+    pairs: list[tuple[Path, Path]] = []  # (the old store's file, where it went)
+    # Every file SQLite keeps beside a store goes with it: a hot rollback journal left beside the new store would be
+    # played back into it on its first open. A move that fails puts back what was moved (the old store whole again).
+    try:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            old = output_dir / f"{STORE_FILE}{suffix}"
+            if old.exists() or old.is_symlink():
+                aside = output_dir / f"{STORE_FILE}.damaged-{stamp}{suffix}"
+                os.replace(old, aside)
+                pairs.append((old, aside))
+        os.replace(building, path)
+    except OSError:
+        for old, aside in reversed(pairs):
+            with contextlib.suppress(OSError):
+                os.replace(aside, old)
+        building.unlink(missing_ok=True)
+        raise
+    moved = [aside for _, aside in pairs]
 
     stray = [f"{i}{MP4}" for i in report.mp4s if f"{i}{MP4}" not in named]
     stray += [s.name for s in bad]
