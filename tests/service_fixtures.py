@@ -123,6 +123,16 @@ def wait_status(client: httpx.Client, job_id: str, statuses: set[str], timeout: 
         time.sleep(0.05)
 
 
+def until(check, what: str = "the condition", bound: float = 60.0):
+    """Poll `check` until it returns something true, and return that; `bound` only ends a test that would otherwise
+    hang (every wait ends as soon as what it polls has happened)."""
+    deadline = time.monotonic() + bound
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"{what}: not within {bound:g} s (last {value!r})"
+        time.sleep(0.02)
+    return value
+
+
 def png_bytes(width: int = 96, height: int = 64, seed: int = 0) -> bytes:
     rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buffer = io.BytesIO()

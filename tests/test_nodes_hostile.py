@@ -16,13 +16,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from h3serve.parallel import nodes
+from service_fixtures import until
 from test_nodes import ROOT, two_free_ports
 
 KEY = "0123456789abcdef" * 3
@@ -34,15 +34,6 @@ LOGGER = "h3serve.parallel.nodes"
 def plan(port: int, rank: int) -> nodes.NodePlan:
     return nodes.NodePlan(nnodes=2, node_rank=rank, host="127.0.0.1", port=port, gpus=1, timeout_s=30.0,
                           grace_s=30.0, identity=IDENTITY, key=KEY.encode())  # fmt: skip
-
-
-def until(check: Callable[[], object], what: str, bound: float = BOUND_S) -> object:
-    """Poll `check` until it returns something true."""
-    deadline = time.monotonic() + bound
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {bound:g} s"
-        time.sleep(0.02)
-    return value
 
 
 def read_to_close(sock: socket.socket) -> tuple[list[dict], str]:

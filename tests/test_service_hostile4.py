@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import pytest
 
 from h3serve.service import events as service_events
 from h3serve.service.schemas import JobStatus
 from h3serve.service.store import new_job_id
-from service_fixtures import live_server, settings, wait_status
+from service_fixtures import live_server, settings, until, wait_status
 
 PROMPT = "a lighthouse at dusk, waves on the rocks"
 SMALL = {"prompt": PROMPT, "num_inference_steps": 2, "seed": 1}
@@ -58,16 +57,6 @@ def held_job(server, finished: dict) -> str:
 def end_held(server, job_id: str) -> None:
     server.scheduler.events.publish(job_id, "cancelled", {"status": "cancelled"})
     server.app.state.store.update(job_id, status=JobStatus.CANCELLED)
-
-
-def until(what, timeout: float = 60.0):
-    """Poll `what` until it is truthy; the timeout only bounds a test that would otherwise hang."""
-    deadline = time.monotonic() + timeout
-    while not (value := what()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still {value!r} after {timeout} s")
-        time.sleep(0.02)
-    return value
 
 
 def error_of(response, status: int, param: str | None) -> str:
