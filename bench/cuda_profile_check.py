@@ -17,6 +17,7 @@ from PIL import Image
 
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 
 def main() -> None:
@@ -27,18 +28,22 @@ def main() -> None:
     engine = Engine.load(None, profile)
     key = Image.new("RGB", (64, 48), (200, 40, 10))
     requests = [
-        engine.validate("a fox", steps=6, seed=1),
+        engine.validate(RequestFields("a fox", steps=6, seed=1)),
         engine.validate(
-            "a longer prompt about a fox in the snow at night",
-            task="i2va",
-            keyframes=[key],
-            width=256,
-            height=128,
-            num_frames=39,
-            steps=6,
-            seed=2,
+            RequestFields(
+                "a longer prompt about a fox in the snow at night",
+                task="i2va",
+                keyframes=[key],
+                width=256,
+                height=128,
+                num_frames=39,
+                steps=6,
+                seed=2,
+            ),
         ),
-        engine.validate("first and last", task="fl2va", keyframes=[key, key], width=160, height=96, steps=6, seed=3),
+        engine.validate(
+            RequestFields("first and last", task="fl2va", keyframes=[key, key], width=160, height=96, steps=6, seed=3)
+        ),
     ]
     runs = []
     for r in requests:

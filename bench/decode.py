@@ -41,6 +41,7 @@ from h3serve.accel.linear import Fp8Linear
 from h3serve.accel.profile import Attention
 from h3serve.accel.vae import CUDA_TILE_BATCH, decoder_passes, decoder_weights_to, set_decoder_passes, set_tile_batch
 from h3serve.model.video_vae import REFERENCE_PASSES, VideoVAE
+from h3serve.pipeline.video_decode import decode, decode_window
 
 SHAPES = {"default": (37, 48, 84), "reference": (17, 28, 48)}  # latents (T, h, w)
 AUTOCAST = torch.float16
@@ -80,7 +81,7 @@ def variants(vae: VideoVAE, fp8: VideoVAE | None = None) -> dict:
         def run(z):
             set_decoder_passes(vae, passes)
             set_tile_batch(vae, batch)
-            return vae.decode(z, autocast_dtype=AUTOCAST)
+            return decode(vae, z, autocast_dtype=AUTOCAST)
 
         return run
 
@@ -91,7 +92,7 @@ def variants(vae: VideoVAE, fp8: VideoVAE | None = None) -> dict:
 
     def quantized(z):
         set_decoder_passes(fp8, fast)
-        return fp8.decode(z, autocast_dtype=AUTOCAST)
+        return decode(fp8, z, autocast_dtype=AUTOCAST)
 
     norms = dataclasses.replace(plain, norm=fast.norm, residual_norm=fast.residual_norm, residual=fast.residual)
     runs = {
@@ -215,7 +216,7 @@ def main() -> None:
         # As the engine decodes: each window's final frames handed on (`on_frames`) instead of one whole output.
         set_decoder_passes(vae, decoder_passes())
         set_tile_batch(vae, CUDA_TILE_BATCH)
-        times, peak, _ = timed(lambda z=z: vae.decode(z, autocast_dtype=AUTOCAST, on_frames=lambda _p: None), 1)
+        times, peak, _ = timed(lambda z=z: decode(vae, z, autocast_dtype=AUTOCAST, on_frames=lambda _p: None), 1)
         entry["streamed_batched"] = {"ms": round(times[0], 1), "peak_gib": round(peak, 2)}
         print(shape, "streamed batched", entry["streamed_batched"], flush=True)
         result["shapes"][shape] = entry
@@ -230,7 +231,7 @@ def main() -> None:
             set_tile_batch(vae, 1 if before else CUDA_TILE_BATCH)
             if before:
                 return decode_window_before(vae, z, AUTOCAST)
-            return vae.decode_window(z, autocast_dtype=AUTOCAST)
+            return decode_window(vae, z, autocast_dtype=AUTOCAST)
 
         gc.collect()
         torch.cuda.empty_cache()
@@ -248,7 +249,7 @@ def main() -> None:
         set_decoder_passes(vae, passes)
         set_tile_batch(vae, batch)
         result["preview_windows_ms"][passes_name] = {
-            n: round(min(timed(lambda n=n: vae.decode_window(z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)
+            n: round(min(timed(lambda n=n: decode_window(vae, z[:, :, :n], autocast_dtype=AUTOCAST), 3)[0]), 1)
             for n in (1, 2, 3, 5, 7)
         }
     print(json.dumps(result["preview_windows_ms"]), flush=True)

@@ -62,7 +62,7 @@ def invariance(vae, device: torch.device, tokens: int, batches: tuple[int, ...])
 
 
 def tiles_of(vae, z: torch.Tensor) -> list[torch.Tensor]:
-    """The window's tiles' latents after post_quant_conv (each alone, as `_decode_tiles` runs it)."""
+    """The window's tiles' latents after post_quant_conv (each alone, as `VideoVAE.decode_tiles` runs it)."""
     grid = TileGrid.of(vae.cfg, z.shape[-2], z.shape[-1], True)
     with torch.autocast("cuda", dtype=AUTOCAST):
         return [vae.post_quant_conv(grid.latents(z, k)) for k in range(grid.count)]

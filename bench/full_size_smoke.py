@@ -23,6 +23,7 @@ from PIL import Image
 
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 
 def main() -> None:
@@ -43,14 +44,16 @@ def main() -> None:
     runs = {}
     for task, keyframes in (("t2va", []), ("t2va", []), ("i2va", [keyframe])):
         request = engine.validate(
-            t2va_prompt(),
-            task=task,
-            width=768,
-            height=448,
-            num_frames=56,
-            steps=args.steps,
-            seed=42,
-            keyframes=keyframes,
+            RequestFields(
+                t2va_prompt(),
+                task=task,
+                width=768,
+                height=448,
+                num_frames=56,
+                steps=args.steps,
+                seed=42,
+                keyframes=keyframes,
+            ),
         )
         torch.cuda.reset_peak_memory_stats()
         result = engine.render(request)

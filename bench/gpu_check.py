@@ -27,13 +27,15 @@ from lib.models import build_dit
 from lib.peer import call_peer, peer, peer_weights
 from lib.timing import run_header, time_ms
 
+from h3serve.pipeline.request import RequestFields
+
 
 def tiny_render_check() -> dict:
     from h3serve.accel.profile import Profile
     from h3serve.pipeline.engine import Engine
 
     engine = Engine.load(None, Profile.for_device("cuda"))
-    request = engine.validate("a red fox runs through fresh snow", num_frames=39, steps=10, seed=42)
+    request = engine.validate(RequestFields("a red fox runs through fresh snow", num_frames=39, steps=10, seed=42))
     one, two = engine.render(request), engine.render(request)
     return {
         "profile": vars(engine.profile) if hasattr(engine.profile, "__dict__") else str(engine.profile),

@@ -39,6 +39,7 @@ def one(mode: str, latents: int = LATENTS) -> dict:
     from h3serve.media.mp4 import FPS, SAMPLE_RATE, Mp4Writer, write_mp4
     from h3serve.model.tiny import TINY_SEED, TINY_VIDEO_VAE, randomize
     from h3serve.model.video_vae import VideoVAE
+    from h3serve.pipeline.video_decode import decode
 
     torch.set_num_threads(2)
     vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).eval()
@@ -63,12 +64,12 @@ def one(mode: str, latents: int = LATENTS) -> dict:
                 frames[pos : pos + len(part)] = part
                 pos += len(part)
 
-            vae.decode(z, on_frames=keep)
+            decode(vae, z, on_frames=keep)
             write_mp4(path, frames, audio)
         else:
             writer = Mp4Writer(path)
             writer.begin(audio, SAMPLE_RATE, FPS, WIDTH, HEIGHT)
-            vae.decode(z, on_frames=lambda pixels: writer.put(rgb(pixels)))
+            decode(vae, z, on_frames=lambda pixels: writer.put(rgb(pixels)))
             writer.finish()
         seconds = time.perf_counter() - start
         size = path.stat().st_size

@@ -43,6 +43,7 @@ from torch import nn
 from h3serve.accel.humming import COMPUTE_CONFIG, HummingLinear, available, is_humming, quantize_blocks
 from h3serve.accel.linear import Fp8Linear, quantize_rows
 from h3serve.config import DiTConfig
+from h3serve.pipeline.request import RequestFields
 
 # Bounds for the required accuracy checks: HUMMING against the float32 reference of the same e4m3 operands (bf16
 # output and bf16 scale roundings, ~3e-3 expected) and the tiny render against its BF16 render (the CUTLASS bound of
@@ -268,7 +269,7 @@ def check_tiny(rec: Record) -> None:
 
         profile = Profile.for_device("cuda", attention="TORCH_SDPA", execution="eager", linear="BF16")
         engine = Engine.load(None, profile)
-        request = engine.validate("a red fox runs through fresh snow", num_frames=39, steps=6, seed=42)
+        request = engine.validate(RequestFields("a red fox runs through fresh snow", num_frames=39, steps=6, seed=42))
         exact = engine.render(request)
         dit = engine.components.dit
         quantize_blocks(dit)

@@ -29,6 +29,7 @@ from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
 from h3serve.checkpoint.adapters import merge_into, read_adapter
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 RUNS = (
     ("reference 768x448x56, 9 points", 768, 448, 56, 9),
@@ -105,8 +106,8 @@ def main() -> None:
         for name, width, height, frames, steps in RUNS:
             if args.runs and name not in args.runs:
                 continue
-            request = engine.validate(t2va_prompt(), width=width, height=height, num_frames=frames, steps=steps,
-                                      seed=42)  # fmt: skip
+            shape = RequestFields(t2va_prompt(), width=width, height=height, num_frames=frames, steps=steps, seed=42)
+            request = engine.validate(shape)
             entry = {"shifts": [request.video_shift, request.audio_shift]} | timed_render(engine, request)
             record["runs"][f"{label}: {name}"] = entry
             args.out.write_text(json.dumps(record, indent=2) + "\n")

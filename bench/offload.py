@@ -71,6 +71,7 @@ from lib.models import build, released_configs, released_dit_config, t2va_prompt
 from lib.timing import run_header
 
 from h3serve.accel.profile import Attention
+from h3serve.pipeline.request import RequestFields
 
 # (execution, linear, text_linear), as bench/render.py names them.
 PROFILES = {
@@ -326,8 +327,8 @@ def child(args: argparse.Namespace) -> None:
             log(f"{label}: allocator capped at {cap} GiB ({entry['cap_fraction']} of {total / GIB:.1f} GiB)")
 
         shape = SHAPES[args.shape]
-        request = engine.validate(t2va_prompt(), **shape, steps=args.steps, seed=42)
-        warm = engine.validate(t2va_prompt(), **shape, steps=args.warmup_steps, seed=42)
+        request = engine.validate(RequestFields(t2va_prompt(), **shape, steps=args.steps, seed=42))
+        warm = engine.validate(RequestFields(t2va_prompt(), **shape, steps=args.warmup_steps, seed=42))
         entry |= {"width": request.width, "height": request.height, "num_frames": request.num_frames,
                   "steps": request.steps, "forwards": request.forwards, "warmup_steps": warm.steps}  # fmt: skip
 

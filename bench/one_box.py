@@ -36,6 +36,7 @@ from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.budget import GIB, PROCESS_HOST_GIB, plan_budget
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RELEASED_RULES
 
 
@@ -141,10 +142,13 @@ def main() -> None:
                 entry["default_tables_s"] = round(engine.prepare_tables(), 2)  # streamed from the mapped files
             entry["host_after_tables_gib"] = gib(host.peak)
             entry["pinned_after_tables_gib"] = round(pinned_gib(), 3)
-            reference = engine.validate(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
+            reference = engine.validate(
+                RequestFields(t2va_prompt(), width=768, height=448, num_frames=56, steps=args.steps, seed=42)
+            )
             engine.render(reference)  # warm-up: the compile
             entry["reference"] = measured_render(engine, reference)
-            default = engine.validate(t2va_prompt(), steps=args.default_steps, seed=42)  # 1344x768, 124 frames
+            # 1344x768, 124 frames
+            default = engine.validate(RequestFields(t2va_prompt(), steps=args.default_steps, seed=42))
             entry["default"] = measured_render(engine, default)  # its own tables, and the compile's second shape
             entry["tables_after_gib_pinned"] = round(pinned_gib(), 3)
             del engine

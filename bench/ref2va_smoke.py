@@ -26,6 +26,7 @@ from h3serve.model.components import Components
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
+from h3serve.pipeline.request import RequestFields
 
 
 def image_file(seed: int, width: int, height: int) -> bytes:
@@ -94,8 +95,8 @@ def main() -> None:
         ("clip.mp4", video_file()),
     ]
     request = engine.validate(
-        t2va_prompt(), task="ref2va", width=768, height=448, num_frames=56, steps=args.steps, seed=42,
-        references=references,
+        RequestFields(t2va_prompt(), task="ref2va", width=768, height=448, num_frames=56, steps=args.steps, seed=42,
+        references=references),
     )  # fmt: skip
     blocks = reference_descriptors(request.references)
     layout = build_ref2va_layout([1], blocks, MediaGeometry.from_pixels(448, 768, 56))

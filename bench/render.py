@@ -38,7 +38,7 @@ of the render and the first one's latency; the warmup (the same request) renders
         --out bench/results/render_previews.json
 
 With `--num-gpus N` (N > 1) each profile's renders run split over N spawned workers (`ParallelEngine`, every worker
-drawing the same weights from seed 0, `full_size_smoke.seeded_engine`). Every engine makes the default schedule's
+drawing the same weights from seed 0, `lib.models.seeded_rank_engine`). Every engine makes the default schedule's
 AdaLN tables first, as the service does at start, so a default-schedule render is timed without making them.
 `--warmup-steps K` warms up with a K-point render of the same shape instead of a whole one (the compile is the same;
 the timed render is then compared with nothing). `--split` takes the workers' path on one GPU too (what a split
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lib.models import build, released_dit_config, seeded_engine, t2va_prompt
+from lib.models import build, released_dit_config, seeded_rank_engine, t2va_prompt
 from lib.timing import run_header
 
 from h3serve.accel import attention
@@ -65,6 +65,7 @@ from h3serve.media.mp4 import Mp4Writer
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 # (execution, linear, text_linear), in the order they run (quantization is in place: BF16 first).
 PROFILES = {
@@ -122,10 +123,10 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None, th
     entry: dict = {"steps": request.steps, "forwards": request.forwards}
     try:
         entry["default_tables_s"] = round(engine.prepare_tables(), 2)  # as the service does at start
-        warm = request if warmup_steps is None else engine.validate(request.prompt, width=request.width,
+        warm = request if warmup_steps is None else engine.validate(RequestFields(request.prompt, width=request.width,
                                                                     height=request.height,
                                                                     num_frames=request.num_frames,
-                                                                    steps=warmup_steps, seed=request.seed)  # fmt: skip
+                                                                    steps=warmup_steps, seed=request.seed))  # fmt: skip
         start = time.perf_counter()
         first = engine.render(warm)
         entry["warmup_render_s"] = round(time.perf_counter() - start, 2)
@@ -227,8 +228,8 @@ def main() -> None:
             if line is not None:
                 entry["attention_choice"] = line
             if split:
-                spec = WorkerSpec(None, profile, args.num_gpus, build=seeded_engine, build_config=released_dit_config())
-                engine = ParallelEngine(spec)
+                engine = ParallelEngine(WorkerSpec(None, profile, args.num_gpus), engine_factory=seeded_rank_engine,
+                                        dit_config=released_dit_config())  # fmt: skip
             else:
                 uncompile_repeated_blocks(components.dit)
                 torch._dynamo.reset()
@@ -239,7 +240,9 @@ def main() -> None:
             entry["attention"] = str(engine.profile.attention)
             entry["profile"] = engine.profile.as_dict()
             entry["engine_start_s"] = round(time.perf_counter() - start, 1)
-            request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42, preview_every=args.preview_every)
+            request = engine.validate(
+                RequestFields(t2va_prompt(), **shape, steps=steps, seed=42, preview_every=args.preview_every)
+            )
             if not split:
                 entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             entry["budget_gib"] = engine.memory_budget()

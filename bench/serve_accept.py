@@ -10,7 +10,7 @@ real ones cannot reach the GPU machine), served over loopback with a key, then c
 
 Random weights say nothing about picture quality; this measures the service path and its timings, not the model.
 With `--num-gpus N` (N > 1, or `--split` on one GPU) the served engine is a `ParallelEngine` of N workers, each
-drawing the same weights (`full_size_smoke.seeded_engine`), and memory is each GPU's as nvidia-smi reports it.
+drawing the same weights (`lib.models.seeded_rank_engine`), and memory is each GPU's as nvidia-smi reports it.
 
     PYTHONPATH=src python bench/serve_accept.py --out bench/results/serve_accept.json [--num-gpus N]
 """
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import uvicorn
 from lib.host import gpu_used_mib
-from lib.models import build, released_dit_config, seeded_engine
+from lib.models import build, released_dit_config, seeded_rank_engine
 from lib.timing import run_header
 
 from h3serve.accel.profile import Profile
@@ -64,9 +64,8 @@ def main() -> None:
     t0 = time.perf_counter()
     if split:
         profile = Profile.for_device(device.type)
-        full = {} if args.tiny else {"build": seeded_engine, "build_config": released_dit_config()}
-        spec = WorkerSpec(None, profile, args.num_gpus, cpu_threads=1, **full)
-        engine = ParallelEngine(spec)
+        full = {} if args.tiny else {"engine_factory": seeded_rank_engine, "dit_config": released_dit_config()}
+        engine = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, cpu_threads=1), **full)
     else:
         full = None if args.tiny else build(device, args.blocks)
         engine = Engine.load(None, Profile()) if full is None else Engine(full, Profile.for_device("cuda"))

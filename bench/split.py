@@ -24,15 +24,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lib.models import released_dit_config, seeded_engine, t2va_prompt
+from lib.models import released_dit_config, seeded_engine, seeded_rank_engine, t2va_prompt
 from lib.timing import run_header
 
 from h3serve.accel.attention import cudnn_sdpa
 from h3serve.accel.profile import Profile
 from h3serve.model import ops
 from h3serve.parallel.group import row_ranges
-from h3serve.parallel.workers import ParallelEngine, WorkerSpec
+from h3serve.parallel.workers import ParallelEngine, WorkerSpec, load_rank_engine
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 DEFAULT_ROWS = 38_247  # the released default request's packed rows (1344x768, 124 frames)
 VIDEO_ROWS = 37_152  # its video rows, the last of the packed sequence
@@ -95,7 +96,7 @@ SHAPES = {"reference": {"width": 768, "height": 448, "num_frames": 56}, "default
 
 def timed(engine, steps: int, tiny: bool, shape_name: str = "reference") -> tuple[dict, object]:
     shape = {} if tiny else SHAPES[shape_name]
-    request = engine.validate(t2va_prompt(), **shape, steps=steps, seed=42)
+    request = engine.validate(RequestFields(t2va_prompt(), **shape, steps=steps, seed=42))
     engine.render(request)  # warmup: compile, tables, the decoder's first call
     result = engine.render(request)
     denoise = result.timings["denoise"]
@@ -133,12 +134,13 @@ def main() -> None:
     base = dict(device="cuda", dtype="bfloat16", vae_autocast="float16", attention="CUDNN_ATTN")
     profiles = [("eager BF16", Profile(**base | {"execution": "eager", "linear": "BF16"})),
                 ("compile CUTLASS", Profile(**base | {"execution": "compile", "linear": "CUTLASS"}))]  # fmt: skip
-    make = seeded_engine
+    make, make_rank = seeded_engine, seeded_rank_engine
     if args.tiny:
-        profiles, make = [("tiny cpu", Profile.for_device("cpu"))], tiny_engine
+        profiles, make, make_rank = [("tiny cpu", Profile.for_device("cpu"))], tiny_engine, load_rank_engine
     for name, profile in profiles:
         config = None if args.tiny else released_dit_config()
-        split = ParallelEngine(WorkerSpec(None, profile, args.num_gpus, build=make, build_config=config, cpu_threads=1))
+        spec = WorkerSpec(None, profile, args.num_gpus, cpu_threads=1)
+        split = ParallelEngine(spec, engine_factory=make_rank, dit_config=config)
         try:
             split_entry, split_result = timed(split, args.steps, args.tiny, args.shape)
         finally:

@@ -46,6 +46,7 @@ from typing import Any
 
 import httpx
 import torch
+from lib.export import export_state_dict
 from lib.host import evict
 from lib.models import fill_random
 from lib.timing import run_header
@@ -53,7 +54,6 @@ from lib.tiny_folder import write_tiny_checkpoint
 from safetensors.torch import save_file
 
 from h3serve.accel.caches import CACHES
-from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.folder import resolve_model_folder
 from h3serve.config import DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name

@@ -22,6 +22,7 @@ from lib.timing import run_header
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 # The seed's one-Spark "balanced" profile: its users measured about 1.38x at an SSIM of 0.81-0.88 on real weights
 # (public joeynyc/MiniMax-H3-DGX-Spark, docs/RESULTS.md; docs/operators.md).
@@ -57,7 +58,7 @@ def main() -> None:
     }
 
     def render(quality):
-        request = engine.validate(t2va_prompt(), steps=args.steps, seed=42, quality=quality, **shape)
+        request = engine.validate(RequestFields(t2va_prompt(), steps=args.steps, seed=42, quality=quality, **shape))
         return engine.render(request)
 
     render("lossless")  # compiles

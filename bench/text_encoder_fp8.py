@@ -21,6 +21,7 @@ from h3serve.accel.linear import quantize_text_encoder
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.conditioning import encode_text
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     record["resident_both_fp8_gib"] = gib()
     record["memory_budget_gib"] = dataclasses.asdict(engine.memory_budget())  # a Budget: a dataclass of GiB
-    request = engine.validate(prompt, width=768, height=448, num_frames=56, steps=args.steps, seed=42)
+    request = engine.validate(RequestFields(prompt, width=768, height=448, num_frames=56, steps=args.steps, seed=42))
     start = time.perf_counter()
     engine.render(request)
     record["first_render_s"] = round(time.perf_counter() - start, 2)

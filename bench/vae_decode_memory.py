@@ -12,6 +12,7 @@ import time
 import torch
 
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.pipeline.video_decode import decode
 
 mode, t, h, w = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.manual_seed(0)
@@ -42,7 +43,7 @@ def kb() -> float:
 
 base = kb()
 t0 = time.perf_counter()
-out = vae.decode(z, tiled=(mode == "tiled"), autocast_dtype=None)
+out = decode(vae, z, tiled=(mode == "tiled"), autocast_dtype=None)
 dt = time.perf_counter() - t0
 out_mb = out.numel() * 4 / 2**20
 print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,8 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from h3serve.checkpoint.dit import load_dit
-from h3serve.checkpoint.export import is_diffusers_fp32 as is_ref_fp32
 from h3serve.model.dit import H3DiT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
+from lib.export import is_diffusers_fp32 as is_ref_fp32
 
 # Attention width (2 x 16 = 32) differs from the hidden size (24), and RoPE rotates 2 x 3 x 2 = 12 of 16 head dims,
 # so every path of the full model (inner != hidden, partial rotary) runs. Widths are all distinct to catch

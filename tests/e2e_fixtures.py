@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from lib.export import is_diffusers_fp32 as is_ref_fp32
 from lib.tiny_folder import (
     RELEASED_INDEX,
     SEED,
@@ -16,8 +17,6 @@ from lib.tiny_folder import (
     TINY_VAE_DIFFUSERS,
     write_tiny_checkpoint,
 )
-
-from h3serve.checkpoint.export import is_diffusers_fp32 as is_ref_fp32
 
 __all__ = ["RELEASED_INDEX", "SEED", "TINY_AUDIO_VAE_DIFFUSERS", "TINY_DIT_DIFFUSERS", "TINY_VAE_DIFFUSERS",
            "is_ref_fp32", "write_tiny_checkpoint"]  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from h3serve.model.tiny import TINY_AUDIO_VAE, TINY_DIT, TINY_VIDEO_VAE, tiny_text_encoder_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
 
 # A sharded DiT's index and shard names, by key naming (`FL2VA/transformer` and diffusers `transformer/`).
 DIT_INDEX = {
@@ -66,8 +69,9 @@ def with_dit_layout(checkpoint: Path, root: Path, layout: str) -> Path:
 
     The other components stay as they are: only the DiT's layout differs, so every layout must render the same bytes.
     """
+    from lib.export import export_state_dict
+
     from h3serve.checkpoint.dit import load_dit
-    from h3serve.checkpoint.export import export_state_dict
 
     if layout not in ("original", "stacked", "interleaved"):
         raise ValueError(f"unknown DiT layout {layout!r}")

@@ -1,7 +1,7 @@
 """The numerical oracle (diffusers) for tests that compare against it, and the test extra's other packages.
 
 Without diffusers such a test is skipped, so a machine without the test extra can still run the rest; with
-`H3_REQUIRE_ORACLE=1` (set by CI) a missing oracle is a failure, so parity tests cannot quietly turn into skips. The
+`H3TEST_REQUIRE_ORACLE=1` (set by CI) a missing oracle is a failure, so parity tests cannot quietly turn into skips. The
 same holds for `require`d packages (triton, whose interpreter runs the kernels' CPU tier).
 """
 
@@ -15,7 +15,7 @@ from typing import NoReturn
 
 import pytest
 
-REQUIRE_ENV = "H3_REQUIRE_ORACLE"
+REQUIRE_ENV = "H3TEST_REQUIRE_ORACLE"
 
 
 def oracle(module: str = "diffusers") -> ModuleType:

@@ -33,6 +33,14 @@ def tiny_engine() -> Engine:
     return _ENGINE
 
 
+def free_port() -> int:
+    """A loopback port free now, for a command that checks or opens one: never the default 8000, which a user's own
+    `h3serve serve` on the same machine may hold."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def settings(output_dir: Path, **values) -> Settings:
     """Validated settings for a test server (the fields exactly as an operator would set them)."""
     return Settings(output_dir=output_dir, **values)

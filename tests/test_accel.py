@@ -18,6 +18,7 @@ from h3serve.config import MAX_TIMESTEPS, NUM_MODALITIES
 from h3serve.model import ops
 from h3serve.model.dit import TABLE_ROWS
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 
 @pytest.fixture
@@ -30,18 +31,22 @@ def _requests(engine: Engine):
     count, canvas and frame count (so the row count S), and the number of distinct timesteps per step."""
     key = Image.new("RGB", (64, 48), (200, 40, 10))
     return [
-        engine.validate("a fox", steps=4, seed=1),
+        engine.validate(RequestFields("a fox", steps=4, seed=1)),
         engine.validate(
-            "a much longer prompt: a red fox runs through fresh snow under a low winter moon, wind in the pines",
-            task="i2va",
-            keyframes=[key],
-            width=256,
-            height=128,
-            num_frames=39,
-            steps=3,
-            seed=2,
+            RequestFields(
+                "a much longer prompt: a red fox runs through fresh snow under a low winter moon, wind in the pines",
+                task="i2va",
+                keyframes=[key],
+                width=256,
+                height=128,
+                num_frames=39,
+                steps=3,
+                seed=2,
+            ),
         ),
-        engine.validate("first and last", task="fl2va", keyframes=[key, key], width=160, height=96, steps=3, seed=3),
+        engine.validate(
+            RequestFields("first and last", task="fl2va", keyframes=[key, key], width=160, height=96, steps=3, seed=3)
+        ),
     ]
 
 
@@ -74,7 +79,7 @@ def test_every_attention_call_goes_through_the_models_own_kernel(engine):
         return ops.sdpa(q, k, v, causal)
 
     other = Engine.load(None, Profile())
-    request = engine.validate("a fox", steps=3, seed=1)
+    request = engine.validate(RequestFields("a fox", steps=3, seed=1))
     reference = engine.render(request)
     modules = [m for c in (engine.components.dit, engine.components.video_vae, engine.components.audio_vae)
                for m in c.modules() if isinstance(m, attention.MODULES)]  # fmt: skip
@@ -85,7 +90,7 @@ def test_every_attention_call_goes_through_the_models_own_kernel(engine):
     assert len(calls) >= len(dit.token_refiner.blocks) + request.forwards * len(dit.blocks) + 1  # + the decoders'
     np.testing.assert_array_equal(result.frames, reference.frames)
     seen = len(calls)
-    other.render(other.validate("a fox", steps=3, seed=1))
+    other.render(other.validate(RequestFields("a fox", steps=3, seed=1)))
     assert len(calls) == seen  # the other engine's models kept their own kernel
 
 
@@ -322,7 +327,7 @@ def test_adaln_tables_equal_what_each_forward_computes_and_are_cached(engine):
         torch.equal(a, b) for sa, sb in zip(tables, again_tables, strict=True) for a, b in zip(sa, sb, strict=True)
     )
 
-    request = engine.validate("a fox", steps=5, seed=4)
+    request = engine.validate(RequestFields("a fox", steps=5, seed=4))
     with_tables = engine.render(request)
     engine.tables["fl2va"] = AdalnTables(dit, cache_size=0)  # nothing kept: made again every time
     again = engine.render(request)
@@ -336,7 +341,7 @@ def test_a_forward_with_tables_is_bitwise_the_forward_without(engine):
     from h3serve.pipeline.sampling import bind_model, step_timesteps
 
     c = engine.components
-    request = engine.validate("a fox", steps=3, seed=5)
+    request = engine.validate(RequestFields("a fox", steps=3, seed=5))
     from h3serve.pipeline.conditioning import encode_text
     from h3serve.pipeline.layout import MediaGeometry, build_layout
     from h3serve.pipeline.schedule import DualSchedule
@@ -374,12 +379,13 @@ def test_decoder_weights_in_the_autocast_dtype_decode_bitwise_the_same_and_leave
     from h3serve.accel.vae import decoder_weights_to
     from h3serve.model.tiny import TINY_SEED, TINY_VIDEO_VAE, randomize
     from h3serve.model.video_vae import VideoVAE
+    from h3serve.pipeline.video_decode import decode
 
     vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1)
     z = torch.randn(1, TINY_VIDEO_VAE.latent_channels, 3, 4, 6, generator=torch.Generator().manual_seed(0))
     # CPU autocast computes linears and convolutions in float16 as CUDA's does; the engine's profile only allows
     # float16 autocast on CUDA, so this calls the pieces directly.
-    expected = vae.decode(z, autocast_dtype=torch.float16)
+    expected = decode(vae, z, autocast_dtype=torch.float16)
     encoder = {n: p.clone() for n, p in vae.encoder.named_parameters()}
     before = sum(p.numel() * p.element_size() for p in vae.parameters())
     saved = decoder_weights_to(vae, torch.float16)
@@ -388,9 +394,9 @@ def test_decoder_weights_in_the_autocast_dtype_decode_bitwise_the_same_and_leave
     # What autocast keeps in float32 stays float32: the norms, the residual scales, the encoder.
     assert vae.decoder.norm_out.weight.dtype == vae.decoder.transformer_blocks[0].scale1.dtype == torch.float32
     assert all(torch.equal(p, encoder[n]) and p.dtype == torch.float32 for n, p in vae.encoder.named_parameters())
-    assert torch.equal(vae.decode(z, autocast_dtype=torch.float16), expected)
+    assert torch.equal(decode(vae, z, autocast_dtype=torch.float16), expected)
     with pytest.raises(ValueError, match=r"decode under autocast_dtype=torch\.float16"):
-        vae.decode(z)
+        decode(vae, z)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         decoder_weights_to(vae, torch.float32)
 

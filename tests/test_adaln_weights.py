@@ -11,6 +11,7 @@ import torch
 from h3serve.accel.adaln import AdalnTables, is_block_adaln
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.layout import MediaGeometry, build_layout
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.sampling import step_timesteps
 from h3serve.pipeline.schedule import DualSchedule
 from h3serve.settings import SettingsError, load_settings
@@ -89,8 +90,8 @@ def test_mapped_tables_are_bitwise_the_device_tables_and_the_forward_computation
 def test_a_render_over_mapped_weights_is_bitwise_the_render_over_loaded_ones(engines):
     mapped, device = engines("mapped"), engines("device")
     small = {"width": 224, "height": 128, "num_frames": 22, "steps": 3, "seed": 7}
-    one = mapped.render(mapped.validate("a fox in snow", **small))
-    two = device.render(device.validate("a fox in snow", **small))
+    one = mapped.render(mapped.validate(RequestFields("a fox in snow", **small)))
+    two = device.render(device.validate(RequestFields("a fox in snow", **small)))
     np.testing.assert_array_equal(one.frames, two.frames)
     np.testing.assert_array_equal(one.audio, two.audio)
     assert "tables" in one.timings

@@ -17,6 +17,7 @@ from h3serve.accel.profile import Profile
 from h3serve.checkpoint.adapters import read_adapter
 from h3serve.model.tiny import TINY_DIT
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RequestError
 from h3serve.pipeline.schedule import shifted_sigmas
 from service_fixtures import live_server, settings, wait_status
@@ -45,15 +46,15 @@ def test_the_adapter_is_merged_and_its_sampler_is_the_default(engine, turbo):
     assert len(changed) == turbo.targets
     sampler = engine.admission.sampler
     assert (sampler.steps, sampler.video_shift, sampler.audio_shift) == (5, 6.0, 3.0)
-    request = engine.validate(PROMPT, seed=3)
+    request = engine.validate(RequestFields(PROMPT, seed=3))
     assert (request.steps, request.forwards, request.video_shift, request.audio_shift) == (5, 4, 6.0, 3.0)
     # A request's own values win.
-    own = engine.validate(PROMPT, seed=3, steps=3, video_shift=12.0)
+    own = engine.validate(RequestFields(PROMPT, seed=3, steps=3, video_shift=12.0))
     assert (own.steps, own.video_shift, own.audio_shift) == (3, 12.0, 3.0)
     # The merged model renders, deterministically, and not as the plain one does.
     one, two = engine.render(request), engine.render(request)
     assert np.array_equal(one.frames, two.frames) and np.array_equal(one.audio, two.audio)
-    base = plain.render(plain.validate(PROMPT, seed=3, steps=5, video_shift=6.0))
+    base = plain.render(plain.validate(RequestFields(PROMPT, seed=3, steps=5, video_shift=6.0)))
     assert not np.array_equal(one.frames, base.frames)
 
 
@@ -70,7 +71,7 @@ def test_fasth3_runs_its_own_sigma_positions_and_t2va_only(tmp_path):
     fast = read_adapter(write_adapter(tmp_path, "fasth3", TINY_DIT), config=TINY_DIT)
     assert fast.preset is not None and fast.preset.sigmas == (0.999, 0.749, 0.5, 0.25, 0.0)
     engine = Engine.load(None, Profile(), adapters=[fast])
-    request = engine.validate(PROMPT, seed=1)
+    request = engine.validate(RequestFields(PROMPT, seed=1))
     assert request.positions == fast.preset.sigmas and request.forwards == 4
     expected = shifted_sigmas(5, 12.0, fast.preset.sigmas)
     assert torch.equal(request.schedule.video.sigmas, expected)
@@ -78,9 +79,9 @@ def test_fasth3_runs_its_own_sigma_positions_and_t2va_only(tmp_path):
         expected, torch.tensor([11.988 / 11.989, 8.988 / 9.239, 6 / 6.5, 0.8, 0.0]), atol=1e-6
     )  # 12b / (1 + 11b)
     # Grid points given: an even grid of that many points, the positions left out.
-    assert engine.validate(PROMPT, seed=1, steps=3).positions is None
+    assert engine.validate(RequestFields(PROMPT, seed=1, steps=3)).positions is None
     with pytest.raises(RequestError, match="trained for t2va") as err:
-        engine.validate(PROMPT, task="i2va", keyframes=[np.zeros((64, 96, 3), np.uint8)])
+        engine.validate(RequestFields(PROMPT, task="i2va", keyframes=[np.zeros((64, 96, 3), np.uint8)]))
     assert err.value.field == "task"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,11 +36,13 @@ from h3serve.checkpoint.adapters import (
 )
 from h3serve.checkpoint.adapters import read as adapter_reader
 from h3serve.checkpoint.dit import load_dit
-from h3serve.checkpoint.export import export_state_dict
 from h3serve.config import DiTConfig
 from h3serve.model.tiny import TINY_DIT, tiny_dit
 from h3serve.settings import parse_lora_setting
 from oracle import oracle
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
+from lib.export import export_state_dict
 
 # diffusers config names. 128-wide heads because diffusers' DiffSynth de-interleave assumes the released head width;
 # two heads, so that the per-head interleave is not its own inverse; widths all differ.

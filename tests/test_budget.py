@@ -17,6 +17,7 @@ from h3serve.config import DiTConfig
 from h3serve.model.audio_vae import AudioVAEConfig
 from h3serve.pipeline.budget import OVERHEAD_GIB, PLANNED_TEXT_ROWS, PROCESS_HOST_GIB, check_fits, plan_budget
 from h3serve.pipeline.rules import RELEASED_RULES
+from service_fixtures import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = REPO / "tests" / "data" / "reference" / "FL2VA"
@@ -167,8 +168,9 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("release") / "FL2VA")
 
 
-def preflight(capsys, *args: str) -> tuple[int, str, str]:
-    code = main(["check", "--preflight", *args])
+def preflight(capsys, *args: str, port: int | None = None) -> tuple[int, str, str]:
+    """`h3serve check --preflight ARGS` on `port` (a free one when None: never the default a user's server may hold)."""
+    code = main(["check", "--preflight", "--api-port", str(port or free_port()), *args])
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -195,7 +197,7 @@ def test_preflight_refuses_a_port_in_use(tmp_path, capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, _, err = preflight(capsys, "--api-port", str(port), "--output-dir", str(tmp_path / "out"))
+        code, _, err = preflight(capsys, "--output-dir", str(tmp_path / "out"), port=port)
     assert code == 1 and f"127.0.0.1:{port}: cannot listen there" in err
 
 

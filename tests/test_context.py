@@ -14,6 +14,7 @@ from h3serve.accel.profile import Profile
 from h3serve.media.mp4 import encode_mp4, verify_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, Engine
+from h3serve.pipeline.request import RequestFields
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def engine() -> Engine:
 
 
 def _request(engine: Engine, steps: int = 5):
-    return engine.validate("a lighthouse in a storm, waves and wind", num_frames=22, steps=steps, seed=3)
+    return engine.validate(RequestFields("a lighthouse in a storm, waves and wind", num_frames=22, steps=steps, seed=3))
 
 
 def test_progress_events_follow_the_stages_in_order(engine):

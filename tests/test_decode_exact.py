@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig
+from h3serve.pipeline.video_decode import decode, decode_window
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from lib.decode_before import decode_before, decode_window_before
@@ -44,18 +45,18 @@ def vae():
 @pytest.mark.parametrize("latents", [7, 12, 18])  # one window; two with a cross-fade; three and a padded tail
 def test_the_decode_is_bitwise_the_decode_before(vae, tiled, autocast, latents):
     z = torch.randn(1, 24, latents, 7, 9, generator=torch.Generator().manual_seed(latents))  # 28 x 36 px: 3 x 3 tiles
-    now = vae.decode(z, tiled=tiled, autocast_dtype=autocast)
+    now = decode(vae, z, tiled=tiled, autocast_dtype=autocast)
     before = decode_before(vae, z, autocast, tiled=tiled)
     assert now.shape == before.shape and now.dtype == before.dtype == torch.float32
     assert torch.equal(now, before)
     if tiled:  # the tiles really were blended: an untiled decode differs at the seams
-        assert not torch.equal(now, vae.decode(z, tiled=False, autocast_dtype=autocast))
+        assert not torch.equal(now, decode(vae, z, tiled=False, autocast_dtype=autocast))
 
 
 def test_a_window_is_bitwise_the_window_before(vae):
     z = torch.randn(2, 24, 3, 7, 9, generator=torch.Generator().manual_seed(3))
     assert torch.equal(
-        vae.decode_window(z, autocast_dtype=torch.bfloat16), decode_window_before(vae, z, torch.bfloat16)
+        decode_window(vae, z, autocast_dtype=torch.bfloat16), decode_window_before(vae, z, torch.bfloat16)
     )
 
 
@@ -76,10 +77,10 @@ def test_the_passes_are_what_the_blocks_run(vae, monkeypatch):
         return run
 
     z = torch.randn(1, 24, 7, 4, 4, generator=torch.Generator().manual_seed(4))
-    plain = vae.decode(z, tiled=False)
+    plain = decode(vae, z, tiled=False)
     set_decoder_passes(vae, dataclasses.replace(REFERENCE_PASSES, **{n: counting(n) for n in calls}))
     try:
-        assert torch.equal(vae.decode(z, tiled=False), plain)
+        assert torch.equal(decode(vae, z, tiled=False), plain)
     finally:
         set_decoder_passes(vae, REFERENCE_PASSES)
     layers = vae.cfg.decoder_num_layers

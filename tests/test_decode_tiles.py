@@ -1,14 +1,20 @@
 """A window's decode tiles run `tile_batch` at a time (`VideoVAE.tile_batch`; the engine sets 4 on CUDA), and the
-tiles dealt out to several ranks (`VideoVAE.decode_tiles(order=...)`, what `parallel.ranks` runs): the same frames as
+tiles dealt out to several ranks (`DecodePlan.owner`, `rank_tiles`: what `parallel.ranks` runs): the same frames as
 one tile at a time, on the tiny VAE at one CPU thread (a CPU GEMM split over threads may round a row differently with
 the row count). The CUDA tier holds the released decoder's shapes to the same (tests/test_gpu_decode.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from h3serve.accel.vae import set_tile_batch
+from h3serve.model.video_vae import TileGrid
+from h3serve.pipeline.video_decode import DecodePlan, decode, decode_window, rank_tiles
 from test_decode_exact import tiny_vae
 
 
@@ -27,7 +33,7 @@ def latents(n: int) -> torch.Tensor:
 def decoded(vae, z, batch: int, **kwargs) -> torch.Tensor:
     set_tile_batch(vae, batch)
     try:
-        return vae.decode(z, **kwargs)
+        return decode(vae, z, **kwargs)
     finally:
         set_tile_batch(vae, 1)
 
@@ -53,41 +59,61 @@ def test_a_batch_of_several_videos_keeps_each_video_and_tile_in_its_place(vae):
 def test_a_preview_window_decodes_in_batches_too(vae):
     z = latents(7)
     set_tile_batch(vae, 1)
-    one = vae.decode_window(z[:, :, :3])
+    one = decode_window(vae, z[:, :, :3])
     set_tile_batch(vae, 4)
     try:
-        torch.testing.assert_close(vae.decode_window(z[:, :, :3]), one, rtol=0, atol=0)
+        torch.testing.assert_close(decode_window(vae, z[:, :, :3]), one, rtol=0, atol=0)
     finally:
         set_tile_batch(vae, 1)
+
+
+def tiles_of_rank(vae, z, plan: DecodePlan, rank: int) -> dict[int, torch.Tensor]:
+    """Every tile rank `rank` decodes, by number, as `parallel.ranks` asks for them: window by window, in order."""
+    padded = plan.padded(z)
+    return {u: t for w in range(plan.windows) for u, t in rank_tiles(vae, padded, plan, w, rank, None)}
+
+
+@dataclass(frozen=True)
+class DealtHere:
+    """A `TileSource` dealing the tiles over `ranks` in one process, as `parallel.ranks.DealtTiles` does over the
+    wire: every rank's tiles of a window decoded by its own `rank_tiles`, taken by owner."""
+
+    ranks: int
+
+    def tiles(self, vae, z, plan: DecodePlan, autocast_dtype) -> Iterator[torch.Tensor]:
+        padded = plan.padded(z)
+        for window in range(plan.windows):
+            own = [rank_tiles(vae, padded, plan, window, r, autocast_dtype) for r in range(self.ranks)]
+            for u in plan.window_tiles(window):
+                v, tile = next(own[plan.owner(u)])
+                assert v == u
+                yield tile
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_tiles_dealt_to_ranks_in_batches_are_the_decode_of_one(vae, ranks):
-    """Each rank asks for its own tiles (u % ranks == rank) in order, as `parallel.ranks` deals them; a rank's batch
-    never takes another rank's tile, nor a tile of the next window."""
+    """Each rank decodes its own tiles (`DecodePlan.tiles_of`) in batches; a rank's batch never takes another rank's
+    tile, nor a tile of the next window."""
     z = latents(12)  # 2 windows x 6 tiles
     set_tile_batch(vae, 1)
-    windows, grid, whole = vae.decode_tiles(z)
-    count = windows * grid.count
-    reference = [whole(u) for u in range(count)]
+    reference = tiles_of_rank(vae, z, DecodePlan.of(vae, z), 0)
+    assert sorted(reference) == list(range(12))
     set_tile_batch(vae, 4)
     try:
-        own = [vae.decode_tiles(z, order=range(r, count, ranks))[2] for r in range(ranks)]
-        for u in range(count):
-            torch.testing.assert_close(own[u % ranks](u), reference[u], rtol=0, atol=0)
-
-        def deal(tiles_for, n):  # a TileRunner dealing over `ranks` in one process, as `_lead_tiles` does
-            mine = [tiles_for(range(r, n, ranks)) for r in range(ranks)]
-            return (mine[u % ranks](u) for u in range(n))
-
-        torch.testing.assert_close(vae.decode(z, run_tiles=deal), decoded(vae, z, 1), rtol=0, atol=0)
+        plan = DecodePlan.of(vae, z, ranks=ranks)
+        for rank in range(ranks):
+            own = tiles_of_rank(vae, z, plan, rank)
+            assert list(own) == plan.tiles_of(rank)
+            for u, tile in own.items():
+                torch.testing.assert_close(tile, reference[u], rtol=0, atol=0)
+        torch.testing.assert_close(decode(vae, z, source=DealtHere(ranks)), decoded(vae, z, 1), rtol=0, atol=0)
     finally:
         set_tile_batch(vae, 1)
 
 
-def calls(vae, z, batch: int, order=None) -> tuple[list[int], int]:
-    """The batch size of each decoder call, and the tiles whose latents went through `post_quant_conv`, when every
-    tile of `order` is asked for in order."""
+def calls(vae, z, batch: int, ranks: int = 1, rank: int = 0) -> tuple[list[int], int]:
+    """The batch size of each decoder call, and the tiles whose latents went through `post_quant_conv`, when rank
+    `rank` of `ranks` decodes its tiles."""
     sizes, tiles = [], []
     hooks = [
         vae.decoder.register_forward_pre_hook(lambda _m, args: sizes.append(args[0].shape[0])),
@@ -95,9 +121,7 @@ def calls(vae, z, batch: int, order=None) -> tuple[list[int], int]:
     ]
     set_tile_batch(vae, batch)
     try:
-        windows, grid, tile = vae.decode_tiles(z, order=order)
-        for u in range(windows * grid.count) if order is None else order:
-            tile(u)
+        tiles_of_rank(vae, z, DecodePlan.of(vae, z, ranks=ranks), rank)
     finally:
         set_tile_batch(vae, 1)
         for hook in hooks:
@@ -112,30 +136,35 @@ def test_only_whole_batches_run_and_each_tile_is_decoded_once(vae):
     assert calls(vae, z, 4) == ([4, 1, 1] * 2, 12)
     assert calls(vae, z, 6) == ([6] * 2, 12)
     assert calls(vae, z, 20) == ([1] * 12, 12)
-    assert calls(vae, z, 2, order=range(0, 12, 2)) == ([2, 1] * 2, 6)  # rank 0 of 2: (0, 2), 4 | (6, 8), 10
-    assert calls(vae, z, 2, order=range(1, 12, 3)) == ([2] * 2, 4)  # rank 1 of 3: (1, 4) | (7, 10)
+    assert calls(vae, z, 2, ranks=2, rank=0) == ([2, 1] * 2, 6)  # rank 0 of 2: (0, 2), 4 | (6, 8), 10
+    assert calls(vae, z, 2, ranks=3, rank=1) == ([2] * 2, 4)  # rank 1 of 3: (1, 4) | (7, 10)
 
 
-def test_tiles_asked_out_of_their_order_are_refused(vae):
-    z = latents(7)
-    set_tile_batch(vae, 4)
-    try:
-        _, _, tile = vae.decode_tiles(z, order=[0, 2, 4])
-        tile(0)
-        with pytest.raises(ValueError, match="tile 4 asked out of `order`: the next is 2"):
-            tile(4)
-        tile(2), tile(4)
-        with pytest.raises(ValueError, match="tile 5 asked out of `order`: every tile of it was asked"):
-            tile(5)
-        _, _, tile = vae.decode_tiles(z)
-        with pytest.raises(ValueError, match="tile 1 asked out of `order`: the next is 0"):
-            tile(1)
-        with pytest.raises(ValueError, match=r"order must name distinct tiles of 0\.\.5: \[-1, 6\] are not"):
-            vae.decode_tiles(z, order=[0, 6, -1])
-        with pytest.raises(ValueError, match=r"order must name distinct tiles of 0\.\.5: \[1\] are not"):
-            vae.decode_tiles(z, order=[1, 2, 1])
-    finally:
-        set_tile_batch(vae, 1)
+@pytest.mark.parametrize("windows", [1, 2, 5])
+@pytest.mark.parametrize("grid", [1, 2, 6, 7])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8])
+def test_the_ranks_share_every_tile_exactly_once_and_each_window_near_evenly(windows, grid, ranks):
+    tiles = TileGrid(16, [0], [], [12 * j for j in range(grid)], [4] * (grid - 1), 1, 1, 16, 12 * grid + 4)  # 1 x grid
+    plan = DecodePlan(windows, tiles, pad=0, frames=0, stride=5, reach=7, ranks=ranks)
+    assert plan.count == windows * grid
+    shares = [plan.tiles_of(rank) for rank in range(ranks)]
+    assert Counter(u for share in shares for u in share) == Counter(range(plan.count))  # each tile once
+    for rank, share in enumerate(shares):
+        assert share == sorted(share) and all(plan.owner(u) == rank for u in share)
+        assert share == [u for w in range(windows) for u in plan.tiles_of(rank, w)]
+    for w in range(windows):
+        sizes = [len(plan.tiles_of(rank, w)) for rank in range(ranks)]
+        assert sum(sizes) == grid and max(sizes) - min(sizes) <= 1
+
+
+def test_a_plan_refuses_a_rank_it_does_not_have(vae):
+    plan = DecodePlan.of(vae, latents(7), ranks=2)
+    with pytest.raises(ValueError, match="rank 2 is not one of the plan's 2"):
+        plan.tiles_of(2)
+    with pytest.raises(ValueError, match="rank -1 is not one of the plan's 2"):
+        plan.tiles_of(-1)
+    with pytest.raises(ValueError, match="a positive number of ranks, got 0"):
+        DecodePlan.of(vae, latents(7), ranks=0)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4"])

@@ -4,6 +4,7 @@ and key; a single file's QKV order is the caller's to say."""
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ from safetensors.torch import save_file
 from dit_fixtures import packed_inputs, tiny_dit_pair
 from folder_fixtures import DIT_INDEX, write_sharded
 from h3serve.checkpoint.dit import load_dit, resolve_dit_layout
-from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.reader import CheckpointError
 from h3serve.checkpoint.safetensors import open_checkpoint
 from loading_fixtures import not_owned
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
+from lib.export import export_state_dict
 
 REFERENCE = Path(__file__).parent / "data" / "reference"
 

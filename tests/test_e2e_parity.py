@@ -19,6 +19,7 @@ from PIL import Image
 from h3serve.accel.profile import Profile
 from h3serve.model.text_encoder import load_image_processor
 from h3serve.pipeline.engine import Engine, RenderResult
+from h3serve.pipeline.request import RequestFields
 from oracle import oracle
 
 oracle("diffusers")
@@ -115,14 +116,16 @@ def engine(checkpoint) -> Engine:
 
 def render_ours(engine: Engine, task: str, keyframes: list[Image.Image]) -> RenderResult:
     request = engine.validate(
-        PROMPT,
-        task=task,
-        width=WIDTH,
-        height=HEIGHT,
-        num_frames=NUM_FRAMES,
-        steps=STEPS,
-        seed=SEED,
-        keyframes=keyframes if task == "fl2va" else [],
+        RequestFields(
+            PROMPT,
+            task=task,
+            width=WIDTH,
+            height=HEIGHT,
+            num_frames=NUM_FRAMES,
+            steps=STEPS,
+            seed=SEED,
+            keyframes=keyframes if task == "fl2va" else [],
+        ),
     )
     return engine.render(request)
 

@@ -17,6 +17,7 @@ from h3serve.config import TINY_DIT
 from h3serve.errors import label
 from h3serve.settings import SettingsError, load_settings
 from h3serve.startup import check_attention
+from service_fixtures import free_port
 
 INSTALLED = fa4.Machine((9, 0), "4.0.0b36", True)
 
@@ -109,6 +110,7 @@ def test_a_setting_of_fa4_on_the_cpu_is_refused_naming_the_variable_and_the_flag
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 def test_check_refuses_fa4_on_cuda_without_a_gpu_before_anything_loads(tmp_path):
     env = {"H3_DIFFUSION_ATTENTION_BACKEND": "FA4", "H3_DEVICE": "cuda", "PATH": "/usr/bin:/bin"}
+    env["H3_API_PORT"] = str(free_port())  # not the default 8000, which a user's server may hold
     proc = subprocess.run(
         [sys.executable, "-m", "h3serve.cli", "check", "--preflight", "--output-dir", str(tmp_path / "out")],
         env={**env, "PYTHONPATH": ":".join(sys.path)},

@@ -52,7 +52,7 @@ def test_the_restructured_block_is_block_forward_bit_for_bit(linear):
     x, table, indices, rope = block_inputs(block, 45)
     with torch.no_grad():
         want = block(x, table, indices, rope)
-        got = fused.block_forward_reference(block, x, table, indices, rope)
+        got = fused.block_forward(block, x, table, indices, rope, passes=fused.REFERENCES)
     assert got.dtype == want.dtype and torch.equal(got, want)
 
 
@@ -121,7 +121,7 @@ def test_compile_takes_the_body_its_block_stack_gives():
 
     def forward(block, x, table, indices, rope):
         calls.append(block)
-        return fused.block_forward_reference(block, x, table, indices, rope)
+        return fused.block_forward(block, x, table, indices, rope, passes=fused.REFERENCES)
 
     x, table, indices, rope = block_inputs(dit.blocks[0], 20)
     want = dit.blocks[0](x, table, indices, rope)
@@ -266,7 +266,7 @@ def test_the_fused_block_against_block_forward(linear, compiled):
     if compiled:
         fn = torch.compile(fn, fullgraph=True)
     with torch.no_grad():
-        want = fused.block_forward_reference(block, x, table, indices, rope)
+        want = fused.block_forward(block, x, table, indices, rope, passes=fused.REFERENCES)
         assert torch.equal(want, block(x, table, indices, rope))  # the restructuring, here too
         got, again = fn(block, x, table, indices, rope), fn(block, x, table, indices, rope)
     assert torch.equal(got, again)

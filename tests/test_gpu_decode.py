@@ -17,6 +17,7 @@ import torch
 
 from h3serve.model.ops import rotary_table
 from h3serve.model.video_vae import REFERENCE_PASSES
+from h3serve.pipeline.video_decode import decode, decode_window
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,7 +110,7 @@ def test_a_decode_with_the_passes_is_bitwise_the_decode_before(fast):
     z = randn(1, 24, 12, 14, 18, seed=6)  # two windows, 3 x 3 tiles
     before = decode_before(vae, z, torch.float16)
     set_decoder_passes(vae, fast)
-    now = vae.decode(z, autocast_dtype=torch.float16)
+    now = decode(vae, z, autocast_dtype=torch.float16)
     assert torch.equal(now, before)
 
 
@@ -137,6 +138,6 @@ def test_tiles_decoded_in_batches_are_bitwise_alone_at_the_released_shapes(fast,
     attention.set_kernel(vae, Attention.CUDNN_ATTN)
     set_decoder_passes(vae, fast)
     z = randn(1, 24, 7, 48, 84, seed=9)
-    alone = vae.decode_window(z, autocast_dtype=torch.float16)
+    alone = decode_window(vae, z, autocast_dtype=torch.float16)
     set_tile_batch(vae, batch)
-    assert torch.equal(vae.decode_window(z, autocast_dtype=torch.float16), alone)
+    assert torch.equal(decode_window(vae, z, autocast_dtype=torch.float16), alone)

@@ -26,6 +26,7 @@ from h3serve.model import dit as dit_model
 from h3serve.model import ops
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -233,7 +234,7 @@ def test_the_tiny_engine_runs_fa4_in_its_dit_and_cudnn_in_its_decoders_and_rerun
     assert _kernels(components.dit, dit_model.Attention) == {fa4_sdpa}  # the blocks' and the text refiner's
     for decoder in (components.video_vae, components.audio_vae):  # `DIT_ONLY`
         assert _kernels(decoder) == {cudnn_sdpa}, type(decoder).__name__
-    request = engine.validate(PROMPT, **REQUEST)
+    request = engine.validate(RequestFields(PROMPT, **REQUEST))
     one, two = engine.render(request), engine.render(request)
     assert one.frames.shape[0] == REQUEST["num_frames"] and one.frames.any() and np.isfinite(one.audio).all()
     np.testing.assert_array_equal(one.frames, two.frames)
@@ -248,12 +249,12 @@ def test_an_eager_split_render_on_one_gpu_is_the_one_process_render_bit_for_bit(
     profile = Profile.for_device("cuda", attention="FA4", execution="eager", linear="BF16")
     torch._dynamo.reset()
     engine = Engine.load(None, profile)
-    reference = engine.render(engine.validate(PROMPT, **REQUEST))
+    reference = engine.render(engine.validate(RequestFields(PROMPT, **REQUEST)))
     del engine
     torch.cuda.empty_cache()
     split = ParallelEngine(WorkerSpec(None, profile, 1))
     try:
-        result = split.render(split.validate(PROMPT, **REQUEST))
+        result = split.render(split.validate(RequestFields(PROMPT, **REQUEST)))
     finally:
         split.close()
     assert len(result.split) == 1, result.split

@@ -17,6 +17,7 @@ from h3serve.accel.fp8_check import TOLERANCE, self_test, shapes_for
 from h3serve.accel.linear import Fp8Linear, Fp8Scaling, quantize_rows, quantize_weight
 from h3serve.accel.profile import FP8_CAPABILITY
 from h3serve.config import DiTConfig
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -115,8 +116,8 @@ def test_resolve_chooses_on_the_device_and_the_engine_runs_the_choice(device):
     engine = Engine.load(None, forced)
     layers = [m for m in engine.components.dit.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.scaling is Fp8Scaling.EPILOGUE for m in layers)
-    frames = engine.render(engine.validate("a fox", steps=3, seed=1)).frames
+    frames = engine.render(engine.validate(RequestFields("a fox", steps=3, seed=1))).frames
     rowwise = Engine.load(None, chosen)
     assert all(m.scaling is Fp8Scaling.ROWWISE for m in rowwise.components.dit.modules() if isinstance(m, Fp8Linear))
-    other = rowwise.render(rowwise.validate("a fox", steps=3, seed=1)).frames
+    other = rowwise.render(rowwise.validate(RequestFields("a fox", steps=3, seed=1))).frames
     assert frames.shape == other.shape  # both render; their numbers differ by FP8 GEMM rounding at most

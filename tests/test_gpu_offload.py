@@ -18,6 +18,7 @@ import torch
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.placement import RESIDENT, Placement
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,7 +39,7 @@ def _profile(execution: str = "eager", linear: str = "BF16") -> Profile:
 def _render(profile: Profile, placement: Placement):
     torch._dynamo.reset()  # each engine's compile counted from nothing (`GraphCounter`)
     engine = Engine.load(None, profile, placement=placement)
-    result = engine.render(engine.validate(PROMPT, **REQUEST))
+    result = engine.render(engine.validate(RequestFields(PROMPT, **REQUEST)))
     torch.cuda.synchronize()
     return result, engine
 
@@ -57,7 +58,7 @@ def test_an_eager_render_with_every_part_streamed_is_bitwise_the_resident_render
     offloaded = engine.offloaded
     # Everything streamed did stream: each DiT block copied in for each forward (one slot, two blocks), the text
     # encoder's layers once, the video VAE visited for the decode (T2VA: no keyframes to encode).
-    forwards = engine.validate(PROMPT, **REQUEST).forwards
+    forwards = engine.validate(RequestFields(PROMPT, **REQUEST)).forwards
     assert offloaded.dits["fl2va"].copies >= 2 * forwards
     assert offloaded.text is not None and offloaded.text.copies >= offloaded.text.num_modules
     assert offloaded.video is not None and offloaded.video.visits == 1
@@ -78,7 +79,8 @@ def test_a_compiled_render_with_every_part_streamed_is_bitwise_the_resident_one_
     del resident_engine
     streamed, engine = _render(profile, placement)
     _assert_bitwise(streamed, resident)
-    again = engine.render(engine.validate(PROMPT, **REQUEST))  # the ring of slots is where the first render left it
+    # The ring of slots is where the first render left it.
+    again = engine.render(engine.validate(RequestFields(PROMPT, **REQUEST)))
     _assert_bitwise(again, resident)
     assert engine.compiled.recompiles == 0
     assert engine.compiled.graphs == graphs
@@ -110,7 +112,7 @@ def test_streamed_weights_wait_in_page_locked_host_memory_and_leave_the_device()
         assert block.norm1.weight is dit.slots[0]["norm1.weight"] and block.norm1.weight.device.type == "cuda"
     assert all(p.device.type == "cpu" for p in engine.components.video_vae.parameters())
     # What left the device: every streamed module less the one slot each stack keeps, and the whole video VAE.
-    left = sum(s.num_modules * s.bytes_per_module - s.slot_bytes for s in (dit, text)) + video.bytes
+    left = sum((s.num_modules - s.num_slots) * s.bytes_per_module for s in (dit, text)) + video.bytes
     del engine, offloaded, dit, text, video
     resident_bytes, _ = _device_bytes(profile, RESIDENT)
     print(f"on the device: resident {resident_bytes:,} B, streamed {streamed_bytes:,} B; {left:,} B streamed")

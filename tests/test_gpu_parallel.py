@@ -28,6 +28,7 @@ from h3serve.accel import fa4
 from h3serve.accel.profile import Profile
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -77,7 +78,7 @@ def one_gpu():
         if key not in made:
             torch._dynamo.reset()
             engine = Engine.load(None, profile(*key))
-            made[key] = engine.render(engine.validate(PROMPT, **REQUEST))
+            made[key] = engine.render(engine.validate(RequestFields(PROMPT, **REQUEST)))
             del engine
             torch.cuda.empty_cache()
         return made[key]
@@ -88,7 +89,7 @@ def one_gpu():
 def split(p: Profile, n: int):
     engine = ParallelEngine(WorkerSpec(None, p, n))
     try:
-        return engine.render(engine.validate(PROMPT, **REQUEST))
+        return engine.render(engine.validate(RequestFields(PROMPT, **REQUEST)))
     finally:
         engine.close()
 

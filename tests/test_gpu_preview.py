@@ -15,6 +15,7 @@ import torch
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,10 +30,10 @@ def test_a_render_with_previews_is_bitwise_the_render_without(execution):
     torch._dynamo.reset()
     profile = Profile.for_device("cuda", attention="CUDNN_ATTN", execution=execution, linear="BF16")
     engine = Engine.load(None, profile)
-    plain = engine.render(engine.validate(PROMPT, num_frames=39, steps=8, seed=42))
+    plain = engine.render(engine.validate(RequestFields(PROMPT, num_frames=39, steps=8, seed=42)))
     graphs = engine.compiled.graphs if engine.compiled is not None else 0
     previews = []
-    request = engine.validate(PROMPT, num_frames=39, steps=8, seed=42, preview_every=2)
+    request = engine.validate(RequestFields(PROMPT, num_frames=39, steps=8, seed=42, preview_every=2))
     shown = engine.render(request, RenderContext(on_preview=previews.append))
     np.testing.assert_array_equal(plain.frames, shown.frames)
     np.testing.assert_array_equal(plain.audio, shown.audio)

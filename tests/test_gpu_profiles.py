@@ -15,6 +15,7 @@ import torch
 from h3serve.accel import fa4
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,7 +47,7 @@ FP8_ATTENTION_TOLERANCE = 2.5e-1  # FP8 attention rounds q, k, v and the probabi
 def _render(profile: Profile):
     torch._dynamo.reset()
     engine = Engine.load(None, profile)
-    request = engine.validate("a red fox runs through fresh snow", num_frames=39, steps=6, seed=42)
+    request = engine.validate(RequestFields("a red fox runs through fresh snow", num_frames=39, steps=6, seed=42))
     return engine.render(request), engine.render(request), engine
 
 
@@ -74,9 +75,10 @@ def test_decoder_weights_in_float16_decode_bitwise_as_float32_weights_under_cuda
     from h3serve.accel.vae import decoder_weights_to
     from h3serve.model.tiny import TINY_SEED, TINY_VIDEO_VAE, randomize
     from h3serve.model.video_vae import VideoVAE
+    from h3serve.pipeline.video_decode import decode
 
     vae = randomize(VideoVAE(TINY_VIDEO_VAE), TINY_SEED + 1).cuda()
     z = torch.randn(1, TINY_VIDEO_VAE.latent_channels, 3, 4, 6, generator=torch.Generator().manual_seed(0)).cuda()
-    expected = vae.decode(z, autocast_dtype=torch.float16)
+    expected = decode(vae, z, autocast_dtype=torch.float16)
     assert decoder_weights_to(vae, torch.float16) > 0
-    assert torch.equal(vae.decode(z, autocast_dtype=torch.float16), expected)
+    assert torch.equal(decode(vae, z, autocast_dtype=torch.float16), expected)

@@ -18,6 +18,7 @@ import torch
 from h3serve.accel.profile import DEFAULTS, Attention, Execution, Linear, Profile, ProfileError, check
 from h3serve.cli import main
 from h3serve.media.mp4 import encode_mp4
+from h3serve.pipeline.request import RequestFields
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "h3serve"
@@ -216,7 +217,7 @@ PROMPT = "a red fox runs through fresh snow"
 
 
 def _mp4(engine, seed: int) -> bytes:
-    request = engine.validate(PROMPT, steps=3, seed=seed)
+    request = engine.validate(RequestFields(PROMPT, steps=3, seed=seed))
     result = engine.render(request)
     buffer = io.BytesIO()
     encode_mp4(buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate)
@@ -278,7 +279,7 @@ def test_two_cuda_engines_with_different_kernels_keep_their_own_numbers():
 
 
 def _frames(engine) -> np.ndarray:
-    return engine.render(engine.validate(PROMPT, steps=3, seed=1)).frames
+    return engine.render(engine.validate(RequestFields(PROMPT, steps=3, seed=1))).frames
 
 
 # ---- one settings vocabulary --------------------------------------------------------------------------------------

@@ -447,8 +447,8 @@ def test_render_over_two_hosts_writes_the_one_process_mp4(hosts, pair, tmp_path,
 
 def check(hosts: Hosts, node: int, *flags: str) -> tuple[int, str]:
     out = subprocess.run([sys.executable, "-m", "h3serve.cli", "check", "--preflight", *flags, "--output-dir",
-                          str(hosts.tmp / "check")], env=hosts.env(node), capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+                          str(hosts.tmp / "check"), "--api-port", str(free_port())], env=hosts.env(node),
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert json.loads(out.stdout[: out.stdout.index("\n}") + 2])["node_key"] == "<redacted>"
     return out.returncode, out.stdout + out.stderr
 

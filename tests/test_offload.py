@@ -19,9 +19,11 @@ from h3serve.accel.profile import Profile
 from h3serve.pipeline.budget import OVERHEAD_GIB, tiny_budget
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.placement import Placement, PlacementError, place, spread
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RELEASED_RULES, RequestError
 
 sys.path.insert(0, str(Path(__file__).parent))
+from service_fixtures import free_port
 from test_budget import cuda_profile, released_configs
 
 CPU = Profile.for_device("cpu")
@@ -91,7 +93,7 @@ def resident():
 
 
 def _render(engine, **fields):
-    request = engine.validate("a lighthouse at dusk, waves", steps=3, seed=7, **fields)
+    request = engine.validate(RequestFields("a lighthouse at dusk, waves", steps=3, seed=7, **fields))
     return engine.render(request)
 
 
@@ -243,9 +245,9 @@ def test_a_request_larger_than_the_device_memory_holds_is_refused_naming_what_fi
     placement, _ = _admitting(200)
     assert placement.max_rows is not None
     engine = Engine.load(None, CPU, placement=placement)
-    engine.validate("a cat")  # the default request fits
+    engine.validate(RequestFields("a cat"))  # the default request fits
     with pytest.raises(RequestError) as err:
-        engine.validate("a cat", num_frames=90)
+        engine.validate(RequestFields("a cat", num_frames=90))
     assert err.value.field == "num_frames"
     message = str(err.value)
     assert "this server's device memory admits" in message and "frames fit" in message
@@ -336,7 +338,7 @@ def test_with_a_step_cache_the_skipped_blocks_are_not_streamed_and_the_bits_are_
     one_slot = Placement(dit_streamed=(0, 1), dit_blocks=2, slots=1)
     plain = Engine.load(None, CPU, step_cache=CACHING)
     engine = Engine.load(None, CPU, step_cache=CACHING, placement=one_slot)
-    a, b = (e.render(e.validate("a red fox in snow", steps=10, seed=1)) for e in (plain, engine))
+    a, b = (e.render(e.validate(RequestFields("a red fox in snow", steps=10, seed=1))) for e in (plain, engine))
     assert a.step_cache.cached == b.step_cache.cached and b.step_cache.num_cached > 0
     assert np.array_equal(a.frames, b.frames) and np.array_equal(a.audio, b.audio)
     # One slot: a whole forward copies both blocks in turn; a cached one runs block 0 alone, so fewer copies than two a
@@ -367,7 +369,8 @@ def test_a_split_render_with_every_rank_streaming_is_the_one_process_render():
         one = _render(Engine.load(None, CPU))
     finally:
         torch.set_num_threads(threads)
-    engine = ParallelEngine(WorkerSpec(None, CPU, 2, cpu_threads=1, placement=EVERYTHING, setup=_text_on_rank_0_only))
+    spec = WorkerSpec(None, CPU, 2, cpu_threads=1, placement=EVERYTHING)
+    engine = ParallelEngine(spec, engine_factory=_text_on_rank_0_only)
     try:
         assert engine.placement == EVERYTHING
         split = _render(engine)
@@ -376,17 +379,22 @@ def test_a_split_render_with_every_rank_streaming_is_the_one_process_render():
     assert np.array_equal(one.frames, split.frames) and np.array_equal(one.audio, split.audio)
 
 
-def _text_on_rank_0_only(engine, rank: int) -> None:
-    """A worker's setup: only rank 0 encodes prompts, so only it keeps the text encoder's streamed layers (and their
-    host memory); a worker that breaks this fails its start, and the test with it."""
-    if (engine.offloaded.text is not None) != (rank == 0):
-        raise RuntimeError(f"rank {rank}: text streamer {'kept' if engine.offloaded.text else 'dropped'}")
+def _text_on_rank_0_only(spec, place):
+    """A rank's engine factory: only rank 0 encodes prompts, so only it keeps the text encoder's streamed layers (and
+    their host memory); a worker that breaks this fails its start, and the test with it."""
+    from h3serve.parallel.workers import load_rank_engine
+
+    engine = load_rank_engine(spec, place)
+    if (engine.offloaded.text is not None) != (place.rank == 0):
+        raise RuntimeError(f"rank {place.rank}: text streamer {'kept' if engine.offloaded.text else 'dropped'}")
+    return engine
 
 
 def test_check_preflight_prints_the_placement(tmp_path, capsys):
     from h3serve.cli import main
 
-    code = main(["check", "--preflight", "--offload", "all", "--output-dir", str(tmp_path / "out")])
+    out_dir, port = str(tmp_path / "out"), str(free_port())
+    code = main(["check", "--preflight", "--offload", "all", "--output-dir", out_dir, "--api-port", port])
     out = capsys.readouterr()
     assert code == 0, out.err
     assert "placement: DiT 2 of 2 blocks streamed (2 slots), text encoder layers streamed, video VAE visits" in out.out

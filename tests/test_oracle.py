@@ -1,4 +1,4 @@
-"""The oracle guard itself: a missing oracle is a skip, or with H3_REQUIRE_ORACLE=1 a failure."""
+"""The oracle guard itself: a missing oracle is a skip, or with H3TEST_REQUIRE_ORACLE=1 a failure."""
 
 from __future__ import annotations
 
@@ -19,5 +19,5 @@ def test_missing_oracle_skips_by_default(monkeypatch):
 
 def test_missing_oracle_fails_when_required(monkeypatch):
     monkeypatch.setenv(REQUIRE_ENV, "1")
-    with pytest.raises(pytest.fail.Exception, match="H3_REQUIRE_ORACLE=1"):
+    with pytest.raises(pytest.fail.Exception, match="H3TEST_REQUIRE_ORACLE=1"):
         oracle("diffusers_missing_for_this_test")

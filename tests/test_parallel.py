@@ -1,7 +1,7 @@
 """One render split over several processes (Ulysses sequence parallelism, gloo on the CPU) on the tiny model, whose
 4 attention heads divide by 2 and 4: the same frames, audio and MP4 bytes as one process for every task, the step
 cache on; a rank that fails, a worker that dies, a cancel; the settings' refusals. The workers are real spawned
-processes running the real engine; `parallel_fixtures.inject_faults` only arms a fault for a named prompt."""
+processes running the real engine; `parallel_fixtures.faulty_engine` only arms a fault for a named prompt."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from h3serve.parallel.plan import check_split
 from h3serve.parallel.workers import ParallelEngine, WorkerError, WorkerSpec
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 from h3serve.settings import SettingsError, load_settings
 from h3serve.vocab import TaskType
-from parallel_fixtures import FAULT_ALL, FAULT_ONE, FAULT_TEXT, batch_tiles, inject_faults
+from parallel_fixtures import FAULT_ALL, FAULT_ONE, FAULT_TEXT, faulty_engine, tile_batching_engine
 from service_fixtures import png_bytes
 from test_ref2va_render import wav
 from test_stepcache_engine import CACHING
@@ -51,7 +52,7 @@ def one():
 
 @pytest.fixture(scope="module")
 def two():
-    engine = ParallelEngine(spec(2, setup=inject_faults))
+    engine = ParallelEngine(spec(2), engine_factory=faulty_engine)
     yield engine
     engine.close()
 
@@ -81,10 +82,10 @@ def mp4_bytes(result) -> bytes:
 
 @pytest.mark.parametrize("task", REQUESTS)
 def test_a_split_render_is_bit_for_bit_the_one_process_render(one, two, four, task):
-    reference = one.render(one.validate(PROMPT, **REQUESTS[task]))
+    reference = one.render(one.validate(RequestFields(PROMPT, **REQUESTS[task])))
     assert reference.step_cache.cached, "the step cache must skip forwards for this test to cover it"
     for engine in (two, four):
-        result = engine.render(engine.validate(PROMPT, **REQUESTS[task]))
+        result = engine.render(engine.validate(RequestFields(PROMPT, **REQUESTS[task])))
         rows = result.split
         assert len(rows) == engine.num_gpus and len(set(rows)) > 1, rows  # uneven: no padding anywhere
         assert rows == tuple(b - a for a, b in row_ranges(sum(rows), engine.num_gpus))
@@ -95,13 +96,13 @@ def test_a_split_render_is_bit_for_bit_the_one_process_render(one, two, four, ta
 
 
 def test_ranks_decoding_their_tiles_in_batches_give_the_one_process_frames(one):
-    """Each rank's tiles of a window in batches of 2 (`parallel.ranks` asks for its own through `decode_tiles(order=)`,
-    rank 0 through `_lead_tiles`): 2 x 2 tiles per window dealt over 2 ranks, so each rank runs one batch a window."""
-    engine = ParallelEngine(spec(2, setup=batch_tiles))
+    """Each rank's tiles of a window in batches of 2 (`parallel.ranks.DealtTiles`: each rank decodes its own through
+    `video_decode.rank_tiles`): 2 x 2 tiles per window dealt over 2 ranks, so each rank runs one batch a window."""
+    engine = ParallelEngine(spec(2), engine_factory=tile_batching_engine)
     try:
         request = REQUESTS["t2va-tiles"]
-        result = engine.render(engine.validate(PROMPT, **request))
-        np.testing.assert_array_equal(result.frames, one.render(one.validate(PROMPT, **request)).frames)
+        result = engine.render(engine.validate(RequestFields(PROMPT, **request)))
+        np.testing.assert_array_equal(result.frames, one.render(one.validate(RequestFields(PROMPT, **request))).frames)
     finally:
         engine.close()
 
@@ -111,7 +112,7 @@ def test_a_split_render_hands_a_sink_its_audio_then_its_frames_whole(two, tmp_pa
     audio and then every frame at once; the MP4 is the bytes of the array's."""
     from h3serve.media.mp4 import Mp4Writer, write_mp4
 
-    request = two.validate(PROMPT, **REQUESTS["t2va"])
+    request = two.validate(RequestFields(PROMPT, **REQUESTS["t2va"]))
     whole = two.render(request)
     writer = Mp4Writer(tmp_path / "streamed.mp4")
     streamed = two.render(request, RenderContext(frames_to=writer))
@@ -140,15 +141,17 @@ def test_a_cancel_reaches_every_rank_and_the_next_render_works(one, two):
             ctx.cancel("client went away")
 
     ctx = RenderContext(on_progress)
-    request = two.validate(PROMPT, steps=40, seed=5, num_frames=22)
+    request = two.validate(RequestFields(PROMPT, steps=40, seed=5, num_frames=22))
     with pytest.raises(RenderCancelled, match="client went away"):
         two.render(request, ctx)
     assert started.is_set()
     done, total = steps[-1]
     assert total == 39 and done < total, steps  # stopped inside the denoise, not after its 39 forwards
     assert two.problem is None  # a cancel is agreed: no worker is lost
-    again = two.render(two.validate(PROMPT, **REQUESTS["t2va"]))
-    np.testing.assert_array_equal(again.frames, one.render(one.validate(PROMPT, **REQUESTS["t2va"])).frames)
+    again = two.render(two.validate(RequestFields(PROMPT, **REQUESTS["t2va"])))
+    np.testing.assert_array_equal(
+        again.frames, one.render(one.validate(RequestFields(PROMPT, **REQUESTS["t2va"]))).frames
+    )
 
 
 def test_the_split_engine_has_every_member_of_the_render_engine_interface(two):
@@ -162,31 +165,31 @@ def test_the_split_engine_has_every_member_of_the_render_engine_interface(two):
 def test_a_render_failing_on_every_rank_alike_fails_and_the_workers_stay(two):
     pids = [p.pid for p in two.pool.procs]
     with pytest.raises(WorkerError, match="injected fault on rank"):
-        two.render(two.validate(FAULT_ALL, steps=4, seed=1))
+        two.render(two.validate(RequestFields(FAULT_ALL, steps=4, seed=1)))
     assert two.problem is None and [p.pid for p in two.pool.procs] == pids
-    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+    assert two.render(two.validate(RequestFields(PROMPT, steps=3, seed=1))).frames.shape[0] > 0
 
 
 def test_a_failure_in_a_stage_only_rank_0_runs_ends_it_on_every_rank_and_the_workers_stay(two):
     pids = [p.pid for p in two.pool.procs]
     with pytest.raises(WorkerError, match="rank 0: RuntimeError: injected text-encoder fault on rank 0"):
-        two.render(two.validate(FAULT_TEXT, steps=4, seed=1))
+        two.render(two.validate(RequestFields(FAULT_TEXT, steps=4, seed=1)))
     # The other rank was told and ended the render too: no grace period was waited out, which would have restarted
     # the workers ("failed alone", `workers.ERROR_GRACE_S`); the same processes serve the next render.
     assert two.problem is None and [p.pid for p in two.pool.procs] == pids
-    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+    assert two.render(two.validate(RequestFields(PROMPT, steps=3, seed=1))).frames.shape[0] > 0
 
 
 def test_a_rank_failing_alone_fails_the_render_with_its_message_and_the_workers_restart(two):
     with pytest.raises(WorkerError, match="rank 1: RuntimeError: injected fault on rank 1"):
-        two.render(two.validate(FAULT_ONE.format(rank=1), steps=4, seed=1))
+        two.render(two.validate(RequestFields(FAULT_ONE.format(rank=1), steps=4, seed=1)))
     # The others waited in a collective; the parent ended the render after its grace period ("failed alone"), not
     # after the collective's 600 s timeout (whose error would have come from rank 0).
     assert two.problem is not None and "rank 1 failed alone" in two.problem, two.problem
     with pytest.raises(RuntimeError, match="restarting the GPU workers"):
-        two.render(two.validate(PROMPT, steps=3, seed=1))
+        two.render(two.validate(RequestFields(PROMPT, steps=3, seed=1)))
     wait_usable(two)
-    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+    assert two.render(two.validate(RequestFields(PROMPT, steps=3, seed=1))).frames.shape[0] > 0
 
 
 def test_a_killed_worker_makes_the_engine_unusable_with_the_reason_then_it_restarts(two):
@@ -198,7 +201,7 @@ def test_a_killed_worker_makes_the_engine_unusable_with_the_reason_then_it_resta
     assert two.problem is not None and "rank 1" in two.problem and "SIGKILL" in two.problem, two.problem
     wait_usable(two)
     assert two.pool.procs[1].pid != victim.pid
-    assert two.render(two.validate(PROMPT, steps=3, seed=1)).frames.shape[0] > 0
+    assert two.render(two.validate(RequestFields(PROMPT, steps=3, seed=1))).frames.shape[0] > 0
 
 
 def wait_usable(engine: ParallelEngine, timeout: float = 120) -> None:
@@ -222,7 +225,7 @@ def test_a_built_engine_is_checked_against_the_config_it_builds_not_the_tiny_one
 
     wide = DiTConfig.from_json(Path(__file__).parent / "data" / "reference" / "FL2VA" / "transformer" / "config.json")
     with pytest.raises(ValueError, match="56 attention heads do not divide by it") as err:
-        ParallelEngine(WorkerSpec(None, CPU, 3, build=Engine.load, build_config=wide))
+        ParallelEngine(WorkerSpec(None, CPU, 3), dit_config=wide)
     assert "1, 2, 4, 7, 8, 14, 28, 56" in str(err.value)
 
 

@@ -15,8 +15,10 @@ from h3serve.accel.profile import Profile
 from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.preview import PREVIEW_LATENTS, STRIP_FRAMES, due, make_preview
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RequestError
 from h3serve.pipeline.schedule import clean_estimate
+from h3serve.pipeline.video_decode import decode, decode_window
 
 PROMPT = "a lighthouse at dusk, waves on the rocks"
 
@@ -27,9 +29,9 @@ def engine():
 
 
 def test_previews_come_every_n_forwards_before_the_last_and_leave_the_render_bitwise_the_same(engine):
-    plain = engine.render(engine.validate(PROMPT, steps=8, seed=5))
+    plain = engine.render(engine.validate(RequestFields(PROMPT, steps=8, seed=5)))
     previews = []
-    request = engine.validate(PROMPT, steps=8, seed=5, preview_every=2)
+    request = engine.validate(RequestFields(PROMPT, steps=8, seed=5, preview_every=2))
     result = engine.render(request, RenderContext(on_preview=previews.append))
     assert np.array_equal(plain.frames, result.frames) and np.array_equal(plain.audio, result.audio)
     assert [(p.forward, p.forwards) for p in previews] == [(1, 7), (3, 7), (5, 7)]
@@ -58,7 +60,7 @@ def test_a_preview_is_the_first_window_of_the_clean_estimate_it_was_made_from(en
 
     monkeypatch.setattr(engine_module, "denoise", keeping)
     previews = []
-    request = engine.validate(PROMPT, steps=6, seed=2, preview_every=4)
+    request = engine.validate(RequestFields(PROMPT, steps=6, seed=2, preview_every=4))
     engine.render(request, RenderContext(on_preview=previews.append))
     assert [p.forward for p in previews] == [2]  # half an interval in; the next, 6, is past the 5 forwards
     rows, layout = seen[2]
@@ -75,12 +77,12 @@ def test_a_preview_decodes_the_first_latents_as_one_window_and_a_window_is_what_
     one = z[:, :, : cfg.tokens_chunk_size + cfg.token_overlap]
     assert cfg.decode_plan(one.shape[2])[:2] == (0, 1)
     span = cfg.tokens_chunk_size * cfg.temporal_ratio
-    window = vae.decode_window(one)[:, :, cfg.frame_pre_padding : span]
-    assert torch.equal(window, vae.decode(one)[:, :, : window.shape[2]])
-    head = vae.decode_window(z[:, :, :PREVIEW_LATENTS])
+    window = decode_window(vae, one)[:, :, cfg.frame_pre_padding : span]
+    assert torch.equal(window, decode(vae, one)[:, :, : window.shape[2]])
+    head = decode_window(vae, z[:, :, :PREVIEW_LATENTS])
     assert head.shape[2] == PREVIEW_LATENTS * cfg.temporal_ratio
     with pytest.raises(ValueError, match="expected latents"):
-        vae.decode_window(z[0])
+        decode_window(vae, z[0])
 
     import h3serve.pipeline.preview as preview_module
 
@@ -108,7 +110,7 @@ def test_due_and_the_clean_estimate():
 @pytest.mark.parametrize(("steps", "every", "allowed"), [(8, 7, "1..6"), (8, -1, "1..6"), (2, 1, "nothing to preview")])
 def test_a_preview_interval_out_of_range_is_refused_naming_what_is_allowed(engine, steps, every, allowed):
     with pytest.raises(RequestError) as err:
-        engine.validate(PROMPT, steps=steps, preview_every=every)
+        engine.validate(RequestFields(PROMPT, steps=steps, preview_every=every))
     assert err.value.field == "preview_every" and allowed in str(err.value)
 
 
@@ -127,3 +129,28 @@ def test_render_writes_the_previews_as_files(tmp_path, capsys):
         code != 0
         and "--preview-every 5 (the default): preview_every must be 0 (none) or 1..1" in capsys.readouterr().err
     )
+
+
+def test_previews_of_a_split_render_are_refused_by_its_admission_before_any_weight_loads(tmp_path, capsys):
+    """One rule, one home: `Admission.check_previews` (the engine's shape: its ranks) refuses previews of a split
+    render; the command line reaches it through the start-up plan's admission, before any worker starts."""
+    from h3serve.cli import main
+    from h3serve.config import TINY_DIT
+    from h3serve.pipeline.admission import Admission
+    from h3serve.pipeline.rules import TINY_RULES
+
+    split = Admission.build("fl2va", TINY_RULES, TINY_DIT, step_cache=False, ranks=2)
+    assert not split.previews and not split.frames_stream
+    with pytest.raises(RequestError) as err:
+        split.validate(RequestFields(PROMPT, steps=8, preview_every=3))
+    assert err.value.field == "preview_every" and "split over 2 GPUs" in err.value.message
+    split.validate(RequestFields(PROMPT, steps=8, preview_every=0))  # none asked: admitted
+    one = Admission.build("fl2va", TINY_RULES, TINY_DIT, step_cache=False)
+    assert one.previews and one.validate(RequestFields(PROMPT, steps=8, preview_every=3)).preview_every == 3
+
+    out, previews = tmp_path / "a.mp4", tmp_path / "previews"
+    code = main(["render", PROMPT, "--steps", "8", "--preview-dir", str(previews), "--num-gpus", "2", "--device",
+                 "cpu", "-o", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code != 0 and "--preview-every 5 (the default): previews come from a render in one process" in err, err
+    assert not out.exists() and "split over 2 GPUs" in err

@@ -22,13 +22,15 @@ from safetensors.torch import save_file
 
 from folder_fixtures import write_sharded
 from h3serve.checkpoint.dit import load_dit
-from h3serve.checkpoint.export import export_state_dict
 from h3serve.checkpoint.reader import MIN_WINDOW, CheckpointError, TensorReader, read_header
 from h3serve.checkpoint.safetensors import LoadStats
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, DiTConfig
 from h3serve.model.dit import H3DiT, is_fp32_name
 from h3serve.model.tiny import TINY_DIT, tiny_dit
 from loading_fixtures import not_owned
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
+from lib.export import export_state_dict
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -43,6 +43,7 @@ from h3serve.pipeline.conditioning import VideoProcessing, encode_text
 from h3serve.pipeline.engine import Engine, RenderResult
 from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import CanvasRule, FrameRule, RequestRules
 from oracle import oracle
 
@@ -260,14 +261,16 @@ def engine(checkpoint) -> Engine:
 
 def render_ours(engine: Engine, names: tuple[str, ...], files: dict[str, Path]) -> RenderResult:
     request = engine.validate(
-        PROMPT,
-        task="ref2va",
-        width=WIDTH,
-        height=HEIGHT,
-        num_frames=NUM_FRAMES,
-        steps=STEPS,
-        seed=SEED,
-        references=[(name, files[name].read_bytes()) for name in names],
+        RequestFields(
+            PROMPT,
+            task="ref2va",
+            width=WIDTH,
+            height=HEIGHT,
+            num_frames=NUM_FRAMES,
+            steps=STEPS,
+            seed=SEED,
+            references=[(name, files[name].read_bytes()) for name in names],
+        ),
     )
     return engine.render(request)
 

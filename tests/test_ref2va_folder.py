@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from h3serve.checkpoint.dit import load_dit
 from h3serve.checkpoint.folder import load_ref_dit, resolve_model_folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # lib.export: our DiT as checkpoints hold it
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +84,8 @@ def test_a_ref2va_config_that_differs_is_refused_naming_both_files(release, tmp_
 def test_community_single_file_ref2va_loads_the_same_weights(release, tmp_path):
     """The third layout: the Ref2VA DiT as one original-names file (`minimax_h3_ref2va_bf16.safetensors`, QKV rows
     stacked as every published single file holds them) beside its config, in transformer_ref/."""
+    from lib.export import export_state_dict
     from safetensors.torch import save_file
-
-    from h3serve.checkpoint.export import export_state_dict
 
     root = tmp_path / "FL2VA"
     shutil.copytree(release, root, ignore=shutil.ignore_patterns("transformer_ref"))

@@ -16,6 +16,7 @@ from h3serve.cli import main
 from h3serve.media.mp4 import probe_mp4
 from h3serve.model.tiny import tiny_components
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RequestError
 
 PROMPT = "A red fox trots through fresh snow at dawn."
@@ -76,7 +77,7 @@ def test_a_task_whose_dit_is_not_loaded_is_refused_before_anything_decodes(task_
     engine = Engine.load(None, Profile.for_device("cpu"), task_type=task_type)
     extra = {"references": [b"not even a file"]} if task == "ref2va" else {}
     with pytest.raises(RequestError, match=message) as err:
-        engine.validate(PROMPT, task=task, steps=3, **extra)
+        engine.validate(RequestFields(PROMPT, task=task, steps=3, **extra))
     assert err.value.field == "task"
 
 
@@ -94,7 +95,7 @@ def test_a_task_whose_dit_is_not_loaded_is_refused_before_anything_decodes(task_
 )
 def test_bad_references_are_refused_naming_the_position(engine, kwargs, field, index, message):
     with pytest.raises(RequestError, match=message) as err:
-        engine.validate(PROMPT, steps=3, **kwargs)
+        engine.validate(RequestFields(PROMPT, steps=3, **kwargs))
     assert (err.value.field, err.value.index) == (field, index)
 
 
@@ -119,7 +120,7 @@ def test_references_ride_through_the_loop_unchanged_and_reach_the_result(engine,
         return out
 
     monkeypatch.setattr(engine_module, "denoise", spy)
-    request = engine.validate(PROMPT, task="ref2va", steps=4, seed=3, references=[png(1, 64, 48), wav()])
+    request = engine.validate(RequestFields(PROMPT, task="ref2va", steps=4, seed=3, references=[png(1, 64, 48), wav()]))
     result = engine.render(request)
     start_video, start_audio = seen[0]
     assert start_video.shape[0] > 0 and start_audio.shape[0] > 0  # an image's rows, the audio's clean rows
@@ -131,9 +132,11 @@ def test_references_ride_through_the_loop_unchanged_and_reach_the_result(engine,
     again = engine.render(request)
     np.testing.assert_array_equal(result.frames, again.frames)  # deterministic
     np.testing.assert_array_equal(result.audio, again.audio)
-    other = engine.render(engine.validate(PROMPT, task="ref2va", steps=4, seed=3, references=[png(2, 64, 48), wav()]))
+    other = engine.render(
+        engine.validate(RequestFields(PROMPT, task="ref2va", steps=4, seed=3, references=[png(2, 64, 48), wav()]))
+    )
     assert np.abs(other.frames.astype(np.int16) - result.frames.astype(np.int16)).mean() > 0.1  # 0.23 measured
-    t2va = engine.render(engine.validate(PROMPT, task="t2va", steps=4, seed=3))
+    t2va = engine.render(engine.validate(RequestFields(PROMPT, task="t2va", steps=4, seed=3)))
     assert np.abs(t2va.audio - result.audio).mean() > 1e-4
 
 
@@ -145,7 +148,7 @@ def test_a_ref2va_only_engine_warms_up_with_a_reference_and_prepares_its_tables(
     assert warmup.passed and warmup.request.startswith("ref2va "), warmup
     made = set(engine.tables["ref2va"]._cache)
     assert len(made) == 3  # the default schedule without and with reference audio, and the warmup's own
-    request = engine.validate(PROMPT, task="ref2va", steps=50, seed=0, references=[png(1, 64, 48)])
+    request = engine.validate(RequestFields(PROMPT, task="ref2va", steps=50, seed=0, references=[png(1, 64, 48)]))
     from h3serve.pipeline.layout import MediaGeometry, build_ref2va_layout
     from h3serve.pipeline.references import reference_descriptors
     from h3serve.pipeline.sampling import step_timesteps
@@ -206,7 +209,7 @@ def test_a_request_larger_than_the_memory_plan_is_refused(engine):
     with pytest.raises(
         RequestError, match=r"packs 576 reference rows and 4202 rows .* 4778 in all; .* covers 4258"
     ) as err:
-        engine.validate(PROMPT, task="ref2va", steps=3, num_frames=362, references=wide)
+        engine.validate(RequestFields(PROMPT, task="ref2va", steps=3, num_frames=362, references=wide))
     assert err.value.field == "references"
-    request = engine.validate(PROMPT, task="ref2va", steps=3, num_frames=300, references=wide)
+    request = engine.validate(RequestFields(PROMPT, task="ref2va", steps=3, num_frames=300, references=wide))
     assert len(request.references) == 9

@@ -19,6 +19,7 @@ from h3serve.accel.profile import Profile
 from h3serve.cli import main
 from h3serve.media.mp4 import audio_psnr, decode_audio, decode_frames, frame_hashes, probe_mp4
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 STEPS = ["--steps", "3", "--no-progress"]
 
@@ -88,7 +89,7 @@ def test_same_seed_same_render_other_seed_differs(tmp_path, keyframes):
 
 def test_engine_render_is_deterministic_before_encoding():
     engine = Engine.load(None, Profile.for_device("cpu"))
-    request = engine.validate("waves on a pebble beach", num_frames=22, steps=4, seed=11)
+    request = engine.validate(RequestFields("waves on a pebble beach", num_frames=22, steps=4, seed=11))
     one, two = engine.render(request), engine.render(request)
     assert np.array_equal(one.frames, two.frames) and np.array_equal(one.audio, two.audio)
     assert one.frames.shape == (22, 128, 224, 3) and one.frames.dtype == np.uint8
@@ -96,7 +97,7 @@ def test_engine_render_is_deterministic_before_encoding():
     # Off the clamp: equal samples are then a real comparison, not two saturated waveforms.
     assert (np.abs(one.audio) >= 0.999).mean() < 0.01 and one.audio.std() > 1e-3
     assert set(one.timings) == {"text", "keyframes", "layout", "tables", "denoise", "video", "audio", "total"}
-    other = engine.render(engine.validate("waves on a pebble beach", num_frames=22, steps=4, seed=12))
+    other = engine.render(engine.validate(RequestFields("waves on a pebble beach", num_frames=22, steps=4, seed=12)))
     assert not np.array_equal(one.frames, other.frames) and not np.array_equal(one.audio, other.audio)
 
 
@@ -116,7 +117,7 @@ def test_static_request_work_runs_once_not_per_step():
     dit.refine_text = count("refine_text", dit.refine_text)
     dit.rope.register_forward_hook(lambda *_: calls.__setitem__("rope", calls["rope"] + 1))
     dit.register_forward_hook(lambda *_: calls.__setitem__("forward", calls["forward"] + 1))
-    engine.render(engine.validate("rain on a tin roof", num_frames=22, steps=6))
+    engine.render(engine.validate(RequestFields("rain on a tin roof", num_frames=22, steps=6)))
     assert calls == {"refine_text": 1, "rope": 1, "forward": 5}
 
 
@@ -258,4 +259,4 @@ def test_non_finite_latents_are_refused_not_written_as_black(tmp_path):
     with torch.no_grad():
         engine.components.dit.final_layer.video_out.bias.fill_(float("nan"))
     with pytest.raises(RuntimeError, match="denoised latents are not finite"):
-        engine.render(engine.validate("a fox", num_frames=22, steps=3))
+        engine.render(engine.validate(RequestFields("a fox", num_frames=22, steps=3)))

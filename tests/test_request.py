@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from h3serve.pipeline.conditioning import fit_keyframes
-from h3serve.pipeline.request import decode_keyframe, validate_request
+from h3serve.pipeline.request import RequestFields, decode_keyframe, validate_request
 from h3serve.pipeline.rules import (
     MAX_SEED,
     RELEASED_RULES,
@@ -40,8 +40,8 @@ def png(img: Image.Image) -> bytes:
 def request(**overrides):
     args = dict(prompt="a fox runs", task="t2va", width=768, height=448, num_frames=124, steps=30, seed=7)
     args.update(overrides)
-    prompt = args.pop("prompt")
-    return validate_request(prompt, **args)
+    rules = args.pop("rules", RELEASED_RULES)
+    return validate_request(RequestFields(**args), rules)
 
 
 # --- accepted requests -----------------------------------------------------------------------------------------
@@ -253,13 +253,15 @@ def test_fit_keyframes_matches_reference(first, last, canvas):
     _, state = MiniMaxH3ResizeStep()(MiniMaxH3Blocks().init_pipeline(), state)
 
     r = validate_request(
-        "p",
-        task="fl2va",
-        width=None if canvas is None else canvas[1],
-        height=None if canvas is None else canvas[0],
-        num_frames=124,
-        steps=2,
-        keyframes=[a, b],
+        RequestFields(
+            "p",
+            task="fl2va",
+            width=None if canvas is None else canvas[1],
+            height=None if canvas is None else canvas[0],
+            num_frames=124,
+            steps=2,
+            keyframes=[a, b],
+        )
     )
     assert (r.height, r.width) == (state.get("height"), state.get("width"))
     ours = fit_keyframes(r.keyframes, r.width, r.height)

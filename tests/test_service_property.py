@@ -9,6 +9,7 @@ validation render quickly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,7 +19,23 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from h3serve.service.schemas import EXTRA_PARAMS, FIELDS, NOT_USED
+from h3serve.config import FPS, TINY_DIT
+from h3serve.pipeline.admission import Admission
+from h3serve.pipeline.request import RequestFields
+from h3serve.pipeline.rules import MAX_SEED, TINY_RULES
+from h3serve.service.bodies import FILE_FIELDS
+from h3serve.service.errors import ApiError
+from h3serve.service.schemas import (
+    EXTRA_PARAMS,
+    FIELDS,
+    NOT_USED,
+    ExtraParams,
+    PreviewRule,
+    ServerTerms,
+    VideoCreateRequest,
+    admit,
+)
+from h3serve.vocab import Task
 from service_fixtures import live_server, png_bytes, settings
 
 EXAMPLES = 750  # per test: 4 tests, 3,000 requests
@@ -173,3 +190,147 @@ def test_a_valid_request_still_renders_after_the_generated_ones(client):
     r = client.post("/v1/videos/sync", data={"prompt": "still fine", "num_inference_steps": "2", "seed": "3"})
     assert r.status_code == 200, r.text
     assert r.headers["content-type"] == "video/mp4" and len(r.content) > 1000
+
+
+# ---- the request model, without a server: each field's bounds, the seed's range, the engine's fields ----------------
+
+SERVED = "h3serve-tiny"
+ADMISSION = Admission.build("both", TINY_RULES, TINY_DIT, step_cache=False)
+TERMS = ServerTerms(SERVED, max_prompt=200, rules=TINY_RULES, steps=4, admission=ADMISSION, tasks=tuple(Task),
+                    previews=PreviewRule(default=0, minimum=2))  # fmt: skip
+
+
+class _Admitting:
+    """What `admit` needs of an engine: its admission (the rules, no weights)."""
+
+    def __init__(self) -> None:
+        self.admission = ADMISSION
+
+    def validate(self, fields: RequestFields):
+        return self.admission.validate(fields)
+
+
+ENGINE = _Admitting()
+MAX_SIDE = 512 * 512 // 32 + 32  # a side over TINY_RULES' area cap, whatever the other side
+FORM_OR_JSON = lambda values: st.sampled_from(values) | st.sampled_from(values).map(str)  # noqa: E731
+# Values each API field refuses, by its type, its declared bounds or the model's rules (the engine's), sent as JSON
+# values or as a form's text. The key is the field a refusal must name.
+BAD = {
+    "prompt": st.sampled_from(["", "   ", "x" * 201]) | st.integers(),
+    "model": st.sampled_from(["other", "h3serve-tiny2"]),
+    "seconds": FORM_OR_JSON([0, -1, 3601, 1e9, 20]) | st.sampled_from(["nan", "inf", "x", "1e400"]),
+    "size": st.sampled_from(["abc", "0x0", "100x100", "64x", "x64", "99999x32", f"{MAX_SIDE}x{MAX_SIDE}"]),
+    "user": st.text(min_size=257, max_size=300) | st.integers() | st.booleans(),
+    "width": FORM_OR_JSON([0, -32, 33, 100, MAX_SIDE]) | st.sampled_from(["2.5", "x", "1" * 50, True]),
+    "height": FORM_OR_JSON([0, -32, 31, 100, MAX_SIDE]) | st.sampled_from(["2.5", "x", "1" * 50, 1.5]),
+    "num_frames": FORM_OR_JSON([0, -5, 363, 10**6]) | st.sampled_from(["2.5", "x", [22]]),
+    "fps": FORM_OR_JSON([0, 25, 30, -24]) | st.sampled_from(["x", 24.5]),
+    "num_inference_steps": FORM_OR_JSON([0, 1, -3, 1001]) | st.sampled_from(["2.5", "x", {}]),
+    "flow_shift": FORM_OR_JSON([0, -1, 0.0]) | st.sampled_from(["inf", "nan", "x", []]),
+    "seed": st.integers(max_value=-1) | st.integers(min_value=MAX_SEED + 1) | st.sampled_from(["-1", "x", "1.5"]),
+    "aspect_ratio": st.sampled_from(["5:4", "", "16:10", "16x9"]) | st.integers(),
+    "short_edge": FORM_OR_JSON([0, 768, 127, 129]) | st.sampled_from(["x"]),
+    "quality": st.sampled_from(["ultra", "", "high"]) | st.integers(),  # high: this server has no step cache
+    "lora": st.sampled_from([{"name": "x"}, "{}", "[]", {"path": ""}, {"scale": 1}, 5]),
+    "preview_every": FORM_OR_JSON([-1, 1, 3, 100]) | st.sampled_from(["x", "1.5"]),  # 1: under this server's least
+    "extra_params": st.sampled_from(["{not json", "[1]", [1], 5, "null"]),
+    "extra_params.task": st.sampled_from(["t3va", "", "REF2VA", 5, []]),
+    "extra_params.duration": FORM_OR_JSON([0, -1, 3601, 20]) | st.sampled_from(["nan", "x"]),
+    "extra_params.audio_flow_shift": FORM_OR_JSON([0, -2]) | st.sampled_from(["inf", "x", True]),
+    "extra_params.frame_indices": st.sampled_from([[0], [-1], [0, -1], "x", 5]),  # no keyframe sent
+    "extra_params.mute_references": st.sampled_from([[0], [], "x", [True]]),  # not a ref2va request
+}
+
+
+def test_every_api_field_has_values_its_bounds_refuse():
+    """A field added to the API without bounds checked here fails this test."""
+    assert set(BAD) == (set(FIELDS) - set(FILE_FIELDS)) | {f"extra_params.{key}" for key in EXTRA_PARAMS}
+    aliases = {f.alias or name for name, f in VideoCreateRequest.model_fields.items()}
+    assert aliases == set(FIELDS) - set(FILE_FIELDS)
+    assert {f.alias or name for name, f in ExtraParams.model_fields.items()} == set(EXTRA_PARAMS)
+
+
+def _sent(field: str, value) -> dict:
+    """A valid request but for `field` (a canvas side alone is told what is wrong with it before it is told to come
+    in a pair)."""
+    fields = {"prompt": "a fox", "num_inference_steps": 4}
+    if field.startswith("extra_params."):
+        return fields | {"extra_params": {field.removeprefix("extra_params."): value}}
+    return fields | {field: value}
+
+
+def _param_of(fields: dict) -> tuple[int, str]:
+    try:
+        admit(fields, [], ENGINE, TERMS)
+    except ApiError as err:
+        assert len(err.message) >= 10 and "Traceback" not in err.message, err.message
+        return err.status, err.param
+    raise AssertionError(f"accepted: {fields}")
+
+
+@hsettings(PROPERTY, max_examples=300)
+@given(case=st.sampled_from(sorted(BAD)).flatmap(lambda f: BAD[f].map(lambda v: (f, v))))
+def test_each_field_out_of_its_bounds_is_refused_naming_it(case):
+    field, value = case
+    status, param = _param_of(_sent(field, value))
+    assert (status, param) == ((404, "model") if field == "model" else (400, field)), (field, value)
+
+
+def test_an_engine_refusal_names_the_field_that_set_the_value():
+    """The engine names its own fields (width, num_frames, steps); the refusal names what the client sent."""
+    assert _param_of({"prompt": "p", "size": "100x64"}) == (400, "size")
+    assert _param_of({"prompt": "p", "width": 64, "height": 100}) == (400, "height")
+    assert _param_of({"prompt": "p", "seconds": 20}) == (400, "seconds")
+    assert _param_of({"prompt": "p", "extra_params": {"duration": 20}}) == (400, "extra_params.duration")
+    assert _param_of({"prompt": "p", "num_frames": 400}) == (400, "num_frames")
+    assert _param_of({"prompt": "p", "num_inference_steps": "1"}) == (400, "num_inference_steps")
+    assert _param_of({"prompt": "p", "flow_shift": "0"}) == (400, "flow_shift")
+
+
+@hsettings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    side=st.sampled_from([(64, 64), (96, 64), (64, 128), (224, 128)]),
+    frames=st.integers(min_value=22, max_value=362),
+    steps=st.integers(min_value=2, max_value=60),
+    seed=st.integers(min_value=0, max_value=MAX_SEED),
+    shifts=st.tuples(st.floats(0.5, 20), st.floats(0.5, 20)),
+    quality=st.sampled_from(["lossless", None]),
+    form=st.booleans(),
+)
+def test_the_model_round_trips_to_the_engine_fields(side, frames, steps, seed, shifts, quality, form):
+    """What the API fields say reaches the engine's fields unchanged, from a JSON body or a form's text."""
+    put = str if form else (lambda v: v)
+    sent = {"prompt": "a fox", "size": f"{side[0]}x{side[1]}", "num_frames": put(frames),
+            "num_inference_steps": put(steps), "seed": put(seed), "flow_shift": put(shifts[0]),
+            "extra_params": json.dumps({"audio_flow_shift": shifts[1]}) if form else {"audio_flow_shift": shifts[1]},
+            "fps": put(FPS), "preview_every": put(0)}  # fmt: skip
+    if quality is not None:
+        sent["quality"] = quality
+    fields = VideoCreateRequest.parse(sent, TERMS).to_fields([], TERMS)
+    expected = RequestFields(prompt="a fox", task=Task.T2VA, width=side[0], height=side[1], num_frames=frames,
+                             steps=steps, seed=seed, video_shift=shifts[0], audio_shift=shifts[1], keyframes=[],
+                             mute_references=[], quality=quality, preview_every=0)  # fmt: skip
+    assert fields == expected
+    request = ENGINE.validate(fields)
+    assert (request.width, request.height, request.steps, request.seed) == (*side, steps, seed)
+    assert (request.video_shift, request.audio_shift) == shifts
+
+
+def test_left_out_fields_stay_for_the_server_to_fill():
+    fields = VideoCreateRequest.parse({"prompt": "p"}, TERMS).to_fields([], TERMS)
+    assert (fields.width, fields.height, fields.num_frames, fields.steps) == (None, None, None, None)
+    assert (fields.video_shift, fields.audio_shift, fields.preview_every, fields.quality) == (None,) * 4
+
+
+def test_a_seed_left_out_is_drawn_from_the_whole_documented_range():
+    """0..MAX_SEED, as docs/api.md says: 64 draws all below 2**31 would happen once in 2**(32*64) tries."""
+    seeds = [VideoCreateRequest.parse({"prompt": "p"}, TERMS).to_fields([], TERMS).seed for _ in range(64)]
+    assert all(0 <= s <= MAX_SEED for s in seeds)
+    assert max(seeds) >= 2**31 and len(set(seeds)) == 64
+
+
+@pytest.mark.parametrize("drawn", [0, 2**31, MAX_SEED])
+def test_the_drawn_seed_reaches_the_engine(drawn):
+    terms = dataclasses.replace(TERMS, draw_seed=lambda: drawn)
+    _, request = admit({"prompt": "p", "num_inference_steps": 3}, [], ENGINE, terms)
+    assert request.seed == drawn

@@ -17,10 +17,10 @@ import httpx
 import numpy as np
 import pytest
 
-from h3serve import startup
 from h3serve.errors import SettingError
 from h3serve.media.mp4 import verify_mp4, write_mp4
 from h3serve.pipeline.context import RenderCancelled, RenderContext
+from h3serve.service.folders import check_output_dir
 from service_fixtures import FormClient, live_server, settings, wait_status
 
 SMALL = {"prompt": "a red ball", "width": "224", "height": "128", "num_inference_steps": "2", "seed": "1"}
@@ -271,7 +271,7 @@ def test_a_read_only_videos_folder_makes_the_server_unready(server, client):
 def test_the_start_refuses_an_output_folder_whose_videos_folder_cannot_be_written(tmp_path):
     (tmp_path / "videos").write_bytes(b"not a folder")
     with pytest.raises(SettingError) as err:
-        startup.check_output_dir(tmp_path)
+        check_output_dir(tmp_path)
     assert err.value.setting == "output_dir" and "videos" in str(err.value)
 
 

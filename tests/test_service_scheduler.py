@@ -17,6 +17,8 @@ import pytest
 
 from h3serve.media.mp4 import encode_mp4
 from h3serve.pipeline.context import RenderCancelled
+from h3serve.pipeline.request import RequestFields
+from h3serve.service.jobs import JobState
 from h3serve.service.metrics import Metrics
 from h3serve.service.scheduler import Scheduler, Work
 from h3serve.service.schemas import JobError, JobStatus, VideoJob
@@ -41,7 +43,7 @@ def running(tmp_path: Path, scheduler_class=Scheduler, **options) -> Iterator[Sc
 
 def job(scheduler: Scheduler, seed: int, steps: int = 4) -> Work:
     """Queue an async job (record and MP4 file) and return its work item."""
-    request = tiny_engine().validate(PROMPT, steps=steps, seed=seed)
+    request = tiny_engine().validate(RequestFields(PROMPT, steps=steps, seed=seed))
     work = Work(new_job_id(), request, persist=True)
     scheduler.submit(work, job_record(work.id, request, "h3serve-tiny"))
     return work
@@ -56,7 +58,7 @@ def sync_mp4(scheduler: Scheduler, work: Work) -> bytes:
 
 def handing_off(work: Work) -> bool:
     """The job's render has decoded its audio and waits to hand its frames to the encoder (the backlog full)."""
-    return work.stream is not None and not work.handed and not work.future.done()
+    return work.stream is not None and work.state is JobState.RENDERING
 
 
 def wait_for(condition, what: str, timeout: float = 30) -> None:
@@ -151,7 +153,7 @@ def test_cancel_works_while_a_job_waits_hands_off_or_encodes(tmp_path):
 
 def test_a_sync_render_cancelled_while_encoding_gives_no_bytes(tmp_path):
     with running(tmp_path, HeldEncoder) as scheduler:
-        request = tiny_engine().validate(PROMPT, steps=2, seed=0)
+        request = tiny_engine().validate(RequestFields(PROMPT, steps=2, seed=0))
         work = Work(new_job_id(), request, persist=False)
         scheduler.submit(work)
         assert scheduler.encoding.wait(30)

@@ -25,6 +25,7 @@ from h3serve.config import TINY_DIT
 from h3serve.errors import ECHO_CHARS, SettingError, shown
 from h3serve.files import FileRefused, open_regular, read_regular, read_setting_file
 from h3serve.settings import CONFIG_FILE_CAP, KEY_FILE_CAP, SettingsError, load_settings
+from service_fixtures import free_port
 
 KEY = "k3y-" + "abcdefghijklmnopqrstuvwxyz0123456789._~"  # 43 characters of [A-Za-z0-9._~-]
 REAL_OPEN = os.open  # a test may replace os.open; the FIFO's release must not go through the replacement
@@ -98,6 +99,7 @@ def test_a_fifo_key_file_is_refused_naming_the_variable(tmp_path, command):
     fifo = tmp_path / "key.fifo"
     os.mkfifo(fifo, 0o600)
     env = {"H3_API_KEY_FILE": str(fifo), "H3_DEVICE": "cpu", "H3_OUTPUT_DIR": str(tmp_path / "out")}
+    env["H3_API_PORT"] = str(free_port())  # not the default 8000, which a user's server may hold
     code, err = h3serve(*command, env=env, cwd=tmp_path)
     assert code != 0
     line = the_one(err.splitlines(), "H3_API_KEY_FILE (--api-key-file)", "is a FIFO, not a regular file")

@@ -71,10 +71,14 @@ def test_reads_os_environ_when_env_is_none(monkeypatch):
     assert load_settings().api_port == 9001
 
 
-def test_h3_require_oracle_is_not_a_setting_and_not_refused(monkeypatch):
-    monkeypatch.setenv("H3_REQUIRE_ORACLE", "1")
+def test_the_suites_own_variables_are_outside_the_settings_prefix(monkeypatch):
+    """The test suite's switches (H3TEST_*) are not H3_ variables: the settings neither read nor refuse them, and
+    need no list of exceptions."""
+    monkeypatch.setenv("H3TEST_REQUIRE_ORACLE", "1")
     assert load_settings().api_port == 8000
-    assert load_settings(env={"H3_REQUIRE_ORACLE": "1"}).api_port == 8000
+    assert load_settings(env={"H3TEST_REQUIRE_ORACLE": "1"}).api_port == 8000
+    with pytest.raises(SettingsError, match="H3_REQUIRE_ORACLE: not an h3serve setting"):
+        load_settings(env={"H3_REQUIRE_ORACLE": "1"})
 
 
 def test_unknown_h3_variable_refused_by_name():
@@ -456,7 +460,7 @@ def test_check_redacts_the_key(capsys, monkeypatch):
 
 
 def test_check_ignores_h3_require_oracle(capsys, monkeypatch):
-    monkeypatch.setenv("H3_REQUIRE_ORACLE", "1")
+    monkeypatch.setenv("H3TEST_REQUIRE_ORACLE", "1")
     assert main(["check"]) == 0
     assert json.loads(capsys.readouterr().out)["api_port"] == 8000
 

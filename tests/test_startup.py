@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +16,7 @@ from h3serve import startup
 from h3serve.config import NUM_BLOCK_MODULATIONS, NUM_MODALITIES, TINY_DIT
 from h3serve.errors import SettingError, label
 from h3serve.settings import load_settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from service_fixtures import free_port
 
 
 def run(*argv: str, env: dict[str, str], cwd: Path) -> tuple[int, str]:
@@ -107,7 +101,7 @@ def test_the_plan_admits_what_the_loaded_engine_admits():
     from h3serve.pipeline.engine import Engine
 
     settings = load_settings(env={"H3_DEVICE": "cpu"}, config_file=None, check_profile=True)
-    plan = startup.preflight(startup.plan(settings, "fl2va"), service=False, say=lambda line: None)
+    plan = startup.preflight(startup.plan(settings, "fl2va"), say=lambda line: None)
     engine = startup.launch(plan)
     assert isinstance(engine, Engine)
     assert engine.admission == plan.admission

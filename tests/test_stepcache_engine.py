@@ -10,6 +10,7 @@ import pytest
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, parse_cache_config
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.rules import RequestError
 
 # Caches on the tiny model: forwards 2, 4, 6 and 8 of 9 (measured relative changes 0.03-0.22 against 0.5).
@@ -31,7 +32,7 @@ def plain() -> Engine:
 
 
 def render(engine: Engine, quality: str | None = None, seed: int = 1):
-    return engine.render(engine.validate(PROMPT, steps=10, seed=seed, quality=quality))
+    return engine.render(engine.validate(RequestFields(PROMPT, steps=10, seed=seed, quality=quality)))
 
 
 def test_the_servers_profile_caches_and_reports_which_forwards(cached, plain):
@@ -73,14 +74,14 @@ def test_no_state_carries_over_between_requests(cached):
 
 def test_high_is_refused_on_an_engine_without_a_cache(plain):
     with pytest.raises(RequestError, match=r"quality high .* runs without step caching .* H3_CACHE_BACKEND") as err:
-        plain.validate(PROMPT, steps=10, quality="high")
+        plain.validate(RequestFields(PROMPT, steps=10, quality="high"))
     assert err.value.field == "quality"
     assert render(plain, "lossless").step_cache is None  # lossless is what it runs anyway
 
 
 def test_an_unknown_quality_is_refused(cached):
     with pytest.raises(RequestError, match="quality must be one of lossless, high, got 'best'"):
-        cached.validate(PROMPT, steps=10, quality="best")
+        cached.validate(RequestFields(PROMPT, steps=10, quality="best"))
 
 
 def test_both_dits_get_their_own_cache():

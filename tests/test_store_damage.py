@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,17 +18,11 @@ import pytest
 
 from h3serve.cli import main
 from h3serve.service.store import STORE_FILE, JobStore, StoreDamaged, check_store, inspect_store, rebuild_store
-from service_fixtures import live_server, settings, wait_status
+from service_fixtures import free_port, live_server, settings, wait_status
 
 JOBS = 6
 # Long prompts make the store several pages long, so that "a page in the middle" is a page of job records.
 PROMPT = "A lighthouse keeper climbs the spiral stairs at dusk, wind against the glass. " * 45  # ~3,500 characters
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from h3serve.accel.profile import Profile
 from h3serve.media.mp4 import FrameStream, Mp4Writer, encode_mp4, write_mp4
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
+from h3serve.pipeline.request import RequestFields
 
 PROMPT = "a tram crosses a bridge in the rain"
 
@@ -40,7 +41,7 @@ class Recording:
 
 
 def test_a_streamed_render_writes_the_bytes_of_the_whole_one(engine, tmp_path):
-    request = engine.validate(PROMPT, steps=4, seed=7, num_frames=56)  # 17 latents: 3 decode windows
+    request = engine.validate(RequestFields(PROMPT, steps=4, seed=7, num_frames=56))  # 17 latents: 3 decode windows
     whole = engine.render(request)
     windows = engine.components.video_vae.cfg.decode_plan(17)[1]
     assert windows == 3
@@ -82,7 +83,7 @@ def test_a_cancelled_streamed_render_leaves_no_file_and_keeps_an_old_one(engine,
     path = tmp_path / "out.mp4"
     path.write_bytes(b"the previous render")
     writer = Mp4Writer(path)
-    request = engine.validate(PROMPT, steps=3, seed=1, num_frames=56)
+    request = engine.validate(RequestFields(PROMPT, steps=3, seed=1, num_frames=56))
 
     class Cancelling(Recording):
         def put(self, frames):

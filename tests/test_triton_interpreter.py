@@ -28,7 +28,7 @@ CASES = Path(__file__).with_name("interpreted_kernels.py")
 
 
 def test_the_triton_kernels_under_the_interpreter(tmp_path):
-    require("triton")  # the test extra's; a skip without it, a failure under H3_REQUIRE_ORACLE=1
+    require("triton")  # the test extra's; a skip without it, a failure under H3TEST_REQUIRE_ORACLE=1
     report = tmp_path / "cases.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", f"--junitxml={report}", str(CASES)]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -48,5 +48,5 @@ def test_a_missing_package_is_a_skip_or_under_the_ci_setting_a_failure(monkeypat
     with pytest.raises(pytest.skip.Exception, match="install the test extra"):
         require("triton_missing_for_this_test")
     monkeypatch.setenv(REQUIRE_ENV, "1")
-    with pytest.raises(pytest.fail.Exception, match="H3_REQUIRE_ORACLE=1"):
+    with pytest.raises(pytest.fail.Exception, match="H3TEST_REQUIRE_ORACLE=1"):
         require("triton_missing_for_this_test")

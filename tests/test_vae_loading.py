@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from h3serve.checkpoint.reader import CheckpointError
 from h3serve.checkpoint.vae import load_audio_vae, load_video_vae
+from h3serve.pipeline.video_decode import decode
 from test_video_vae import REF, diffusers_to_original, rel_err
 
 # The conversion script's MINIMAX_H3_TEST_VIDEO_VAE_CONFIG: the release with the widths cut down and every
@@ -120,7 +121,7 @@ def test_video_vae_layouts_load_identically(video_dirs):
 
     z = torch.randn(1, 24, 7, 3, 2, generator=torch.Generator().manual_seed(0))
     x = torch.randn(1, 3, 22, 16, 8, generator=torch.Generator().manual_seed(1))
-    out_a, out_b = a.decode(z, autocast_dtype=None), b.decode(z, autocast_dtype=None)
+    out_a, out_b = decode(a, z, autocast_dtype=None), decode(b, z, autocast_dtype=None)
     assert torch.equal(out_a, out_b)
     assert torch.equal(a.encode(x), b.encode(x))
     with torch.no_grad():  # and both equal the reference the weights came from

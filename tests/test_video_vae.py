@@ -17,6 +17,7 @@ import torch
 
 from h3serve.checkpoint.vae import original_video_vae_config
 from h3serve.model.video_vae import VideoVAE, VideoVAEConfig, posterior_sample, split_tiles
+from h3serve.pipeline.video_decode import decode
 
 REF = Path(__file__).parent / "data" / "reference"
 
@@ -167,7 +168,7 @@ def test_untiled_decode_matches_reference(pair, num_latents, num_frames):
             expected = ref.decode(z).sample
     finally:
         ref.enable_tiling(TILE, TILE, OVERLAP, OVERLAP)
-    got = ours.decode(z, tiled=False, autocast_dtype=None)
+    got = decode(ours, z, tiled=False, autocast_dtype=None)
     assert got.shape == expected.shape == (1, 3, num_frames, 8, 12)
     assert ours.cfg.decode_plan(num_latents)[2] == num_frames
     assert rel_err(got, expected) < 1e-5
@@ -178,10 +179,10 @@ def test_tiled_decode_matches_reference(pair):
     z = torch.randn(1, 4, 7, 11, 9, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = ref.decode(z).sample
-    got = ours.decode(z, autocast_dtype=None)  # tiling is on by default, as released
+    got = decode(ours, z, autocast_dtype=None)  # tiling is on by default, as released
     assert got.shape == expected.shape == (1, 3, 22, 44, 36)
     assert rel_err(got, expected) < 1e-5
-    untiled = ours.decode(z, tiled=False, autocast_dtype=None)
+    untiled = decode(ours, z, tiled=False, autocast_dtype=None)
     assert rel_err(got, untiled) > 1e-3  # the seams really are blended tiles, not one big decode
 
 
@@ -190,7 +191,7 @@ def test_tiled_decode_runs_the_decoder_on_tiles_only(pair):
     seen: list[tuple[int, ...]] = []
     handle = ours.decoder.register_forward_pre_hook(lambda _m, args: seen.append(tuple(args[0].shape)))
     try:
-        ours.decode(torch.randn(1, 4, 7, 11, 9), autocast_dtype=None)
+        decode(ours, torch.randn(1, 4, 7, 11, 9), autocast_dtype=None)
     finally:
         handle.remove()
     assert len(seen) == 5 * 4
@@ -202,8 +203,8 @@ def test_fp16_autocast_decode_tracks_reference(pair):
     z = torch.randn(1, 4, 7, 11, 9, generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         expected = ref.decode(z).sample.float()
-    got = ours.decode(z, autocast_dtype=torch.float16)  # as released
-    exact = ours.decode(z, autocast_dtype=None)
+    got = decode(ours, z, autocast_dtype=torch.float16)  # as released
+    exact = decode(ours, z, autocast_dtype=None)
     assert got.dtype == torch.float32
     # fp16 keeps 11 significant bits (~5e-4 relative per op). Our fused to_qkv GEMM, fp32 tile blending (the
     # reference blends fp16 tiles) and a different summation order each round differently, so two fp16 runs agree
@@ -216,9 +217,9 @@ def test_fp16_autocast_decode_tracks_reference(pair):
 def test_decode_rejects_too_few_latents(pair):
     _, ours = pair
     with pytest.raises(ValueError, match="too few"):
-        ours.decode(torch.randn(1, 4, 2, 2, 2))
+        decode(ours, torch.randn(1, 4, 2, 2, 2))
     with pytest.raises(ValueError, match="expected latents"):
-        ours.decode(torch.randn(1, 5, 7, 2, 2))
+        decode(ours, torch.randn(1, 5, 7, 2, 2))
 
 
 def test_posterior_sample_matches_reference(pair):

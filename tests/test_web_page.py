@@ -3,9 +3,9 @@ elsewhere, and what it reads from the API (the request limits, a running job's `
 real headless Chromium (Debian's chromium and chromium-driver, driven by Selenium) against the real server on loopback
 with the tiny model, from asking for the key to playing, downloading and cancelling renders.
 
-The browser test saves a screenshot of each step under `H3_TEST_ARTIFACTS/web/` (default: `artifacts/web/` in the
+The browser test saves a screenshot of each step under `H3TEST_ARTIFACTS/web/` (default: `artifacts/web/` in the
 repository, git-ignored). It is skipped when the browser or its driver is missing, and fails instead under
-H3_REQUIRE_BROWSER=1, which CI sets (.ci/run installs both).
+H3TEST_REQUIRE_BROWSER=1, which CI sets (.ci/run installs both).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def test_the_page_snaps_frames_on_the_servers_grid():
 
 
 def test_the_browser_tests_switches_are_not_settings():
-    # CI exports H3_REQUIRE_BROWSER=1 for the whole run: a server started under it must not refuse it as a misspelling.
-    env = {"H3_REQUIRE_BROWSER": "1", "H3_TEST_ARTIFACTS": "/tmp/artifacts"}
+    # CI exports H3TEST_REQUIRE_BROWSER=1 for the whole run: outside the H3_ prefix, a server never reads it.
+    env = {"H3TEST_REQUIRE_BROWSER": "1", "H3TEST_ARTIFACTS": "/tmp/artifacts"}
     assert load_settings(env=env).api_port == 8000
 
 
@@ -153,8 +153,8 @@ def browser(tmp_path, monkeypatch):
         missing.append("the selenium package")
     if missing:
         reason = f"the browser test needs {', '.join(missing)} (apt-get install chromium chromium-driver)"
-        if os.environ.get("H3_REQUIRE_BROWSER") == "1":
-            pytest.fail(reason + "; H3_REQUIRE_BROWSER=1 asks for it")
+        if os.environ.get("H3TEST_REQUIRE_BROWSER") == "1":
+            pytest.fail(reason + "; H3TEST_REQUIRE_BROWSER=1 asks for it")
         pytest.skip(reason)
     monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager never downloads a browser or a driver
     options = webdriver.ChromeOptions()
@@ -182,7 +182,7 @@ def browser(tmp_path, monkeypatch):
 def shot(browser) -> Iterator[Callable[..., None]]:
     """`shot(name, zoom=1)`: a full-page screenshot, numbered in step order; at `zoom` 2 the page is laid out in half
     the width, as at 200% zoom, and the check is that nothing needs a horizontal scroll."""
-    folder = Path(os.environ.get("H3_TEST_ARTIFACTS") or ROOT / "artifacts") / "web"
+    folder = Path(os.environ.get("H3TEST_ARTIFACTS") or ROOT / "artifacts") / "web"
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.png"):
         old.unlink()

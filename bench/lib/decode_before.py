@@ -1,10 +1,10 @@
 """The video decode as it was before issue 41 (main at 8d6725d, 2026-12-03): the reference the new decode is held to,
 bit for bit, under the same autocast (bench/decode.py on the GPU, tests/test_decode_exact.py on the CPU).
 
-It differs from today's `VideoVAE.decode` in how it moves data, not in what it computes: the blocks' plain ops one
-at a time (whatever `ViTDecoder3d.passes` holds), the patch layout reshaped in the compute dtype and then copied to
-float32, tiles and windows cross-faded by concatenation (a new tensor per blend) and copied again into the canvas and
-the output.
+It differs from today's decode (`pipeline.video_decode.decode`) in how it moves data, not in what it computes: the
+blocks' plain ops one at a time (whatever `ViTDecoder3d.passes` holds), the patch layout reshaped in the compute dtype
+and then copied to float32, tiles and windows cross-faded by concatenation (a new tensor per blend) and copied again
+into the canvas and the output.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _decoder(vae: VideoVAE, z: torch.Tensor) -> torch.Tensor:
 
 
 def decode_window_before(vae: VideoVAE, z: torch.Tensor, autocast_dtype: torch.dtype | None, tiled: bool | None = None):
-    """One window of latents (no padding, no cross-fade), as `_decode_clip` decoded it."""
+    """One window of latents (no padding, no cross-fade), as `VideoVAE._decode_clip` decoded it then."""
     cfg, r = vae.cfg, vae.cfg.spatial_ratio
     tiled = cfg.decoder_tiling if tiled is None else tiled
 
@@ -108,7 +108,8 @@ def decode_window_before(vae: VideoVAE, z: torch.Tensor, autocast_dtype: torch.d
 def decode_before(
     vae: VideoVAE, z: torch.Tensor, autocast_dtype: torch.dtype | None, tiled: bool | None = None
 ) -> torch.Tensor:
-    """`VideoVAE.decode` as it was: latents (B, C, T, h, w) de-normalised -> pixels (B, 3, F, 16h, 16w) float32."""
+    """The decode as it was (`VideoVAE.decode` then): latents (B, C, T, h, w) de-normalised -> pixels (B, 3, F, 16h,
+    16w) float32."""
     cfg = vae.cfg
     z = z.float()
     pad, windows, num_frames = cfg.decode_plan(z.shape[2])

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import Qwen3VLConfig
@@ -29,6 +30,9 @@ from h3serve.model.text_encoder import (
 from h3serve.model.tiny import TINY_DIT, asset_dir, randomize
 from h3serve.model.video_vae import VideoVAE
 from h3serve.pipeline.engine import Engine
+
+if TYPE_CHECKING:
+    from h3serve.parallel.workers import RankPlace, WorkerSpec
 
 # The released checkpoint's configurations, tokenizer and prompt guide (no weights), kept with the tests' data.
 REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "data" / "reference" / "FL2VA"
@@ -110,9 +114,16 @@ def build(device: torch.device, blocks: int | None = None) -> Components:
 
 def seeded_engine(profile: Profile) -> Engine:
     """The full-size model with random weights from seed 0 on the profile's device: every process of a split builds
-    its own (a `WorkerSpec.build`), and all of them hold the same numbers as a one-GPU engine built the same way."""
+    its own (`seeded_rank_engine`), and all of them hold the same numbers as a one-GPU engine built the same way."""
     torch.manual_seed(0)
     return Engine(build(profile.torch_device), profile)
+
+
+def seeded_rank_engine(spec: WorkerSpec, place: RankPlace) -> Engine:
+    """`seeded_engine` as one rank of a split builds it (an `engine_factory` of `ParallelEngine`)."""
+    torch.manual_seed(0)
+    return Engine(build(place.profile.torch_device), place.profile, spread=place.spread,
+                  keep_text_encoder=place.keep_text_encoder)  # fmt: skip
 
 
 def t2va_prompt() -> str:

@@ -1,11 +1,11 @@
 """The peer: diffusers' MiniMaxH3Transformer3DModel holding our DiT's weights (exported by diffusers' own converter,
-`h3serve.checkpoint.export`), and one forward of it on packed inputs named as our scripts name them."""
+`lib.export`), and one forward of it on packed inputs named as our scripts name them."""
 
 from __future__ import annotations
 
 import torch
 
-from h3serve.checkpoint.export import diffusers_config, export_state_dict
+from lib.export import diffusers_config, export_state_dict
 
 
 def peer_weights(dit) -> dict:

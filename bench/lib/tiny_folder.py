@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from h3serve.checkpoint.export import diffusers_config, is_diffusers_fp32
 from h3serve.model.text_encoder import TEXT_ENCODER_LAYER
 from h3serve.model.tiny import (
     TINY_AUDIO_VAE,
@@ -28,6 +27,7 @@ from h3serve.model.tiny import (
     randomize,
     tiny_text_encoder_config,
 )
+from lib.export import diffusers_config, is_diffusers_fp32
 
 SEED = 20260412
 

@@ -24,7 +24,7 @@ import os
 import re
 import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,8 +66,6 @@ from h3serve.errors import (
 from h3serve.files import FileRefused, open_regular, read_regular, read_setting_file
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
-# H3_ variables that are not service settings (read by the test suite), so not refused as misspellings.
-NOT_SETTINGS = frozenset({"H3_REQUIRE_ORACLE", "H3_REQUIRE_BROWSER", "H3_TEST_ARTIFACTS"})
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 HOST_PATTERN = re.compile(r"^[A-Za-z0-9.:-]+$")
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9._~-]{32,}$")
@@ -574,7 +572,7 @@ def load_settings(
             elif key in fields:
                 raw[key], source[key] = value, f"{where}, key {key}"
     for var, value in env.items():
-        if not var.startswith(ENV_PREFIX) or var in NOT_SETTINGS:
+        if not var.startswith(ENV_PREFIX):
             continue
         name = var[len(ENV_PREFIX) :].lower()
         if name in RENAMED:
@@ -656,13 +654,23 @@ def _read_config(path: Path, violations: list[str]) -> dict[str, Any]:
 
 
 def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], check_profile: bool = True) -> list[str]:
-    """The rules between the engine's settings (each only when the settings it reads are themselves valid). The
-    profile's rules are the profile's own (`accel.profile`): its error names the setting, renamed here."""
-    out: list[str] = []
+    """The rules between the engine's settings (each only when the settings it reads are themselves valid). A rule
+    about one value is that value's predicate (`Linear.streams`, `accel.profile.check_step_cache`, the split's
+    `parallel.plan.split_refusals`), called here and by the start-up and the engine alike; its error names the
+    setting."""
     ok = lambda *names: not failed.intersection(names)  # noqa: E731
+    out = _cache_rules(s, ok) + _file_rules(s, ok, env) + _node_rules(s, failed) + _split_rules(s, ok, check_profile)
+    streams = s.linear_backend is None or Linear(s.linear_backend).streams  # unset: the device's default, which does
+    if ok("offload", "linear_backend") and s.offload == Offload.ALL and not streams:
+        out.append(refusal("offload", "all: HUMMING's FP8 layout does not stream; use auto or none with HUMMING, or "
+                                      "another H3_LINEAR_BACKEND"))  # fmt: skip
+    return out + _profile_rules(s, ok, check_profile)
 
-    # Step caching: an explicit, tested config or nothing. The config is cache-dit's DBCache options, checked key by
-    # key (accel/stepcache.py): an unknown key, a wrong type, a value out of range or a field not built is refused.
+
+def _cache_rules(s: EngineSettings, ok: Callable[..., bool]) -> list[str]:
+    """Step caching: an explicit, tested config or nothing. The config is cache-dit's DBCache options, checked key by
+    key (accel/stepcache.py): an unknown key, a wrong type, a value out of range or a field not built is refused."""
+    out: list[str] = []
     if ok("cache_backend", "cache_config"):
         if s.cache_config is not None:
             from h3serve.accel.stepcache import parse_cache_config
@@ -675,6 +683,18 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
                 out.append(refusal("cache_config", "given, but H3_CACHE_BACKEND is none; set cache_dit or remove it"))
         if s.cache_backend == "cache_dit" and s.cache_config is None:
             out.append(refusal("cache_backend", "cache_dit requires an explicit, tested H3_CACHE_CONFIG"))
+    if ok("linear_backend", "cache_backend") and s.cache_backend != "none":
+        try:
+            check_step_cache(s.linear_backend)
+        except ProfileError as err:
+            out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
+    return out
+
+
+def _file_rules(s: EngineSettings, ok: Callable[..., bool], env: Mapping[str, str]) -> list[str]:
+    """What the settings name on disk: mapped AdaLN weights need a checkpoint, each adapter a readable file, the kernel
+    caches a writable folder."""
+    out: list[str] = []
     if ok("adaln_weights", "model") and s.adaln_weights == AdalnWeights.MAPPED and s.model is None:
         message = "mapped reads the AdaLN weights from the checkpoint's files; the built-in tiny model has none: set "
         out.append(refusal("adaln_weights", message + "H3_MODEL, or device or pinned"))
@@ -707,45 +727,49 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
             out.append(refusal("cache_dir", f"{shown_path(s.cache_dir)}: {err.strerror or type(err).__name__}"))
         except ValueError as err:
             out.append(refusal("cache_dir", f"{err}"))
-    # The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck, `check`
-    # without --preflight) does not ask the machine: an unset device resolves by asking torch for CUDA, which costs
-    # seconds and a call every 30 s must not do. The rules still hold; with the device unset, a profile that no
-    # device can run is refused.
-    if ok("linear_backend", "cache_backend") and s.cache_backend != "none":
-        try:
-            check_step_cache(s.linear_backend)
-        except ProfileError as err:
-            out.append(refusal(SETTING_OF[err.setting], f"{err} (H3_CACHE_BACKEND is {s.cache_backend})"))
-    out += _node_rules(s, failed)
-    if ok("num_gpus", "nnodes", "linear_backend", "device", "diffusion_attention_backend") and s.ranks > 1:
-        from h3serve.parallel.plan import ranks_text, split_refusals, split_setting
+    return out
 
-        refused = split_refusals(s.linear_backend, s.device, s.ranks, s.diffusion_attention_backend)
-        setting, ranks = split_setting(s.num_gpus, s.nnodes), ranks_text(s.num_gpus, s.nnodes)
-        out += [refusal(setting, f"{ranks}: {message}") for message in refused]
-        local = s.num_gpus > 1 and not (s.device or "").startswith("cuda:")  # this node's GPUs, each one rank
-        if local and check_profile and s.device != "cpu":  # cpu: gloo processes
-            import torch
 
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if (s.device is not None or visible) and s.num_gpus > visible:  # unset without CUDA: the cpu
-                out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible (gloo "
-                                               "processes on the CPU: H3_DEVICE=cpu)"))  # fmt: skip
-    if ok("offload", "linear_backend") and s.offload == Offload.ALL and s.linear_backend == Linear.HUMMING:
-        out.append(refusal("offload", "all: HUMMING's FP8 layout does not stream; use auto or none with HUMMING, or "
-                                      "another H3_LINEAR_BACKEND"))  # fmt: skip
-    if check_profile and ok(*PROFILE_FIELDS):
+def _split_rules(s: EngineSettings, ok: Callable[..., bool], check_profile: bool) -> list[str]:
+    """A render split over several ranks: what the split runs (`parallel.plan.split_refusals`), and this node's GPUs
+    visible (asked of the machine only with `check_profile`)."""
+    if not ok("num_gpus", "nnodes", "linear_backend", "device", "diffusion_attention_backend") or s.ranks == 1:
+        return []
+    from h3serve.parallel.plan import ranks_text, split_refusals, split_setting
+
+    refused = split_refusals(s.linear_backend, s.device, s.ranks, s.diffusion_attention_backend)
+    setting, ranks = split_setting(s.num_gpus, s.nnodes), ranks_text(s.num_gpus, s.nnodes)
+    out = [refusal(setting, f"{ranks}: {message}") for message in refused]
+    local = s.num_gpus > 1 and not (s.device or "").startswith("cuda:")  # this node's GPUs, each one rank
+    if local and check_profile and s.device != "cpu":  # cpu: gloo processes
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (s.device is not None or visible) and s.num_gpus > visible:  # unset without CUDA: the cpu
+            out.append(refusal("num_gpus", f"{s.num_gpus} GPUs: only {visible} CUDA device(s) are visible (gloo "
+                                           "processes on the CPU: H3_DEVICE=cpu)"))  # fmt: skip
+    return out
+
+
+def _profile_rules(s: EngineSettings, ok: Callable[..., bool], check_profile: bool) -> list[str]:
+    """The profile: its own rules, then what this machine can run. `check_profile=False` (the healthcheck, `check`
+    without --preflight) does not ask the machine: an unset device resolves by asking torch for CUDA, which costs
+    seconds and a call every 30 s must not do. The rules still hold; with the device unset, a profile that no device
+    can run is refused."""
+    if not ok(*PROFILE_FIELDS):
+        return []
+    if check_profile:
         try:
             check(s.profile())
         except ProfileError as err:
-            out.append(refusal(SETTING_OF.get(err.setting, "device"), str(err)))
-    elif ok(*PROFILE_FIELDS):
-        errors = list(s.device_profiles().values())
-        if all(isinstance(e, ProfileError) for e in errors):
-            first, *others = (str(e) for e in errors)
-            message = first + "".join(f"; without CUDA: {o}" for o in others if o != first)
-            out.append(refusal(SETTING_OF.get(errors[0].setting, "device"), message))
-    return out
+            return [refusal(SETTING_OF.get(err.setting, "device"), str(err))]
+        return []
+    errors = list(s.device_profiles().values())
+    if all(isinstance(e, ProfileError) for e in errors):
+        first, *others = (str(e) for e in errors)
+        message = first + "".join(f"; without CUDA: {o}" for o in others if o != first)
+        return [refusal(SETTING_OF.get(errors[0].setting, "device"), message)]
+    return []
 
 
 # The settings that only apply to several nodes: refused with one node, where they would be ignored.

@@ -2,10 +2,11 @@
 --preflight`, `serve` and `render`.
 
     plan(settings, task_type)          the model folder, the adapters, the split's heads: from files, no hardware
-    preflight(plan, service=..., say)  this machine: the FP8 GEMM's and the attention's self-tests choose the
-                                       profile; the output folder, its job store and the port (a service), the
-                                       memory plan
+    preflight(plan, say)               this machine: the FP8 GEMM's and the attention's self-tests choose the
+                                       profile; the rendezvous address (several nodes), the memory plan
     launch(plan)                       the engine: one process, or a worker per GPU
+
+A service checks its own folders, job store and port after the preflight (`service.folders.check_service`).
 
 Each step refuses with a SettingError naming its setting (`h3serve.errors`), so a setting is refused the same way,
 in the same words, by every command, before any weight loads. The settings themselves (values, rules between them,
@@ -17,12 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3serve.accel.profile import Offload
@@ -73,7 +71,8 @@ class LaunchPlan:
         rules = TINY_RULES if self.folder is None else RELEASED_RULES
         step_cache = self.settings.cache_backend != "none"
         max_rows = self.placement.max_rows if self.placement is not None else None
-        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters, max_rows=max_rows)
+        ranks = self.settings.ranks
+        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters, max_rows, ranks)
 
 
 def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
@@ -87,22 +86,12 @@ def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
     return LaunchPlan(settings, task_type, folder, adapters)
 
 
-def preflight(
-    launch_plan: LaunchPlan,
-    *,
-    service: bool,
-    say: Callable[[str], None],
-    store_check: Callable[[Path], object] | None = None,
-) -> LaunchPlan:
-    """The plan on this machine: the kernel caches set up, the FP8 GEMM's scaling chosen by its self-test, and, for a
-    service, the output folder, its job store and the port; then the memory plan against what is free (a model folder
-    only). The settings were checked against the hardware by `load_settings(check_profile=True)`. `say`: where the
-    self-test's line goes. `store_check`: the job store's check (`service.store.check_store`, a ValueError naming the
-    file and what is wrong), required for a service; it comes in as a value because the service sits above this
-    layer."""
+def preflight(launch_plan: LaunchPlan, *, say: Callable[[str], None]) -> LaunchPlan:
+    """The plan on this machine: the kernel caches set up, the FP8 GEMM's scaling chosen by its self-test, node 0's
+    rendezvous address, then the memory plan against what is free (a model folder only). The settings were checked
+    against the hardware by `load_settings(check_profile=True)`. `say`: where the self-test's line goes. A service's
+    own folders, job store and port are the service's check (`service.folders.check_service`), which runs after."""
     settings = launch_plan.settings
-    if service and store_check is None:
-        raise ValueError("a service's preflight checks its job store: pass store_check (service.store.check_store)")
     if settings.cache_dir is not None:  # before the self-test, which may compile kernels
         from h3serve.accel.caches import use_cache_dir
 
@@ -116,11 +105,6 @@ def preflight(
         say(node_plan(launch_plan, profile).rendezvous_line())
         if settings.node_rank == 0:
             check_rendezvous(settings)
-    if service and settings.node_rank == 0:  # another node serves nothing: its ranks only
-        assert isinstance(settings, Settings)
-        check_output_dir(settings.output_dir)
-        check_job_store(settings.output_dir, store_check)
-        check_port(settings.bind_host, settings.api_port)
     budget, placement = None, None
     tiny_default = settings.offload == Offload.AUTO and settings.device_memory_gib is None
     if launch_plan.folder is not None or not tiny_default:  # the tiny model needs no plan unless one is asked for
@@ -268,68 +252,6 @@ def check_attention(profile: Profile, config: DiTConfig) -> tuple[Profile, str |
         raise SettingError(SETTING_OF.get(err.setting, "diffusion_attention_backend"), str(err)) from err
 
 
-def check_output_dir(path: Path) -> None:
-    """The output folder, its videos/ and the temporary folder each take a new file now (`folder_problems`)."""
-    try:
-        (path / "videos").mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise SettingError("output_dir", f"{path}: cannot create it and its videos/ folder ({err})") from err
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SettingError("output_dir", f"{path}: not writable")
-    folders = service_folders(path)
-    if problems := folder_problems(folders):
-        raise SettingError("output_dir", describe_folders(problems, folders))
-
-
-# ---- the folders a service writes: checked here at start, and by the service's readiness (service/scheduler.py) -----
-PROBE_PREFIX = ".h3serve-probe-"
-
-
-def service_folders(output_dir: Path) -> dict[str, Path]:
-    """The folders a service writes, by the name /health reports them under: the job store's (jobs.sqlite3 and its
-    WAL), videos/ (the async jobs' MP4s, written under a temporary name there and renamed when complete) and the
-    temporary folder (tempfile.gettempdir(), TMPDIR), where a sync render's MP4 is encoded before it is sent."""
-    return {"output_dir": output_dir, "videos": output_dir / "videos", "temp": Path(tempfile.gettempdir())}
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why a file cannot be created in `folder` now (the OS's words), or None when one can. A file is created and
-    removed: permission bits alone would pass for root, and a read-only mount or a file in place of the folder
-    refuses root too."""
-    try:
-        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=folder)
-    except OSError as err:
-        return err.strerror or type(err).__name__
-    os.close(fd)
-    os.unlink(name)
-    return None
-
-
-def folder_problems(folders: dict[str, Path]) -> dict[str, str]:
-    """{name: why} for every folder that cannot be written now; empty when all can."""
-    return {name: why for name, path in folders.items() if (why := unwritable(path)) is not None}
-
-
-def describe_folders(problems: dict[str, str], folders: dict[str, Path] | None = None) -> str:
-    """One line naming each unwritable folder by its name, and its path where `folders` is given (a refusal, the log;
-    not /health, which answers without a key)."""
-    return "; ".join(
-        f"the {name} folder{'' if folders is None else f' {folders[name]}'} is not writable ({why})"
-        for name, why in problems.items()
-    )
-
-
-def check_job_store(path: Path, store_check: Callable[[Path], object]) -> None:
-    """The job store in the output folder, checked before any weight loads: the folder not in use by another h3serve
-    process (its lock, which a server holds while it runs), the store opened read-only and checked (integrity, its
-    table, every record, jobs the folder holds that the store lacks), and SQLite's write lock free. Each refusal is
-    H3_OUTPUT_DIR's, naming the file and what is wrong."""
-    try:
-        store_check(path)
-    except ValueError as err:  # store.FolderBusy, StoreDamaged, StoreUnavailable: each text starts with its file
-        raise SettingError("output_dir", str(err)) from err
-
-
 def check_rendezvous(settings: EngineSettings) -> None:
     """Node 0 can listen at H3_DIST_INIT_ADDR and on the next port (the group's store)."""
     from h3serve.parallel.plan import split_address
@@ -373,7 +295,7 @@ def check_memory(
     would hold it and H3_DEVICE_MEMORY_GIB does not."""
     import torch
 
-    from h3serve.pipeline.budget import check_fits, free_memory, plan_budget, smaller_settings, tiny_budget
+    from h3serve.pipeline.budget import free_memory, plan_budget, smaller_settings, tiny_budget
     from h3serve.pipeline.placement import PlacementError, place
     from h3serve.pipeline.rules import RELEASED_RULES
 
@@ -396,9 +318,7 @@ def check_memory(
             f"{planned:g} GiB is more than the {device_free:.1f} GiB free on {profile.device}"
             + (" (the least free of its GPUs)" if gpus > 1 else ""),
         )
-    offload = settings.offload
-    if profile.linear == "HUMMING" or (offload == Offload.AUTO and not profile.cuda):
-        offload = Offload.NONE  # HUMMING's layout does not stream (all is refused with it); the CPU streams if told to
+    offload = settings.offload.planned(profile.linear, profile.cuda)
     hint = smaller_settings(budget, profile, offload, folder=folder is not None, planned=planned)
     try:
         one_pool = shared and profile.cuda  # an integrated GPU; the CPU streams when told to (the tests' path)
@@ -412,29 +332,11 @@ def check_memory(
         if planned is not None and _places(budget, pool, offload, one_pool):  # the free memory holds it: the setting
             raise SettingError("device_memory_gib", message) from None
         raise StartupError(message) from None
-    problems = []
-    setting_short = False  # the plan fits what is free, not H3_DEVICE_MEMORY_GIB: that setting's refusal
-    limited = planned is not None
+    problems, setting_short = [], False  # short: the plan fits what is free, not H3_DEVICE_MEMORY_GIB
     if not placement.streams and placement.max_rows is None:  # a limited one was planned against the pool
-        for rank, (device_gib, host_free, one_pool) in enumerate(frees):
-            where = f"cuda:{rank}: " if gpus > 1 else ""
-            device_gib = device_gib if planned is None else planned
-            for problem in check_fits(budget, device_gib, host_free, one_pool, ranks=gpus, planned=limited):
-                problem = problem if "host memory" in problem else where + problem  # one host for every rank
-                if problem not in problems:
-                    problems.append(problem)
-        setting_short = limited and not any(check_fits(budget, d, h, pool, ranks=gpus) for d, h, pool in frees)
+        problems, setting_short = _resident_problems(budget, frees, planned)
     elif placement.streams:
-        host_free = min(host for _, host, _ in frees)
-        text = budget.streamable.text_layers * budget.streamable.text_layer if placement.text_streamed else 0.0
-        need = (budget.host_need + placement.pinned_gib) * gpus - text * (gpus - 1)  # rank 0 alone keeps the text
-        if need > host_free:
-            copies = f" ({gpus} ranks)" if gpus > 1 else ""
-            problems.append(
-                f"the placement ({placement.describe()}) needs {need:.1f} GiB of page-locked host memory{copies} "
-                f"({placement.pinned_gib:.1f} GiB streamed, {budget.host_need:.1f} GiB AdaLN weights and tables), "
-                f"{host_free:.1f} GiB available: {need - host_free:.1f} GiB missing"
-            )
+        problems = _pinned_problems(budget, placement, min(host for _, host, _ in frees), gpus)
     if problems:
         message = f"not enough memory for profile {profile.linear}/{profile.text_linear} on {profile.device}: "
         message += "; ".join(problems) + f"\n{budget.table()}\n{hint}"
@@ -442,6 +344,38 @@ def check_memory(
             raise SettingError("device_memory_gib", message)
         raise StartupError(message)
     return budget, placement
+
+
+def _resident_problems(budget: Budget, frees: list, planned: float | None) -> tuple[list[str], bool]:
+    """What a placement with everything resident lacks on each GPU (`frees`: device GiB, host GiB, shared, per GPU;
+    `planned`: H3_DEVICE_MEMORY_GIB), and whether only that setting falls short (what is free would hold it)."""
+    from h3serve.pipeline.budget import check_fits
+
+    gpus, limited, problems = len(frees), planned is not None, []
+    for rank, (device_gib, host_free, one_pool) in enumerate(frees):
+        where = f"cuda:{rank}: " if gpus > 1 else ""
+        device_gib = device_gib if planned is None else planned
+        for problem in check_fits(budget, device_gib, host_free, one_pool, ranks=gpus, planned=limited):
+            problem = problem if "host memory" in problem else where + problem  # one host for every rank
+            if problem not in problems:
+                problems.append(problem)
+    setting_short = limited and not any(check_fits(budget, d, h, pool, ranks=gpus) for d, h, pool in frees)
+    return problems, setting_short
+
+
+def _pinned_problems(budget: Budget, placement: Placement, host_free: float, gpus: int) -> list[str]:
+    """What a streaming placement lacks of page-locked host memory: every rank pins its own copy, but rank 0 alone
+    keeps the text encoder."""
+    text = budget.streamable.text_layers * budget.streamable.text_layer if placement.text_streamed else 0.0
+    need = (budget.host_need + placement.pinned_gib) * gpus - text * (gpus - 1)
+    if need <= host_free:
+        return []
+    copies = f" ({gpus} ranks)" if gpus > 1 else ""
+    return [
+        f"the placement ({placement.describe()}) needs {need:.1f} GiB of page-locked host memory{copies} "
+        f"({placement.pinned_gib:.1f} GiB streamed, {budget.host_need:.1f} GiB AdaLN weights and tables), "
+        f"{host_free:.1f} GiB available: {need - host_free:.1f} GiB missing"
+    ]
 
 
 def _places(budget: Budget, device_gib: float, offload: Offload, one_pool: bool) -> bool:

@@ -340,11 +340,6 @@ def block_forward(
     return passes.gated_residual(x, _project(mlp.fc2, h, s, dtype), table, adaln_indices, gate=CHUNK["gate_mlp"])
 
 
-def block_forward_reference(block: Block, x, table, adaln_indices, rope) -> torch.Tensor:
-    """`block_forward` over the reference passes: bit for bit `Block.forward` (tests/test_fused_block.py)."""
-    return block_forward(block, x, table, adaln_indices, rope, passes=REFERENCES)
-
-
 def block_body(passes: BlockPasses, eager_rounding: bool) -> Callable:
     """The function a `Block` runs instead of its own forward (`accel.blocks.BlockStack.bodies`): `block_forward`
     over `passes`, called as `body(block, x, table, adaln_indices, rope)`."""

@@ -190,10 +190,6 @@ class Streamer:
     def host_bytes(self) -> int:
         return sum(h.size for h in self.hosts)
 
-    @property
-    def slot_bytes(self) -> int:
-        return self.num_slots * self.bytes_per_module
-
     def _copy(self, i: int) -> None:
         slot = i % self.num_slots
         host, tensors = self.hosts[i].tensor, self.slots[slot]

@@ -54,6 +54,13 @@ class Linear(enum.StrEnum):
     CUTLASS = "CUTLASS"
     HUMMING = "HUMMING"
 
+    @property
+    def streams(self) -> bool:
+        """Whether these block linears' weights can wait in host memory and stream in (`pipeline.placement`):
+        HUMMING's FP8 layout is made on the device and does not. The one home of that rule: the settings refuse
+        H3_OFFLOAD=all with it, the start-up plans `auto` as none, and the engine refuses a streaming placement."""
+        return self != Linear.HUMMING
+
 
 class TextLinear(enum.StrEnum):
     """The text encoder's decoder-layer linears: BF16 (exact) or CUTLASS (FP8, opt-in, lossy)."""
@@ -92,6 +99,14 @@ class Offload(enum.StrEnum):
     AUTO = "auto"
     ALL = "all"
     NONE = "none"
+
+    def planned(self, linear: Linear | str, cuda: bool) -> Offload:
+        """What this setting plans with these block linears on this device: none where nothing can stream (HUMMING,
+        `Linear.streams`; `all` is refused with it before) and for `auto` off CUDA (the CPU streams only when told
+        to: the tests' path)."""
+        if not Linear(linear).streams or (self == Offload.AUTO and not cuda):
+            return Offload.NONE
+        return self
 
 
 class DType(enum.StrEnum):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -233,18 +233,7 @@ def assign_from_checkpoint(
     start = time.perf_counter()
     expected = dict(module.state_dict(keep_vars=True))
     device = torch.empty(0, device=device).device  # "cuda" -> "cuda:0", to compare with a tensor's device
-    if set(plan) != set(expected):
-        missing, extra = sorted(set(expected) - set(plan)), sorted(set(plan) - set(expected))
-        raise RuntimeError(f"load plan does not cover the module: unplanned {missing[:5]}, unknown {extra[:5]}")
-    wanted = {key for src in plan.values() for key in src.keys}
-    present = ckpt.keys()
-    if wanted - present:
-        key = min(wanted - present)
-        raise CheckpointError(f"{ckpt.root}: missing key {key!r}")
-    if present - wanted - unused:
-        key = min(present - wanted - unused)
-        raise CheckpointError(f"{ckpt.file_of(key)}: unexpected key {key!r}")
-
+    _check_keys(ckpt, plan, expected, unused)
     kept_mapped = {name for name in plan if mapped is not None and mapped(name)}
     keys = [key for name, src in plan.items() if name not in kept_mapped for key in src.keys]
     reader = TensorReader(ckpt.files_of(keys), threads=threads)
@@ -262,18 +251,7 @@ def assign_from_checkpoint(
                 _check_dtype(ckpt, key, ckpt_dtype_of)
                 tensors.append(next(stream))
                 read_bytes += tensors[-1].nbytes
-            target = expected[name]
-            where = ", ".join(
-                f"{ckpt.file_of(k)}: key {k!r} {list(t.shape)}" for k, t in zip(src.keys, tensors, strict=True)
-            )
-            if to_device:
-                tensors = [t.to(device) for t in tensors]
-            try:
-                tensor = src.build(tensors)
-            except RuntimeError as err:  # a view/reshape that the stored shape cannot satisfy
-                raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
-            if tensor.shape != target.shape:
-                raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
+            tensor = _build(ckpt, name, src, tensors, expected[name], device if to_device else None)
             tensor = _owned(tensor, device=device, dtype=dtype_of(name))
             del tensors
             if hook is None:
@@ -296,6 +274,36 @@ def assign_from_checkpoint(
         threads=threads,
         peak_ahead=reader.peak_ahead,
     )
+
+
+def _check_keys(ckpt: Checkpoint, plan: Mapping[str, Source], expected: Mapping[str, Any], unused: frozenset[str]):
+    """The plan covers the module exactly, and the checkpoint holds every key it reads and no other (but `unused`)."""
+    if set(plan) != set(expected):
+        missing, extra = sorted(set(expected) - set(plan)), sorted(set(plan) - set(expected))
+        raise RuntimeError(f"load plan does not cover the module: unplanned {missing[:5]}, unknown {extra[:5]}")
+    wanted = {key for src in plan.values() for key in src.keys}
+    present = ckpt.keys()
+    if wanted - present:
+        key = min(wanted - present)
+        raise CheckpointError(f"{ckpt.root}: missing key {key!r}")
+    if present - wanted - unused:
+        key = min(present - wanted - unused)
+        raise CheckpointError(f"{ckpt.file_of(key)}: unexpected key {key!r}")
+
+
+def _build(ckpt: Checkpoint, name: str, src: Source, tensors: list[torch.Tensor], target: torch.Tensor, device):
+    """The module's tensor `name` built from its stored `tensors` (on `device` first, unless None), its shape checked
+    against `target`'s; a CheckpointError naming the files and keys otherwise."""
+    where = ", ".join(f"{ckpt.file_of(k)}: key {k!r} {list(t.shape)}" for k, t in zip(src.keys, tensors, strict=True))
+    if device is not None:
+        tensors = [t.to(device) for t in tensors]
+    try:
+        tensor = src.build(tensors)
+    except RuntimeError as err:  # a view/reshape that the stored shape cannot satisfy
+        raise CheckpointError(f"{where}: wrong shape for {name} {list(target.shape)}: {err}") from err
+    if tensor.shape != target.shape:
+        raise CheckpointError(f"{where}: wrong shape, expected {list(target.shape)} for {name}")
+    return tensor
 
 
 def _check_dtype(ckpt: Checkpoint, key: str, ckpt_dtype_of: Callable[[str], torch.dtype]) -> None:

@@ -248,12 +248,20 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def _run_render(args: argparse.Namespace) -> int:
     import_held("h3serve.pipeline.engine", "h3serve.media.mp4")
-    from h3serve import startup
-    from h3serve.media.mp4 import Mp4Writer
-    from h3serve.pipeline.engine import STAGES
+    settings, plan, request = _admitted(args)
+    _announce(settings, plan, request)
+    result, writer, load_s, encode_s = _load_render_encode(args, settings, plan, request)
+    _report(args, request, result, writer, load_s, encode_s)
+    return 0
 
-    # 1. Everything the user gave, checked before any weight loads: the settings, the inputs, the start (the same
-    # checks as `serve`'s, for the DiT the task runs on), then the request under the engine's own admission.
+
+def _admitted(args: argparse.Namespace):
+    """1. Everything the user gave, checked before any weight loads: the settings, the inputs, the start (the same
+    checks as `serve`'s, for the DiT the task runs on), then the request under the engine's own admission. Returns
+    the settings, the preflighted start-up plan and the request."""
+    from h3serve import startup
+    from h3serve.pipeline.request import RequestFields
+
     settings = read_settings(args, engine_only=True)  # the profile, checked against this machine
     prompt = _read_prompt(args)
     references = _read_references(args)
@@ -263,36 +271,39 @@ def _run_render(args: argparse.Namespace) -> int:
     if settings.node_rank > 0:
         raise CliError(f"--node-rank {settings.node_rank}: render runs on node 0; node {settings.node_rank} runs "
                        f"`h3serve serve --node-rank {settings.node_rank}` (its ranks only)")  # fmt: skip
-    if preview_every is not None and settings.ranks > 1:
-        raise CliError(f"--preview-dir: previews come from a render in one process, not yet from a split over "
-                       f"{settings.ranks} GPUs (--num-gpus 1)")  # fmt: skip
-    say = lambda line: print(f"h3serve: {line}", file=sys.stderr)  # noqa: E731
     with refusals():
         plan = startup.plan(settings, dit_kind(task))
     try:
-        fields = {"steps": args.steps, "video_shift": args.video_shift, "audio_shift": args.audio_shift}
-        fields["preview_every"] = preview_every
-        request = plan.admission.validate(
+        fields = RequestFields(
             prompt,
             task=task,
             width=args.width,
             height=args.height,
             num_frames=_num_frames(args),
+            steps=args.steps,
             seed=args.seed,
+            video_shift=args.video_shift,
+            audio_shift=args.audio_shift,
             keyframes=keyframes,
             references=references,
             mute_references=args.mute_ref,
-            **fields,
+            preview_every=preview_every,
         )
+        request = plan.admission.validate(fields)
     except ValueError as err:
         raise CliError(_request_error(err, args)) from err
     with refusals():
-        plan = startup.preflight(plan, service=False, say=say)
+        plan = startup.preflight(plan, say=lambda line: print(f"h3serve: {line}", file=sys.stderr))
     try:  # what the device memory admits is known now (`pipeline.placement`), still before any weight loads
         plan.admission.check_memory(request)
         plan.admission.check_rows(request)
     except ValueError as err:
         raise CliError(_request_error(err, args)) from err
+    return settings, plan, request
+
+
+def _announce(settings, plan, request) -> None:
+    """The request as it will run: its notices, the adapters, and one line of shape, model, profile and placement."""
     for notice in request.notices:
         print(f"note: {notice}", file=sys.stderr)
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
@@ -307,8 +318,14 @@ def _run_render(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    # 2. Load and render, each decode window's frames encoded as they come (atomically: a temporary name renamed
-    # when complete, removed on any failure).
+
+def _load_render_encode(args: argparse.Namespace, settings, plan, request):
+    """2. Load and render, each decode window's frames encoded as they come (atomically: a temporary name renamed
+    when complete, removed on any failure); 3. what the encoder had left once the decode ended. Returns the result,
+    the writer, and the load's and the encode's seconds."""
+    from h3serve import startup
+    from h3serve.media.mp4 import Mp4Writer
+
     try:
         writer = Mp4Writer(args.output, threads=settings.encoder_threads)
     except (ValueError, OSError) as err:
@@ -327,8 +344,6 @@ def _run_render(args: argparse.Namespace) -> int:
         raise
     finally:
         engine.close()
-
-    # 3. What the encoder had left once the decode ended.
     encode_start = time.perf_counter()
     try:
         writer.finish()
@@ -337,7 +352,13 @@ def _run_render(args: argparse.Namespace) -> int:
     except BaseException as err:  # Ctrl-C or SIGTERM while the encoder finishes: stop it, it removes its file
         writer.abort(err)
         raise
-    encode_s = time.perf_counter() - encode_start
+    return result, writer, load_s, time.perf_counter() - encode_start
+
+
+def _report(args: argparse.Namespace, request, result, writer, load_s: float, encode_s: float) -> None:
+    """The closing line: the file, its shape, each stage's seconds, and what the step cache skipped."""
+    from h3serve.pipeline.engine import STAGES
+
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
     if "previews" in result.timings:
         stages += f" (previews {result.timings['previews']:.2f}s of the denoise)"
@@ -354,4 +375,3 @@ def _run_render(args: argparse.Namespace) -> int:
         f"total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
         file=sys.stderr,
     )
-    return 0

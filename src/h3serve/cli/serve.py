@@ -73,9 +73,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         if not args.preflight:
             print("h3serve: settings ok (the hardware is checked with --preflight)", file=sys.stderr)
             return 0
-        from h3serve.service.store import check_store  # passed down: startup sits below the service
+        from h3serve.service.folders import check_service
 
-        plan = startup.preflight(plan, service=True, say=print, store_check=check_store)
+        plan = startup.preflight(plan, say=print)
+        if settings.node_rank == 0:  # another node serves nothing: its ranks only
+            check_service(settings)
     budget = plan.budget
     if budget is None:  # the tiny model at its defaults: serve plans nothing for it; check shows what it would hold
         try:
@@ -119,7 +121,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import_held("uvicorn", "h3serve.service.app")
     from h3serve import startup
     from h3serve.errors import SettingError
-    from h3serve.service.store import SERVER, FolderBusy, FolderLock, check_store  # startup sits below the service
+    from h3serve.service.folders import check_service
+    from h3serve.service.store import SERVER, FolderBusy, FolderLock
 
     logging.getLogger("h3serve").setLevel(logging.INFO)
     log = logging.getLogger("h3serve.serve")
@@ -131,7 +134,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_node(settings, log)
     with refusals():
         plan = startup.plan(settings, settings.task_type)
-        plan = startup.preflight(plan, service=True, say=log.info, store_check=check_store)
+        plan = startup.preflight(plan, say=log.info)
+        check_service(settings)
     # The output folder is this server's from here on, before any weight loads: of two servers started on one folder
     # at the same instant (both past the preflight's look at the lock), the second is refused now, not after its load.
     try:
@@ -200,7 +204,7 @@ def _serve_node(settings, log: logging.Logger) -> int:
     stopping = threading.Event()
     with refusals():
         plan = startup.plan(settings, settings.task_type)
-        plan = startup.preflight(plan, service=False, say=log.info)
+        plan = startup.preflight(plan, say=log.info)
         with sigterm_raises():
             try:
                 startup.join(plan, stopping)

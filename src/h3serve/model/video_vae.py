@@ -6,18 +6,18 @@ without renaming; the diffusers layout (`vae/`) is converted once, at load, in `
 Temporal geometry (released config: clip 17 frames, token_drop 3, temporal ratio 4): frames are encoded in
 17-frame clips of 5 latents each and the last 3 latents of the whole video are dropped, so 17n+5 frames map to
 5n+2 latents. Decoding re-chunks the latents into windows of 5+2 and cross-fades the 5 frames where neighbouring
-windows overlap. Spatially, both directions run on 256 px tiles with >= 64 px overlap, blended linearly, exactly as
-the released recipe does; the blended-tile frames are what the model was released with.
+windows overlap (`VideoVAEConfig.decode_plan` counts them; `pipeline.video_decode` runs them). Spatially, both
+directions run on 256 px tiles with >= 64 px overlap, blended linearly, exactly as the released recipe does; the
+blended-tile frames are what the model was released with. This file decodes one batch of a window's tiles
+(`VideoVAE.decode_tiles`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any
 
 import torch
@@ -29,12 +29,6 @@ from h3serve.model.latents import HasLatentStats
 from h3serve.model.ops import AttentionKernel, apply_rotary, attention, rotary_table, sdpa
 
 _PAD_MODES = ("reflect", "replicate", "constant", "circular")
-# How a decode's tiles are computed: given `tiles_for(order)` and the tile count, yields tile 0, 1, ... in order.
-# `tiles_for(order)` returns `tile(u)`, the raw decoded tile u (every window's tiles in order), for a caller that asks
-# for the tiles of `order` in that order (`VideoVAE.decode_tiles`); several GPUs deal the tiles out, each asking for
-# its own.
-TileFn = Callable[[int], torch.Tensor]
-TileRunner = Callable[[Callable[[Iterable[int]], TileFn], int], Iterable[torch.Tensor]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -483,7 +477,7 @@ class ViTDecoder3d(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tiling and temporal chunking
+# Tiling: the spatial tiles both directions run on, and the linear blends that join tiles (and decode windows)
 # ----------------------------------------------------------------------------------------------------------------
 def split_tiles(length: int, tile: int, min_overlap: int, ratio: int) -> tuple[list[int], list[int]]:
     """Tile starts and the overlaps between consecutive tiles, in pixels.
@@ -505,7 +499,7 @@ def split_tiles(length: int, tile: int, min_overlap: int, ratio: int) -> tuple[l
     return starts, overlaps
 
 
-def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+def blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
     """Linear cross-fade of the last `extent` entries of `a` into the first of `b` along `dim`, written over those of
     `b` (in place: no copy of the rest of `b`). The ramp starts at weight 1 for `a` (not 1 - 1/extent), as the
     reference's does."""
@@ -548,9 +542,9 @@ def stitch_tiles(
             if i < len(starts_y) - 1:
                 lower.append(tile[..., -overlaps_y[i] :, :].clone())
             if i > 0:
-                _blend(upper[j], tile, overlaps_y[i - 1], dim=-2)
+                blend(upper[j], tile, overlaps_y[i - 1], dim=-2)
             if j > 0:
-                _blend(left, tile, overlaps_x[j - 1], dim=-1)
+                blend(left, tile, overlaps_x[j - 1], dim=-1)
             if i < len(starts_y) - 1:
                 tile = tile[..., : -overlaps_y[i], :]
             if j < len(starts_x) - 1:
@@ -636,8 +630,8 @@ class VideoVAE(nn.Module):
         # How many of a window's tiles the decoder runs as one batch (set from outside, `h3serve.accel.apply`): each
         # tile is still attended alone; whether a batch gives each tile's bits is the kernels' property (on CUDA
         # cuBLAS's and cuDNN's are row and batch invariant at the decoder's shapes: tests/test_gpu_decode.py).
-        # Only whole batches run: the tiles left over (fewer than tile_batch in a window, or of a rank's share) go
-        # one at a time, so a decode runs batches of exactly these two sizes.
+        # `pipeline.video_decode` runs whole batches only: the tiles left over (fewer than tile_batch in a window, or
+        # of a rank's share) go one at a time, so a decode runs batches of exactly these two sizes.
         self.tile_batch = 1
 
     # Pixel convention ---------------------------------------------------------------------------------------------
@@ -712,7 +706,8 @@ class VideoVAE(nn.Module):
         return moments[:, :, : moments.shape[2] - cfg.token_drop]
 
     # Decode ---------------------------------------------------------------------------------------------------
-    def _check_decode(self, z: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
+    def check_decode(self, z: torch.Tensor, autocast_dtype: torch.dtype | None) -> None:
+        """ValueError unless `z` are latents this decoder takes, under an autocast its weights' dtype allows."""
         cfg = self.cfg
         if z.ndim != 5 or z.shape[1] != cfg.latent_channels:
             raise ValueError(f"expected latents (B, {cfg.latent_channels}, T, h, w), got {tuple(z.shape)}")
@@ -720,170 +715,18 @@ class VideoVAE(nn.Module):
         if weights != torch.float32 and autocast_dtype != weights:
             raise ValueError(f"the decoder's weights are {weights}: decode under autocast_dtype={weights}")
 
-    def decode_window(
-        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """Latents (B, C, T, h, w), de-normalised, decoded as one window (no padding, no cross-fade) -> pixels
-        (B, 3, 4T, 16h, 16w) fp32, the first `frame_pre_padding` frames ahead of the first latent's. What `decode`
-        runs per window (T = chunk + token_overlap); a preview runs it on a few latents."""
-        self._check_decode(z, autocast_dtype)
-        return self._decode_clip(z.float(), self.cfg.decoder_tiling if tiled is None else tiled, autocast_dtype)
-
-    def _decode_clip(self, z: torch.Tensor, tiled: bool, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-        grid = TileGrid.of(self.cfg, z.shape[-2], z.shape[-1], tiled)
-        batch = check_tile_batch(self.tile_batch)
-
-        def tiles() -> Iterator[torch.Tensor]:
-            for group in _batches(list(range(grid.count)), batch):
-                yield from self._decode_tiles(z, grid, group, autocast_dtype)
-
-        return grid.stitch(tiles())
-
     @torch.no_grad()  # the tiles of a batch are views of one output, blended in place
-    def _decode_tiles(
+    def decode_tiles(
         self, z: torch.Tensor, grid: TileGrid, ks: Iterable[int], autocast_dtype: torch.dtype | None
     ) -> list[torch.Tensor]:
-        """Tiles `ks` (row-major) of a window's latents `z`, float32 pixels each, decoded in one batch: each tile's
-        latents through `post_quant_conv` alone (a 1x1x1 convolution: no batch to gain), then the decoder over them
-        all, every tile its own sequence."""
+        """Tiles `ks` (row-major) of one window's latents `z` (B, C, T, h, w), float32, decoded in one batch: float32
+        pixels (B, 3, 4T, th, tw) each. Each tile's latents go through `post_quant_conv` alone (a 1x1x1 convolution:
+        no batch to gain), then the decoder over them all, every tile its own sequence. Which tiles, of which
+        window, in what batches: `pipeline.video_decode`."""
         with _autocast(z.device, autocast_dtype):
             latents = [self.post_quant_conv(grid.latents(z, k)) for k in ks]
             pixels = self.decoder(latents[0] if len(latents) == 1 else torch.cat(latents)).float()
         return list(pixels.split(z.shape[0]))
-
-    @torch.no_grad()
-    def decode(
-        self,
-        z: torch.Tensor,
-        *,
-        tiled: bool | None = None,
-        autocast_dtype: torch.dtype | None = None,
-        on_window: Callable[[int, int], None] | None = None,
-        run_tiles: TileRunner | None = None,
-        on_frames: Callable[[torch.Tensor], None] | None = None,
-    ) -> torch.Tensor | None:
-        """Latents (B, C, T, h, w), *de-normalised*, -> pixels (B, 3, F, 16h, 16w) fp32 in ImageNet space.
-
-        The release decodes on the GPU under fp16 autocast with fp32 weights (`autocast_dtype=torch.float16`, which
-        the engine's CUDA profile passes); the default, None, is a pure fp32 decode. Windows of
-        `chunk + token_overlap` latents decode one at a time and their overlapping frames are linearly cross-faded;
-        frames are written straight into the output. `on_window(done, total)` is called after each window (a caller
-        may raise from it to stop the decode). `run_tiles(tiles_for, n)`: how the tiles of every window are computed,
-        yielding every tile in order (`TileRunner`; the default computes each in turn, `tile_batch` at a time; several
-        GPUs deal them out).
-        `on_frames(pixels)`: each run of frames as it is final (after its cross-fade), (B, 3, n, H, W) float32, which
-        it may change in place; the decode then holds one window at a time and returns None.
-        """
-        cfg = self.cfg
-        windows, grid = self.tile_plan(z, tiled=tiled, autocast_dtype=autocast_dtype)
-
-        def tiles_for(order: Iterable[int]) -> TileFn:
-            return self.decode_tiles(z, tiled=tiled, autocast_dtype=autocast_dtype, order=order)[2]
-
-        count = windows * grid.count
-        tiles = iter(map(tiles_for(range(count)), range(count)) if run_tiles is None else run_tiles(tiles_for, count))
-        num_frames = cfg.decode_plan(z.shape[2])[2]
-        chunk, ratio = cfg.tokens_chunk_size, cfg.temporal_ratio
-        span = chunk * ratio  # pixel frames per chunk before pre-padding is dropped
-        r = cfg.spatial_ratio
-        out = None
-        if on_frames is None:
-            out = z.new_empty(z.shape[0], cfg.out_channels, num_frames, z.shape[3] * r, z.shape[4] * r)
-        pos = 0
-
-        def emit(part: torch.Tensor) -> None:
-            nonlocal pos
-            n = min(part.shape[2], num_frames - pos)
-            if out is None:
-                on_frames(part[:, :, :n])
-            else:
-                out[:, :, pos : pos + n] = part[:, :, :n]
-            pos += n
-
-        carry: torch.Tensor | None = None  # the previous window's frames that overlap this window's first frames
-        for i in range(windows):
-            part = grid.stitch(tiles)  # this window's tiles, the next `grid.count` of them
-            head = part[:, :, :span][:, :, cfg.frame_pre_padding :]
-            after = part[:, :, span : 2 * span][:, :, cfg.frame_pre_padding :].clone() if cfg.token_drop > 0 else None
-            if carry is not None:
-                _blend(carry, head, cfg.frame_overlap, dim=2)
-            emit(head)
-            carry = after
-            del part, head
-            if on_window is not None:
-                on_window(i + 1, windows)
-        if carry is not None:
-            emit(carry)
-        assert pos == num_frames, (pos, num_frames)
-        return out
-
-    def decode_tiles(
-        self,
-        z: torch.Tensor,
-        *,
-        tiled: bool | None = None,
-        autocast_dtype: torch.dtype | None = None,
-        order: Iterable[int] | None = None,
-    ) -> tuple[int, TileGrid, TileFn]:
-        """The temporal windows `decode` cross-fades and their spatial tiles: the window count, the tile grid (the
-        same for every window) and `tile(u)`, tile u (window u // grid.count, then row-major), each tile its own
-        sequence through the decoder (`tile_batch` of them in one call). Each window reads `chunk + token_overlap`
-        latents; every tile is computed on its own, so any process may compute any of them (`TileRunner`).
-
-        `order`: the tiles the caller will ask for, in the order it will (default: every one, in order). A call for
-        a tile decodes it together with the next `tile_batch - 1` of `order` when they are all in its window, which
-        wait for their own calls (else it is decoded alone); a call for a tile out of `order` is a ValueError."""
-        cfg = self.cfg
-        windows, grid = self.tile_plan(z, tiled=tiled, autocast_dtype=autocast_dtype)
-        count = windows * grid.count
-        wanted = list(range(count)) if order is None else list(order)
-        stray = sorted({u for u, n in Counter(wanted).items() if n > 1 or not 0 <= u < count})
-        if stray:
-            raise ValueError(f"order must name distinct tiles of 0..{count - 1}: {stray[:8]} are not")
-        batch = check_tile_batch(self.tile_batch)
-        runs = groupby(wanted, key=lambda u: u // grid.count)  # consecutive tiles of `order` in one window
-        groups = {g[0]: g for _, run in runs for g in _batches(list(run), batch)}
-        z = z.float()
-        pad = cfg.decode_plan(z.shape[2])[0]
-        if pad:
-            z = torch.cat([z, z[:, :, -1:].expand(-1, -1, pad, -1, -1)], dim=2)
-        chunk = cfg.tokens_chunk_size
-        ready: dict[int, torch.Tensor] = {}  # decoded with an earlier tile of their batch, waiting for their call
-        at = 0  # the next place in `wanted`
-
-        def tile(u: int) -> torch.Tensor:
-            nonlocal at
-            if at >= len(wanted) or wanted[at] != u:
-                expected = f"the next is {wanted[at]}" if at < len(wanted) else "every tile of it was asked"
-                raise ValueError(f"tile {u} asked out of `order`: {expected}")
-            at += 1
-            if u in ready:
-                return ready.pop(u)
-            group, i = groups[u], u // grid.count
-            window = z[:, :, i * chunk : i * chunk + chunk + cfg.token_overlap]
-            first, *rest = self._decode_tiles(window, grid, [v % grid.count for v in group], autocast_dtype)
-            ready.update(zip(group[1:], rest, strict=True))
-            return first
-
-        return windows, grid, tile
-
-    def tile_plan(
-        self, z: torch.Tensor, *, tiled: bool | None = None, autocast_dtype: torch.dtype | None = None
-    ) -> tuple[int, TileGrid]:
-        """The window count and the tile grid of decoding latents `z` (what `decode_tiles` returns first), checked,
-        with no copy of z."""
-        self._check_decode(z, autocast_dtype)
-        tiled = self.cfg.decoder_tiling if tiled is None else tiled
-        return self.cfg.decode_plan(z.shape[2])[1], TileGrid.of(self.cfg, z.shape[-2], z.shape[-1], tiled)
-
-
-def _batches(tiles: list[int], batch: int) -> Iterator[list[int]]:
-    """`tiles` (a run of one window's) as whole batches of `batch`, then the rest one at a time."""
-    whole = len(tiles) - len(tiles) % batch
-    for k in range(0, whole, batch):
-        yield tiles[k : k + batch]
-    for u in tiles[whole:]:
-        yield [u]
 
 
 def check_tile_batch(batch: object) -> int:

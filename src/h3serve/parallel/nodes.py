@@ -8,15 +8,17 @@ it runs (model digest, profile, task type, step cache, adapters, GPUs per node),
 A refusal is a message to the other side before the connection closes, and an error or a log line on both sides.
 
 An accepted node keeps its connection. Over it node 0 hands out each start of the group (the store at PORT+1, bound
-to the given address only, under a random prefix of that start), and the node reports its ranks' events (ready,
-failed, each render's outcome); both sides send a heartbeat each second. The ranks themselves meet in the
+to the given address only, under a random prefix of that start), and the node reports its ranks' events
+(`parallel.messages`: Ready, Failed, each call's Outcome, Dead, as `messages.encode` writes them; a node that sends
+what `messages.decode` refuses is lost); both sides send a heartbeat each second. The ranks themselves meet in the
 torch.distributed group: rank 0 broadcasts each command (a render and its request) to every rank (`workers`).
 
-A node whose connection closes, or that is silent for H3_NODE_GRACE seconds, is lost: node 0's pool fails the render
-in flight naming it, says so in `problem` (/health), stops its own ranks and waits for the node to join again, then
-starts the group afresh. A joining node that loses node 0 stops its ranks and connects again, for as long as it
-runs. What this does not do: encrypt the ranks' traffic (the store, gloo, NCCL) or authenticate it beyond the
-unguessable per-start prefix, nor authenticate each message after the handshake: the nodes need a private link.
+A node whose connection closes, or that is silent for H3_NODE_GRACE seconds, is lost (how each kind of dead peer is
+noticed: `workers`' docstring): node 0's pool fails the render in flight naming it, says so in `problem` (/health),
+stops its own ranks and waits for the node to join again, then starts the group afresh. A joining node that loses
+node 0 stops its ranks and connects again, for as long as it runs. What this does not do: encrypt the ranks' traffic
+(the store, gloo, NCCL) or authenticate it beyond the unguessable per-start prefix, nor authenticate each message
+after the handshake: the nodes need a private link.
 
 Messages are JSON objects, each prefixed by its length (4 bytes, big-endian, at most MAX_MESSAGE; at most
 HANDSHAKE_MESSAGE before the key is proved), nested at most MAX_DEPTH deep (checked before parsing).
@@ -49,12 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from h3serve.errors import shown
+from h3serve.parallel import messages
 from h3serve.parallel.group import GroupStore
 from h3serve.pipeline.context import NodeLost
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "h3serve-nodes/1"
+PROTOCOL = "h3serve-nodes/2"  # 2: the ranks' events as `parallel.messages` (1 sent tuples)
 MAX_MESSAGE = 1 << 20
 BEAT_S = 1.0  # heartbeat interval, both ways
 HANDSHAKE_S = 10.0  # a connection that has not finished the whole handshake this long after its accept is closed
@@ -376,7 +379,7 @@ class Rendezvous:
             raise ValueError(f"max_handshakes: {max_handshakes!r}: at least 1")
         self.plan = plan
         self.handshake_s, self.max_handshakes = handshake_s, max_handshakes
-        self.sink: Callable[[tuple], None] | None = None
+        self.sink: Callable[[messages.Message], None] | None = None
         self._cond = threading.Condition()
         self._links: dict[int, Link] = {}
         self._lost: dict[int, str] = {}  # node -> why, until the group starts again without it lost
@@ -448,7 +451,7 @@ class Rendezvous:
         down = "" if self._listener_down is None else f"; {self._listener_down}"
         return f"{nodes} {waited}; waited at {self.plan.address}{lost}{down}"
 
-    def start(self, sink: Callable[[tuple], None]) -> GroupStore:
+    def start(self, sink: Callable[[messages.Message], None]) -> GroupStore:
         """A new start of the group: every joined node is told where to meet (a fresh random prefix), and its ranks'
         events go to `sink`; the events of earlier starts are dropped from now on. Node 0's own meeting place is
         returned."""
@@ -680,11 +683,16 @@ class Rendezvous:
                 return
             link.last_seen = time.monotonic()
             if "event" in message:
+                try:
+                    event = messages.decode(message["event"])
+                except messages.MessageError as err:  # no node of ours sends it: nothing more is read from it
+                    self._lose(link, f"it sent what is no message of ours ({err})")
+                    return
                 with self._cond:
                     current = message.get("generation") == self._generation and self._links.get(link.node) is link
                 sink = self.sink
                 if current and sink is not None:
-                    sink(_event(message["event"]))
+                    sink(event)
 
     def _beat(self) -> None:
         while not self._closed:
@@ -698,17 +706,6 @@ class Rendezvous:
                     self._lose(link, f"no heartbeat for {self.plan.grace_s:g} s (H3_NODE_GRACE)")
                 else:
                     self._send(link, {"beat": True})
-
-
-def _event(raw: Any) -> tuple:
-    """A joined node's rank event as the pool's event tuples are (JSON has lists where they have tuples)."""
-    if not isinstance(raw, list) or not raw:
-        return ("invalid",)
-    if raw[0] == "outcome" and len(raw) == 5 and raw[3] == "error" and isinstance(raw[4], list):
-        raw = [*raw[:4], tuple(raw[4])]
-    if raw[0] == "failed" and len(raw) == 3 and isinstance(raw[2], list):
-        raw = [*raw[:2], tuple(raw[2])]
-    return tuple(raw)
 
 
 def _os_text(err: OSError) -> str:
@@ -857,11 +854,10 @@ def _serve(plan: NodePlan, session: NodeSession, ranks: Callable[[GroupStore, in
                 current.stop()
                 current = None
             if current is not None:
-                for event in current.events():
-                    session.send({"event": list(event), "generation": generation})
-                if (dead := current.dead()) is not None:
-                    rank, text = dead
-                    session.send({"event": ["dead", rank, text], "generation": generation})
+                dead = current.dead()
+                for event in [*current.events(), *([dead] if dead is not None else [])]:
+                    session.send({"event": messages.encode(event), "generation": generation})
+                if dead is not None:
                     current.stop()
                     current = None
             if now >= next_beat:

@@ -15,15 +15,15 @@
   for bit the one-GPU render (docs/parallel.md).
 - After each forward only the compact outputs are gathered (video patch channels per video row, and the audio rows'
   head inputs), so every rank steps the same full latents.
-- The video decode's temporal windows are dealt out round-robin, sent to rank 0 and cross-faded there exactly as
-  one GPU does; the audio decode runs on rank 0.
+- The video decode's tiles are dealt out round-robin (`DecodePlan.owner`), sent to rank 0 and stitched and
+  cross-faded there exactly as one GPU does (`DealtTiles`); the audio decode runs on rank 0.
 - The step cache's measured change is summed over the ranks before it decides, so every rank skips the same
   forwards. A cancel is agreed at every check point (`AgreedContext`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +32,12 @@ import torch
 
 from h3serve.config import NUM_MODALITIES
 from h3serve.model.ops import AttentionKernel
-from h3serve.model.video_vae import TileFn
+from h3serve.model.video_vae import VideoVAE
 from h3serve.parallel.group import Group, row_ranges
 from h3serve.pipeline.context import ProgressCallback, RenderCancelled, RenderContext
 from h3serve.pipeline.decode import decode_audio, decode_video, video_latents
 from h3serve.pipeline.sampling import ModelFn, request_rows
+from h3serve.pipeline.video_decode import DecodePlan, rank_tiles
 
 Picks = list[tuple[torch.Tensor, torch.Tensor]]  # per rank: (which rows of a kind it holds, their local positions)
 
@@ -52,6 +53,10 @@ class Ranks:
     @property
     def lead(self) -> bool:
         return self.group.lead
+
+    @property
+    def ranks(self) -> int:
+        return self.group.size
 
     def install(self, engine: Any) -> None:
         """Split `engine`'s DiTs: every main block's attention all-to-all around its kernel, and every step cache's
@@ -115,24 +120,13 @@ class Ranks:
         return model
 
     def decode_video(self, vae, video_rows, layout, autocast, on_window, on_frames=None) -> np.ndarray | None:
-        if on_frames is not None:  # the parent holds the sink; rank 0's frames reach it whole (`ParallelEngine`)
-            raise ValueError("a split render's frames cannot stream to an encoder: they reach the parent whole")
+        # No `on_frames` here: a split render's frames do not stream (`Admission.frames_stream`, the engine's check);
+        # the parent holds the sink and rank 0's frames reach it whole (`ParallelEngine`).
+        tiles = DealtTiles(self.group)
         if self.lead:
-            return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, self._lead_tiles))
-        g = self.group
+            return self._agreed(lambda: decode_video(vae, video_rows, layout, autocast, on_window, source=tiles))
         z = video_latents(vae, video_rows, layout)
-        windows, grid = vae.tile_plan(z, autocast_dtype=autocast)
-        # This rank's tiles (`_lead_tiles` deals them), decoded `tile_batch` at a time within each window.
-        tile = vae.decode_tiles(z, autocast_dtype=autocast, order=range(g.rank, windows * grid.count, g.size))[2]
-        for window in range(windows):
-            # Tiles are dealt round-robin over every window's tiles in order (`_lead_tiles`): this rank's of this
-            # window computed and sent to rank 0, then the same check point as rank 0's after the window.
-            for u in range(window * grid.count, (window + 1) * grid.count):
-                if u % g.size == g.rank:
-                    part = tile(u)
-                    g.send(torch.tensor(part.shape, dtype=torch.int64, device=part.device), 0)
-                    g.send(part, 0)
-            on_window(window + 1, windows)
+        tiles.send(vae, z, DecodePlan.of(vae, z, autocast_dtype=autocast, ranks=tiles.ranks), autocast, on_window)
         return self._agreed(None)
 
     def decode_audio(self, vae, audio_rows, layout) -> np.ndarray | None:
@@ -160,20 +154,53 @@ class Ranks:
             out.index_copy_(0, rows, part.view(-1, width))
         return out
 
-    def _lead_tiles(self, tiles_for: Callable[[Iterable[int]], TileFn], count: int) -> Iterator[torch.Tensor]:
-        """Rank 0's decode tiles, every window's in order (a `TileRunner`): tile u is rank u % size's, its own
-        computed, the others' received. Each tile is its own sequence through the decoder, so its bits are the same
-        whichever rank computes it, alone or in a batch (`VideoVAE.tile_batch`: the kernels' batch invariance,
-        tests/test_gpu_decode.py)."""
+
+@dataclass(frozen=True)
+class DealtTiles:
+    """A video decode's tiles dealt over the group's ranks (`DecodePlan.owner`), each rank decoding its own
+    `tile_batch` at a time (`rank_tiles`): rank 0 is the decode's `TileSource` (`tiles`), the others `send` theirs.
+    Each tile is its own sequence through the decoder, so its bits are the same whichever rank decodes it, alone or
+    in a batch (the kernels' batch invariance, tests/test_gpu_decode.py)."""
+
+    group: Group
+
+    @property
+    def ranks(self) -> int:
+        return self.group.size
+
+    def tiles(
+        self, vae: VideoVAE, z: torch.Tensor, plan: DecodePlan, autocast_dtype: torch.dtype | None
+    ) -> Iterator[torch.Tensor]:
+        """Rank 0's side: every tile of `plan` in order, its own decoded, the others' received from their owners."""
         g = self.group
-        tile = tiles_for(range(0, count, g.size))
-        for u in range(count):
-            owner = u % g.size
-            if owner == 0:
-                yield tile(u)
-            else:
-                shape = g.recv(torch.empty(5, dtype=torch.int64, device=g.device), owner)
-                yield g.recv(torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=g.device), owner)
+        z = plan.padded(z)
+        for window in range(plan.windows):
+            own = rank_tiles(vae, z, plan, window, g.rank, autocast_dtype)
+            for u in plan.window_tiles(window):
+                owner = plan.owner(u)
+                if owner == g.rank:
+                    yield next(own)[1]
+                else:
+                    shape = g.recv(torch.empty(5, dtype=torch.int64, device=g.device), owner)
+                    yield g.recv(torch.empty(tuple(shape.tolist()), dtype=torch.float32, device=g.device), owner)
+
+    def send(
+        self,
+        vae: VideoVAE,
+        z: torch.Tensor,
+        plan: DecodePlan,
+        autocast_dtype: torch.dtype | None,
+        on_window: Callable[[int, int], None],
+    ) -> None:
+        """Another rank's side: its tiles of each window decoded and sent to rank 0 (shape, then pixels), then the
+        same check point as rank 0's after the window (`on_window`, which may raise to cancel)."""
+        g = self.group
+        z = plan.padded(z)
+        for window in range(plan.windows):
+            for _, tile in rank_tiles(vae, z, plan, window, g.rank, autocast_dtype):
+                g.send(torch.tensor(tile.shape, dtype=torch.int64, device=tile.device), 0)
+                g.send(tile, 0)
+            on_window(window + 1, plan.windows)
 
 
 def _picks(indices: torch.Tensor, ranges: list[tuple[int, int]], device: torch.device) -> Picks:

@@ -6,17 +6,17 @@ few-step adapter."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
-from h3serve.errors import SettingError, label
+from h3serve.errors import SettingError, env_name, label
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_layout, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
-from h3serve.pipeline.request import RenderRequest, validate_request
+from h3serve.pipeline.request import RenderRequest, RequestFields, validate_request
 from h3serve.pipeline.rules import RequestError, RequestRules
 from h3serve.vocab import TASK_ANCHORS, TASK_TYPES, Task, dit_kind
 
@@ -52,16 +52,15 @@ class Sampler:
             )
         return cls()
 
-    def fill(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """`fields` with what they leave out of the sampler taken from here (the positions only when the grid
-        points are left out too)."""
-        out = dict(fields)
-        if out.get("steps") is None and self.positions is not None:
-            out.setdefault("positions", self.positions)
-        for name in SAMPLER_FIELDS:
-            if out.get(name) is None:
-                out[name] = getattr(self, name)
-        return out
+    def fill(self, fields: RequestFields) -> RequestFields:
+        """`fields` with what they leave out of the sampler taken from here."""
+        left_out = {name: getattr(self, name) for name in SAMPLER_FIELDS if getattr(fields, name) is None}
+        return dataclasses.replace(fields, **left_out)
+
+    def positions_for(self, fields: RequestFields) -> tuple[float, ...] | None:
+        """The sigma positions of the request's grid: this sampler's own only where the request leaves the grid
+        points out (a request that names its steps gets an even grid)."""
+        return self.positions if fields.steps is None else None
 
     def describe(self) -> str:
         grid = f"sigma positions {list(self.positions)}" if self.positions else f"{self.steps} grid points"
@@ -104,6 +103,7 @@ class Admission:
     sampler: Sampler = Sampler()
     trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
     max_rows: int | None = None  # packed rows the device memory admits (`pipeline.placement`; None: the rules')
+    ranks: int = 1  # processes one render runs on (H3_NUM_GPUS x H3_NNODES): a split render's shape rules below
 
     @classmethod
     def build(
@@ -114,6 +114,7 @@ class Admission:
         step_cache: bool,
         adapters: Sequence = (),
         max_rows: int | None = None,
+        ranks: int = 1,
     ) -> Admission:
         """What an engine that loads the DiTs of `task_type` (with `adapters` merged, and a step cache or not)
         accepts: the one constructor, used by the engine and by the start-up plan before any weight loads."""
@@ -127,7 +128,29 @@ class Admission:
             sampler=Sampler.for_adapters(adapters),
             trained_tasks=trained_tasks(adapters),
             max_rows=max_rows,
+            ranks=ranks,
         )
+
+    @property
+    def previews(self) -> bool:
+        """Whether a render can make previews: the clean estimate is decoded in the one process that holds every row;
+        a split render's rows are spread over its ranks."""
+        return self.ranks == 1
+
+    @property
+    def frames_stream(self) -> bool:
+        """Whether the decode hands its frames to the encoder window by window: in one process; a split render's
+        frames reach the parent whole, when the render ends (`parallel.workers.ParallelEngine`)."""
+        return self.ranks == 1
+
+    def check_previews(self, every: int | None) -> None:
+        """RequestError("preview_every") for previews asked of a split render (`previews`)."""
+        if every and not self.previews:
+            raise RequestError(
+                "preview_every",
+                f"previews come from a render in one process, and each render here is split over {self.ranks} GPUs "
+                f"({env_name('num_gpus')}), so it makes none: ask for none (preview_every 0)",
+            )
 
     def check_task(self, task: str) -> None:
         """RequestError("task") for a task whose DiT this engine did not load, saying how to start one that does."""
@@ -225,15 +248,14 @@ class Admission:
         largest = largest_request_rows(self.dit_config, self.rules)
         return (largest if self.max_rows is None else min(largest, self.max_rows)) - PLANNED_TEXT_ROWS
 
-    def validate(self, prompt: str, **fields: Any) -> RenderRequest:
-        """`validate_request(prompt, **fields)` under this engine's rules, for a served task (its keywords: task,
-        width, height, num_frames, steps, seed, video_shift, audio_shift, keyframes, references, mute_references,
-        quality). The engine's own checks come first, so a request for a task not served is told so before its
-        files are decoded."""
-        self.check_task(fields.get("task", Task.T2VA))
-        self.check_trained_task(fields.get("task", Task.T2VA))
-        self.check_quality(fields.get("quality"))
-        request = validate_request(prompt, rules=self.rules, **self.sampler.fill(fields))
+    def validate(self, fields: RequestFields) -> RenderRequest:
+        """`validate_request` under this engine's rules and sampler, for a served task. The engine's own checks come
+        first, so a request for a task not served is told so before its files are decoded."""
+        self.check_task(fields.task)
+        self.check_trained_task(fields.task)
+        self.check_quality(fields.quality)
+        self.check_previews(fields.preview_every)
+        request = validate_request(self.sampler.fill(fields), self.rules, self.sampler.positions_for(fields))
         self.check_memory(request)
         self.check_rows(request)
         return request

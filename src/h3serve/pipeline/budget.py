@@ -436,7 +436,7 @@ def smaller_settings(budget: Budget, profile: Profile, offload: str, *, folder: 
     named: list[str] = []
     one_pool = budget.shared and profile.cuda  # an integrated GPU streams nothing; the CPU streams when told to
     # Only from none: auto streams, on CUDA, as much as all would where it must (the CPU's auto streams nothing).
-    if st is not None and offload == Offload.NONE and profile.linear != Linear.HUMMING and not one_pool:
+    if st is not None and offload == Offload.NONE and Linear(profile.linear).streams and not one_pool:
         streamed = st.dit_blocks * st.dit_block + st.text_layers * st.text_layer + st.video_vae
         if streamed >= WORTH_NAMING_GIB:
             choice = "auto" if profile.cuda else "all"

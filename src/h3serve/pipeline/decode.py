@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from h3serve.model.audio_vae import AudioVAE
-from h3serve.model.video_vae import TileRunner, VideoVAE
+from h3serve.model.video_vae import VideoVAE
 from h3serve.pipeline.layout import PackedLayout, audio_rows_to_latents, unpatchify_video
+from h3serve.pipeline.video_decode import LOCAL_TILES, TileSource, decode
 
 
 def check_finite(video_rows: torch.Tensor, audio_rows: torch.Tensor) -> None:
@@ -31,16 +32,17 @@ def decode_video(
     layout: PackedLayout,
     autocast: torch.dtype | None = None,
     on_window: Callable[[int, int], None] | None = None,
-    run_tiles: TileRunner | None = None,
+    source: TileSource = LOCAL_TILES,
     on_frames: Callable[[np.ndarray], None] | None = None,
 ) -> np.ndarray | None:
     """video_rows: every video row of the layout, keyframe rows first (as the denoise loop returns them).
 
     autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
-    on_window(done, total): called after each temporal decode window; run_tiles: how the windows' tiles are computed
-    (`VideoVAE.decode`). Returns (F, H, W, 3) uint8 RGB; with `on_frames`, hands it each decode window's final frames
-    ((n, H, W, 3) uint8, in order) as they are made instead, and returns None: neither the device nor the host holds
-    the whole video then. A non-finite pixel fails the decode in either case (streamed: at its window).
+    on_window(done, total): called after each temporal decode window; source: where the windows' tiles come from
+    (`video_decode.decode`: decoded here, or dealt to the ranks of a split render). Returns (F, H, W, 3) uint8 RGB;
+    with `on_frames`, hands it each decode window's final frames ((n, H, W, 3) uint8, in order) as they are made
+    instead, and returns None: neither the device nor the host holds the whole video then. A non-finite pixel fails
+    the decode in either case (streamed: at its window).
     """
     z = video_latents(vae, video_rows, layout)
     if on_frames is not None:
@@ -49,9 +51,9 @@ def decode_video(
             _check_pixels(pixels)
             on_frames(vae.output_to_rgb(pixels)[0].cpu().numpy())
 
-        vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_tiles=run_tiles, on_frames=hand)
+        decode(vae, z, autocast_dtype=autocast, source=source, on_window=on_window, on_frames=hand)
         return None
-    pixels = vae.decode(z, autocast_dtype=autocast, on_window=on_window, run_tiles=run_tiles)  # (1, 3, F, H, W)
+    pixels = decode(vae, z, autocast_dtype=autocast, source=source, on_window=on_window)  # (1, 3, F, H, W)
     _check_pixels(pixels)
     return vae.output_to_rgb(pixels)[0].cpu().numpy()
 

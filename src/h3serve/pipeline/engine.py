@@ -50,7 +50,7 @@ from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.decode import check_finite
 from h3serve.pipeline.placement import RESIDENT, Placement
 from h3serve.pipeline.preview import due, make_preview
-from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.request import RenderRequest, RequestFields
 from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES, RequestRules
 from h3serve.pipeline.sampling import denoise, draw_layout_noise, initial_rows, request_generator, step_timesteps
 from h3serve.pipeline.schedule import DualSchedule
@@ -117,7 +117,7 @@ class RenderEngine(Protocol):
         """Each node of a group over several hosts (its ranks, whether it has joined), else None."""
         ...
 
-    def validate(self, prompt: str, **fields: Any) -> RenderRequest: ...
+    def validate(self, fields: RequestFields) -> RenderRequest: ...
 
     def memory_budget(self) -> Budget: ...
 
@@ -151,11 +151,13 @@ class Engine:
         merge_seconds: float = 0.0,
         spread: Spread = ONE_DEVICE,
         placement: Placement = RESIDENT,
+        keep_text_encoder: bool = True,
     ):
-        if placement.streams and profile.linear == profiles.Linear.HUMMING:  # a rule of values: before the machine's
+        if placement.streams and not profiles.Linear(profile.linear).streams:  # a rule of values: before the machine's
             raise profiles.ProfileError("linear", "HUMMING's FP8 layout does not stream from host memory; place it all "
                                         "on the device (H3_OFFLOAD=none) or use another H3_LINEAR_BACKEND")  # fmt: skip
-        _check(profile, step_cache)
+        if step_cache is not None:  # a rule of values; what the machine runs was checked by `load` (or by the
+            profiles.check_step_cache(profile.linear)  # caller that built `components` on it)
         components.check()
         if profile.attention == Attention.AUTO:  # not chosen at start (`startup.preflight`): a benchmark's or a test's
             profile, line = attention.resolve(profile, components.dit_config.attention_head_dim)
@@ -179,6 +181,9 @@ class Engine:
             placement.video_vae_visits,
             placement.slots,
         )
+        if not keep_text_encoder:  # a split's rank other than 0: rank 0 encodes every prompt and broadcasts its states
+            components.text_encoder.to("meta")
+            self.offloaded.drop_text()  # and its layers' page-locked copies, where they streamed
         if placement.streams:
             log.info("placement: %s", placement.describe())
         # One AdaLN table cache per DiT (FL2VA, Ref2VA); mapped weights take the adapters' merge as they stream in.
@@ -200,6 +205,7 @@ class Engine:
             bool(self.step_caches),
             self.adapters,
             max_rows=placement.max_rows,
+            ranks=spread.ranks,
         )
 
     @classmethod
@@ -211,14 +217,18 @@ class Engine:
         step_cache: StepCacheConfig | None = None,
         adapters: Sequence[Adapter] = (),
         placement: Placement = RESIDENT,
+        spread: Spread = ONE_DEVICE,
+        keep_text_encoder: bool = True,
     ) -> Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
         every request runs with unless it asks otherwise (None: no caching). `adapters`: few-step adapters
         (`checkpoint.adapters.read_adapter`, already checked against the DiT's config), merged into the BF16 weights as
         they load, before FP8 quantization and before any AdaLN table is made. `placement`: what waits in host memory
-        (`pipeline.placement`); a load sends those tensors there as they are read. The profile is checked against the
-        machine before any weight loads."""
+        (`pipeline.placement`); a load sends those tensors there as they are read. `spread`: this process's part of a
+        render over several (`h3serve.parallel`); `keep_text_encoder` False frees the text encoder once loaded (a
+        split's rank that never encodes a prompt). The profile is checked against the machine before any weight
+        loads."""
         _check(profile, step_cache)
         check_adapter_kinds(adapters, task_type)
         if model is None:
@@ -228,7 +238,7 @@ class Engine:
                 merge_into(dit, adapters)
             merged = time.perf_counter() - start
             return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged,
-                       placement=placement)  # fmt: skip
+                       spread=spread, placement=placement, keep_text_encoder=keep_text_encoder)  # fmt: skip
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
         hooks = load_plan(profile).hooks(folder)  # with the video decoder's float16 weights converted as read
@@ -244,7 +254,7 @@ class Engine:
         merged = merge.seconds if merge is not None else 0.0
         processing = video_processing or RELEASED_VIDEO_PROCESSING
         return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged,
-                   placement=placement)  # fmt: skip
+                   spread=spread, placement=placement, keep_text_encoder=keep_text_encoder)  # fmt: skip
 
     # The RenderEngine interface: one process renders on one device, and has no workers to lose or stop.
     num_gpus = 1
@@ -264,9 +274,9 @@ class Engine:
         """The tasks this engine serves: the base modes with the FL2VA DiT, ref2va with the Ref2VA DiT."""
         return self.admission.tasks
 
-    def validate(self, prompt: str, **fields: Any) -> RenderRequest:
+    def validate(self, fields: RequestFields) -> RenderRequest:
         """`Admission.validate`: the request under this engine's rules, for a task whose DiT is loaded."""
-        return self.admission.validate(prompt, **fields)
+        return self.admission.validate(fields)
 
     def memory_budget(self) -> Budget:
         """What the loaded components hold, counted as the plan counts it (`pipeline.budget.loaded_budget`)."""
@@ -367,6 +377,8 @@ class Engine:
             with self._stage(timings, "audio", ctx):
                 audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
         else:  # frames streamed to the encoder as they are decoded: the audio first (the encoder interleaves it)
+            if not self.admission.frames_stream:
+                raise ValueError("a split render's frames cannot stream to an encoder: they reach the parent whole")
             with self._stage(timings, "audio", ctx):
                 audio = spread.decode_audio(components.audio_vae, audio_rows, layout)
             sink.begin(audio, sample_rate, FPS, request.width, request.height)
@@ -420,7 +432,9 @@ class Engine:
 
 
 def _check(profile: Profile, step_cache: StepCacheConfig | None) -> None:
-    """What this machine and a step cache allow of the profile (`accel.profile`), before anything loads."""
+    """What this machine and a step cache allow of the profile (`accel.profile`), before anything loads: once per
+    process that loads an engine (the settings refuse the same profile earlier, naming the setting, on the command
+    line's and the service's path)."""
     profiles.check(profile)
     if step_cache is not None:
         profiles.check_step_cache(profile.linear)

@@ -100,10 +100,6 @@ class Reference:
     def has_video(self) -> bool:
         return self.kind in (ReferenceKind.IMAGE, ReferenceKind.VIDEO)
 
-    @property
-    def has_audio(self) -> bool:
-        return self.audio_latents > 0
-
     def video_rows(self, patch_size: tuple[int, int, int] = PATCH_SIZE) -> int:
         _, ph, pw = patch_size
         return self.latent_frames * (self.latent_height // ph) * (self.latent_width // pw)

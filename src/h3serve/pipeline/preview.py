@@ -25,6 +25,7 @@ from PIL import Image
 from h3serve.model.video_vae import VideoVAE
 from h3serve.pipeline.decode import video_latents
 from h3serve.pipeline.layout import PackedLayout
+from h3serve.pipeline.video_decode import decode_window
 
 PREVIEW_LATENTS = 3  # latents decoded for a preview: cheap (a decode window reads 7) and still a few frames of motion
 STRIP_FRAMES = 4  # frames of the first window shown side by side
@@ -66,7 +67,7 @@ def make_preview(
         torch.cuda.synchronize(video_rows.device)
     start = time.perf_counter()
     z = video_latents(vae, video_rows, layout)[:, :, :PREVIEW_LATENTS]
-    head = vae.decode_window(z, autocast_dtype=autocast)[:, :, vae.cfg.frame_pre_padding :]
+    head = decode_window(vae, z, autocast_dtype=autocast)[:, :, vae.cfg.frame_pre_padding :]
     frames = vae.output_to_rgb(head.float())[0].cpu().numpy()  # (F, H, W, 3)
     picks = np.linspace(0, len(frames) - 1, num=min(STRIP_FRAMES, len(frames))).round().astype(int)
     height, width = frames.shape[1:3]

@@ -388,6 +388,17 @@ def _slot(frame: int, scale: float) -> int:
     return math.floor(frame * scale + 0.5)
 
 
+def _upright_rgb(frame, turns: int, canvas: tuple[int, int]) -> np.ndarray:
+    """A decoded video frame as (H, W, 3) uint8 RGB, turned upright by its `turns` quarter turns and resized to the
+    (width, height) `canvas` when it differs."""
+    rgb = frame.to_ndarray(format="rgb24")
+    if turns:
+        rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
+    if rgb.shape[1::-1] != canvas:
+        rgb = np.asarray(Image.fromarray(rgb).resize(canvas, Image.Resampling.LANCZOS))
+    return rgb
+
+
 def _decode_video(
     i: int,
     name: str | None,
@@ -422,12 +433,7 @@ def _decode_video(
                 slots = _slot(decoded + 1, scale) - _slot(decoded, scale)
                 decoded += 1
                 if slots:
-                    rgb = frame.to_ndarray(format="rgb24")
-                    if turns:
-                        rgb = np.ascontiguousarray(np.rot90(rgb, k=-turns))
-                    if rgb.shape[1::-1] != canvas:
-                        rgb = np.asarray(Image.fromarray(rgb).resize(canvas, Image.Resampling.LANCZOS))
-                    kept.append(rgb)
+                    kept.append(_upright_rgb(frame, turns, canvas))
                     held.append(slots)
                 # One frame past the target duration fixes how long the last kept frame is held; stop there.
                 if _slot(decoded - 1, scale) >= num_frames:

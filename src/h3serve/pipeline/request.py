@@ -19,7 +19,7 @@ from functools import cached_property
 
 from PIL import Image
 
-from h3serve.config import AUDIO_SHIFT, VIDEO_SHIFT
+from h3serve.config import AUDIO_SHIFT, DEFAULT_STEPS, VIDEO_SHIFT
 from h3serve.pipeline.references import DecodedReference, decode_references
 from h3serve.pipeline.rules import (
     MAX_SEED,
@@ -94,45 +94,57 @@ def _number(name: str, value, kind: type) -> int | float:
     return value
 
 
+@dataclass(frozen=True)
+class RequestFields:
+    """A render request as a front end gives it, before the model's rules (`validate_request`). None leaves a value
+    to its default: num_frames the rules', width and height the canvas from the aspect ratio (ref2va: 16:9, as the
+    reference pipeline does), steps and shifts the engine's sampler (`Admission.sampler`; the released one here),
+    preview_every none.
+
+    references: ref2va's encoded files, each `bytes` or `(name, bytes)`, decoded by `validate_request`
+    (`pipeline.references`); mute_references: positions of video references whose soundtrack is left out. quality:
+    step caching for this request (`QUALITIES`), None for the server's setting.
+    """
+
+    prompt: str
+    task: str = Task.T2VA
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    steps: int | None = None
+    seed: int = 0
+    video_shift: float | None = None
+    audio_shift: float | None = None
+    keyframes: Sequence[Image.Image | bytes] = ()
+    references: Sequence[bytes | tuple[str | None, bytes]] = ()
+    mute_references: Collection[int] = ()
+    quality: str | None = None
+    preview_every: int | None = None
+
+
 def validate_request(
-    prompt: str,
-    *,
-    task: str = Task.T2VA,
-    width: int | None = None,
-    height: int | None = None,
-    num_frames: int | None = None,
-    steps: int,
-    seed: int = 0,
-    video_shift: float = VIDEO_SHIFT,
-    audio_shift: float = AUDIO_SHIFT,
-    keyframes: Sequence[Image.Image | bytes] = (),
-    references: Sequence[bytes | tuple[str | None, bytes]] = (),
-    mute_references: Collection[int] = (),
-    quality: str | None = None,
-    positions: Sequence[float] | None = None,
-    preview_every: int | None = None,
-    rules: RequestRules = RELEASED_RULES,
+    fields: RequestFields, rules: RequestRules = RELEASED_RULES, positions: Sequence[float] | None = None
 ) -> RenderRequest:
     """Check a request against the model's rules; return it normalised, with notices for any adjustment.
 
-    num_frames None takes the rules' default; width and height None take the canvas from the aspect ratio (ref2va:
-    16:9, as the reference pipeline does). references: ref2va's encoded files, each `bytes` or `(name, bytes)`,
-    decoded here (`pipeline.references`); mute_references: positions of video references whose soundtrack is left
-    out. quality: step caching for this request (`QUALITIES`), None for the server's setting. positions: the grid's
-    unshifted sigma positions (`steps` of them, from near 1 down to 0) instead of an even spacing.
+    positions: the grid's unshifted sigma positions (`steps` of them, from near 1 down to 0) instead of an even
+    spacing (a distilled adapter's own grid).
     """
-    if task not in tuple(Task):
-        raise RequestError("task", f"task must be one of {', '.join(Task)}, got {task!r}")
-    task = Task(task)
-    if task != Task.REF2VA and (references or mute_references):
+    if fields.task not in tuple(Task):
+        raise RequestError("task", f"task must be one of {', '.join(Task)}, got {fields.task!r}")
+    task = Task(fields.task)
+    if task != Task.REF2VA and (fields.references or fields.mute_references):
         raise RequestError("references", f"references: only task ref2va takes references, got task {task}")
+    prompt = fields.prompt
     if not isinstance(prompt, str) or not prompt.strip():
         raise RequestError("prompt", "prompt must be a non-empty string")
-    images = _check_keyframes(task, keyframes)
-    width, height, notices = _check_canvas(width, height, images, rules.canvas)
+    images = _check_keyframes(task, fields.keyframes)
+    width, height, notices = _check_canvas(fields.width, fields.height, images, rules.canvas)
+    num_frames = fields.num_frames
     requested = rules.frames.default_frames if num_frames is None else _number("num_frames", num_frames, int)
     num_frames, frame_notices = rules.frames.check(requested)
     notices += frame_notices
+    steps = DEFAULT_STEPS if fields.steps is None else fields.steps
     if positions is not None:
         positions = tuple(float(p) for p in positions)
         try:
@@ -141,19 +153,21 @@ def validate_request(
             raise RequestError("positions", str(e)) from e
         if len(positions) != steps:
             raise RequestError("steps", f"steps must be {len(positions)}, the grid's sigma positions, got {steps}")
-    steps, seed = _check_sampling(steps, seed, video_shift, audio_shift, rules, positions)
-    preview_every = 0 if preview_every is None else _number("preview_every", preview_every, int)
+    video_shift = VIDEO_SHIFT if fields.video_shift is None else fields.video_shift
+    audio_shift = AUDIO_SHIFT if fields.audio_shift is None else fields.audio_shift
+    steps, seed = _check_sampling(steps, fields.seed, video_shift, audio_shift, rules, positions)
+    preview_every = 0 if fields.preview_every is None else _number("preview_every", fields.preview_every, int)
     most = max(steps - 2, 0)  # a preview comes before the last of the steps - 1 forwards
     if not 0 <= preview_every <= most:
         allowed = f"0 (none) or 1..{most}" if most else "0: its one forward leaves nothing to preview before it"
         raise RequestError("preview_every", f"preview_every must be {allowed} for {steps} steps, got {preview_every}")
-    if quality is not None and quality not in QUALITIES:
-        raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
+    if fields.quality is not None and fields.quality not in QUALITIES:
+        raise RequestError("quality", f"quality must be one of {', '.join(QUALITIES)}, got {fields.quality!r}")
     decoded = ()
     if task == Task.REF2VA:
-        if not references:
+        if not fields.references:
             raise RequestError("references", "references: task ref2va needs at least one reference file")
-        decoded = decode_references(references, num_frames=num_frames, mute=mute_references, rules=rules)
+        decoded = decode_references(fields.references, num_frames=num_frames, mute=fields.mute_references, rules=rules)
 
     for notice in notices:
         log.info("request: %s", notice)
@@ -169,7 +183,7 @@ def validate_request(
         audio_shift=float(audio_shift),
         keyframes=images,
         references=decoded,
-        quality=quality,
+        quality=fields.quality,
         preview_every=preview_every,
         notices=tuple(notices),
         positions=positions,

@@ -30,6 +30,11 @@ WindowCallback = Callable[[int, int], None]
 
 
 class Spread(Protocol):
+    @property
+    def ranks(self) -> int:
+        """Processes one render runs on (`pipeline.admission.Admission.ranks`: what a split render cannot do)."""
+        ...
+
     def share(self, compute: Callable[[], T]) -> T:
         """`compute()` run once (on the lead) and its result on every process."""
         ...
@@ -58,6 +63,8 @@ class Spread(Protocol):
 @dataclass(frozen=True)
 class OneDevice:
     """Every stage in this process, on the profile's one device."""
+
+    ranks = 1
 
     def share(self, compute: Callable[[], T]) -> T:
         return compute()

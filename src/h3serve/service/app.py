@@ -59,9 +59,11 @@ from starlette.routing import Match, Route
 from h3serve import __version__
 from h3serve.pipeline.context import NodeLost, RenderCancelled
 from h3serve.pipeline.engine import RenderEngine
+from h3serve.pipeline.request import RenderRequest
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
 from h3serve.service.events import MAX_STREAMS, Event, Streams
+from h3serve.service.folders import service_folders
 from h3serve.service.metrics import Metrics
 from h3serve.service.page import INDEX, WebPage
 from h3serve.service.scheduler import QueueFull, Scheduler, Work, WriteFailed
@@ -70,10 +72,11 @@ from h3serve.service.schemas import (
     MAX_REFERENCES,
     REF2VA,
     JobStatus,
-    Mapped,
     PreviewRule,
+    ServerTerms,
+    VideoCreateRequest,
     VideoJob,
-    map_request,
+    admit,
     request_limits,
     step_cache_mode,
 )
@@ -88,7 +91,6 @@ from h3serve.service.store import (
     new_job_id,
 )
 from h3serve.settings import Settings
-from h3serve.startup import service_folders
 
 log = logging.getLogger(__name__)
 
@@ -399,7 +401,7 @@ def _require_ready(scheduler: Scheduler, metrics: Metrics) -> None:
 
 async def _parse(
     request: Request, settings: Settings, engine: RenderEngine, scheduler: Scheduler, metrics: Metrics
-) -> Mapped:
+) -> tuple[VideoCreateRequest, RenderRequest]:
     _require_ready(scheduler, metrics)
     # The body cap counts the files a request to this server can carry: 2 keyframes, or 12 Ref2VA references when the
     # Ref2VA DiT is loaded, each up to H3_MAX_UPLOAD_MB, plus the form fields.
@@ -407,16 +409,10 @@ async def _parse(
     limits = BodyLimits(settings.max_upload_mb << 20, body_files, float(settings.body_timeout))
     try:
         body = await read_body(request, limits)
-        mapping = functools.partial(
-            map_request,
-            body.fields,
-            body.uploads,
-            engine,
-            settings.model_id,
-            settings.max_prompt_chars,
-            PreviewRule(settings.preview_every, settings.preview_min_every),
-        )
-        return await asyncio.get_running_loop().run_in_executor(request.app.state.decoder, mapping)
+        previews = PreviewRule(settings.preview_every, settings.preview_min_every)
+        terms = ServerTerms.of(engine, settings.model_id, settings.max_prompt_chars, previews)
+        admitting = functools.partial(admit, body.fields, body.uploads, engine, terms)
+        return await asyncio.get_running_loop().run_in_executor(request.app.state.decoder, admitting)
     except ApiError:
         metrics.rejected.labels("invalid").inc()
         raise
@@ -440,16 +436,16 @@ async def _submit(scheduler: Scheduler, metrics: Metrics, work: Work, record: Vi
 async def create_sync(
     request: Request, settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep, metrics: MetricsDep
 ) -> Response:
-    mapped = await _parse(request, settings, engine, scheduler, metrics)
-    if mapped.request.preview_every:
-        if mapped.preview_asked:
+    asked, render_request = await _parse(request, settings, engine, scheduler, metrics)
+    if render_request.preview_every:
+        if "preview_every" in asked.model_fields_set:  # not the server's default
             raise bad_request(
                 "preview_every",
                 "previews come with async jobs (POST /v1/videos, then GET /v1/videos/{id}/events); a sync render "
                 "answers only when it is done: send preview_every 0 or leave it out",
             )
-        mapped = dataclasses.replace(mapped, request=dataclasses.replace(mapped.request, preview_every=0))
-    work = Work(new_job_id(), mapped.request, persist=False)
+        render_request = dataclasses.replace(render_request, preview_every=0)
+    work = Work(new_job_id(), render_request, persist=False)
     await _submit(scheduler, metrics, work)
     future = asyncio.wrap_future(work.future)
     # A render abandoned below (timeout, disconnect) still ends, with RenderCancelled: retrieve it, or asyncio logs
@@ -494,12 +490,12 @@ async def create_sync(
         "x-peak-memory-mb": f"{result.peak_memory_mb:.1f}",
         "x-num-gpus": str(max(1, len(result.split))),
         "X-Stage-Durations": json.dumps(stages, separators=(",", ":")),
-        "x-seed": str(mapped.request.seed),
-        "x-num-frames": str(mapped.request.num_frames),
-        "x-num-inference-steps": str(mapped.request.steps),
-        "x-flow-shift": f"{mapped.request.video_shift:g}",
-        "x-audio-flow-shift": f"{mapped.request.audio_shift:g}",
-        **step_cache_headers(result.step_cache, mapped.request.quality),
+        "x-seed": str(render_request.seed),
+        "x-num-frames": str(render_request.num_frames),
+        "x-num-inference-steps": str(render_request.steps),
+        "x-flow-shift": f"{render_request.video_shift:g}",
+        "x-audio-flow-shift": f"{render_request.audio_shift:g}",
+        **step_cache_headers(result.step_cache, render_request.quality),
     }
     return Response(mp4, media_type="video/mp4", headers=headers)
 
@@ -508,9 +504,9 @@ async def create_sync(
 async def create_job(
     request: Request, settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep, metrics: MetricsDep
 ) -> dict[str, Any]:
-    mapped = await _parse(request, settings, engine, scheduler, metrics)
-    record = job_record(new_job_id(), mapped.request, settings.model_id)
-    await _submit(scheduler, metrics, Work(record.id, mapped.request, persist=True), record)
+    _, render_request = await _parse(request, settings, engine, scheduler, metrics)
+    record = job_record(new_job_id(), render_request, settings.model_id)
+    await _submit(scheduler, metrics, Work(record.id, render_request, persist=True), record)
     return shown_record(record, scheduler.live())
 
 

@@ -5,6 +5,12 @@ the next:
     submit -> queue (max_queue; full: QueueFull, a 429) -> worker: engine.render, its decode's frames
            -> hand-off (ENCODE_BACKLOG) -> encoder: MP4 to a file (async job) or to bytes (sync render) -> done
 
+A job's life is a state machine (`jobs.JobState`: queued, rendering, handed off, encoding, then completed, failed or
+cancelled). `_transition` is its only move, checked against the table of moves and against who holds the job (the
+worker a rendering one, the encoder an encoding one, whoever comes first a waiting one), all under one lock, and the
+only writer of its record, its events and its result; its progress goes through `_progressed`, which publishes
+nothing once the job has ended.
+
 Sync and async renders share the queue and the worker, so one render uses the GPU at a time. A render's frames go to
 the encoder as each decode window's are final (`RenderContext.frames_to`): the job is handed off when its first
 frames are ready, so its encode overlaps its own decode and then the next render. The GPU never waits on the encoder:
@@ -43,11 +49,12 @@ from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, Render
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
 from h3serve.service.events import PREVIEWS, Events
+from h3serve.service.folders import describe_folders, folder_problems
+from h3serve.service.jobs import Hand, JobState, check_transition, holds
 from h3serve.service.metrics import Metrics
-from h3serve.service.schemas import JobError, JobStatus, VideoJob, step_cache_mode
+from h3serve.service.schemas import JobError, VideoJob, step_cache_mode
 from h3serve.service.store import JobStore
 from h3serve.service.warmup import WarmupResult, run_warmup
-from h3serve.startup import describe_folders, folder_problems
 
 log = logging.getLogger(__name__)
 
@@ -105,24 +112,25 @@ class Standing:
 @dataclass(eq=False)  # identity: two jobs are never equal, and their frames are never compared
 class Work:
     """One render on its way through the scheduler. `persist`: an async job (record + MP4 file); else a sync render
-    whose MP4 bytes are the future's result."""
+    whose MP4 bytes are the future's result. `state`: where it is and who holds it (`jobs`), moved by
+    `Scheduler._transition` alone; the other fields are its data."""
 
     id: str
     request: RenderRequest
     persist: bool
     ctx: RenderContext = field(default_factory=RenderContext)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    state: JobState | None = None  # None until submitted
     result: RenderResult | None = None  # set when the render has finished
     started: float | None = None  # time.monotonic() when the worker took it
     progress: Progress | None = None  # the render's latest event (`live`)
     stream: FrameStream | None = None  # its frames as they are decoded (`_Frames`), for the encoder
     sink: _Frames | None = None  # its render's `frames_to`
     media: tuple[Any, int, int] | None = None  # (audio, sample rate, fps) of a streamed render
-    handed: bool = False  # in the encoder's hands (queued or encoding): the encoder finishes it
 
 
 class _RenderFailed(Exception):
-    """A streamed render's error, handed to the encoder reading its frames (which finishes the job)."""
+    """A streamed render's error, handed to the encoder reading its frames (which ends the job)."""
 
     def __init__(self, error: Exception):
         super().__init__(str(error))
@@ -134,7 +142,7 @@ class _Frames:
     `begin` (the audio decoded, the first frames next) the job is handed off, waiting while the backlog is full as a
     rendered job does (`waited`: those seconds, which are not the render's); each run of frames then goes into an
     unbounded `FrameStream` that the encoder reads as it comes, so the GPU never waits on the encoder. Frames of a job
-    already finished (cancelled, failed) are dropped."""
+    already ended (cancelled, failed) are dropped."""
 
     def __init__(self, scheduler: Scheduler, work: Work):
         self.scheduler, self.work = scheduler, work
@@ -153,11 +161,10 @@ class _Frames:
 
     def put(self, frames: Any) -> None:
         assert self.stream is not None, "put before begin"
-        if not self.work.future.done():
-            self.stream.put(frames)
+        self.scheduler._feed(self.work, self.stream, frames)
 
     def release(self) -> None:
-        """The job is finished: its unread frames go, and the context lets go of this sink."""
+        """The job has ended: its unread frames go, and the context lets go of this sink."""
         if self.stream is not None:
             self.stream.drop()
         if self.work.ctx.frames_to is self:
@@ -171,7 +178,8 @@ class Readiness(enum.StrEnum):
 
 
 class Scheduler:
-    """The queue, the GPU worker and the encoder thread. All their state is guarded by one condition variable."""
+    """The queue, the GPU worker and the encoder thread. All their state, and every job's, is guarded by one condition
+    variable (an RLock: a move made while the lock is held takes it again)."""
 
     def __init__(
         self,
@@ -195,10 +203,11 @@ class Scheduler:
         self.readiness = Readiness.WARMING
         self.warmup_result: WarmupResult | None = None
         self._cond = threading.Condition()
-        self._queue: collections.deque[Work] = collections.deque()  # waiting for the GPU
-        self._rendering: Work | None = None  # on the worker: rendering, or rendered and waiting for the hand-off
-        self._encodes: collections.deque[Work] = collections.deque()  # rendered, waiting for the encoder
-        self._encoding: Work | None = None
+        self._queue: collections.deque[Work] = collections.deque()  # queued: waiting for the GPU
+        self._encodes: collections.deque[Work] = collections.deque()  # handed off: waiting for the encoder
+        self._waiting = {JobState.QUEUED: self._queue, JobState.HANDED_OFF: self._encodes}  # kept by `_transition`
+        self._rendering: Work | None = None  # the worker's job, in whatever state its render leaves it
+        self._encoding: Work | None = None  # the encoder's
         self._stopping = False
         # Each async job's events, and its latest preview on disk beside videos/ (`service.events`).
         self.events = Events(store.output_dir / PREVIEWS)
@@ -214,17 +223,14 @@ class Scheduler:
         """End every job not finished (their records say the server stopped) and join the threads."""
         with self._cond:
             self._stopping = True
-            queued, rendered = list(self._queue), list(self._encodes)
-            self._queue.clear()
-            self._encodes.clear()
             for work in (self._rendering, self._encoding):
                 if work is not None:
                     work.ctx.cancel("the server stopped during this job")
+            for work in list(self._queue):
+                self._end_cancelled(work, "the server stopped before this job ran", Hand.CLIENT)
+            for work in list(self._encodes):
+                self._end_cancelled(work, "the server stopped before this job's MP4 was written", Hand.CLIENT)
             self._cond.notify_all()
-        for work in queued:
-            self._finish_cancelled(work, "the server stopped before this job ran")
-        for work in rendered:
-            self._finish_cancelled(work, "the server stopped before this job's MP4 was written", ran=True)
         deadline = time.monotonic() + timeout
         for thread in (self._worker, self._encoder):
             if thread.is_alive():
@@ -271,7 +277,7 @@ class Scheduler:
             busy = int(self._rendering is not None)  # the render on the GPU is ahead of every queued one
             out = {w.id: _live("queued", 0, 0, None, ahead) for ahead, w in enumerate(self._queue, start=busy)}
             for work in (*self._encodes, self._encoding, self._rendering):
-                if work is None or work.future.done():  # finished: its thread lets go of it next
+                if work is None or work.state.ended:  # ended: its thread lets go of it next
                     continue
                 elapsed = None if work.started is None else round(now - work.started, 3)
                 p = work.progress
@@ -288,42 +294,31 @@ class Scheduler:
         with self._cond:
             if len(self._queue) >= self.max_queue:
                 raise QueueFull
-            if record is not None:
-                self.store.insert(record)
-            self._queue.append(work)
-            if work.persist:
-                self.events.publish(
-                    work.id, "queued", {"ahead": len(self._queue) - 1 + int(self._rendering is not None)}
-                )
-            self._cond.notify_all()
+            self._transition(work, JobState.QUEUED, Hand.CLIENT, record=record)
 
     def cancel(self, job_id: str, reason: str, wait: float = 30.0) -> bool:
         """Cancel a job by id wherever it is; True if it was found. Returns once it has stopped (or after `wait`)."""
         with self._cond:
-            waiting = next((w for w in (*self._queue, *self._encodes) if w.id == job_id), None)
-            if waiting is not None:
-                (self._queue if waiting in self._queue else self._encodes).remove(waiting)
-            active = next((w for w in (self._rendering, self._encoding) if w is not None and w.id == job_id), None)
-            if active is not None:
-                active.ctx.cancel(reason)
-            # A worker waiting to hand off wakes: to drop this job, or because the backlog has room now.
-            self._cond.notify_all()
-        if waiting is not None:  # (a job handed off while its render still decodes is active too: it stops there)
-            self._finish_cancelled(waiting, reason, ran=waiting.started is not None)
-            return True
-        if active is None:
-            return False
+            held = (*self._queue, *self._encodes, self._rendering, self._encoding)
+            work = next((w for w in held if w is not None and w.id == job_id), None)
+            if work is None:
+                return False
+            if work in (self._rendering, self._encoding):  # on a thread (a streamed job can wait and render at once)
+                work.ctx.cancel(reason)  # it stops at its next check; a worker waiting to hand it off wakes
+                self._cond.notify_all()
+            if holds(work.state, Hand.CLIENT):  # waiting for the GPU or the encoder: it ends here, now
+                self._end_cancelled(work, reason, Hand.CLIENT)
+                return True
         with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            active.future.exception(timeout=wait)
+            work.future.exception(timeout=wait)  # its thread ends it
         return True
 
     # ---- the GPU worker -------------------------------------------------------------------------------------
     def _work(self) -> None:
         self._warm()
         while (work := self._next_render()) is not None:
-            with self._guard(work):
-                if self._render(work) and not self._hand_off(work):
-                    self._finish_cancelled(work, work.ctx.reason, ran=True)
+            with self._guard(work, Hand.WORKER):
+                self._render(work)
             with self._cond:
                 self._rendering = None
 
@@ -342,93 +337,113 @@ class Scheduler:
 
     def _next_render(self) -> Work | None:
         with self._cond:
-            # While the GPU workers restart (a node awaited), a queued job waits for them rather than failing.
-            while (not self._queue or self.engine.recovering) and not self._stopping:
-                self._cond.wait(RECOVERY_POLL_S if self._queue else None)
-            if self._stopping:
-                return None
-            self._rendering = self._queue.popleft()
-            self._rendering.started = time.monotonic()
-            return self._rendering
+            while True:
+                # While the GPU workers restart (a node awaited), a queued job waits for them rather than failing.
+                while (not self._queue or self.engine.recovering) and not self._stopping:
+                    self._cond.wait(RECOVERY_POLL_S if self._queue else None)
+                if self._stopping:
+                    return None
+                work = self._queue[0]
+                with self._guard(work, Hand.WORKER):  # its record refused the move: it fails, the next one comes
+                    self._transition(work, JobState.RENDERING, Hand.WORKER)
+                    self._rendering = work
+                    return work
 
-    def _render(self, work: Work) -> bool:
-        """Render one job; True when its frames came back whole and it is to be handed off (otherwise it has been
-        finished here, or its frames streamed to the encoder, which finishes it)."""
+    def _render(self, work: Work) -> None:
+        """Render one job. Its frames come back whole (it is handed to the encoder now) or stream to the encoder as
+        they are decoded (handed off at `_Frames.begin`; their stream is closed here). A render that raised ends its
+        job here or in the encoder, whichever holds it (`_render_failed`)."""
+        self._watch(work)
+        frames = work.sink = work.ctx.frames_to = _Frames(self, work)
+        try:
+            result = self.engine.render(work.request, work.ctx)
+        except Exception as err:
+            self._render_failed(work, frames, err)
+            return
+        if frames.waited and "total" in result.timings:  # waiting for the encoder's backlog is not rendering
+            result.timings["total"] -= frames.waited
+        if work.state is JobState.RENDERING:  # its frames came back whole (only this thread moves it on from here)
+            work.result = result
+            if not self._hand_off(work):
+                self._end_cancelled(work, work.ctx.reason, Hand.WORKER)
+            return
+        with self._cond:
+            if not work.state.ended:  # (ended while its render wound down: it keeps nothing)
+                work.result = result
+        frames.stream.close()  # after the result: the encoder ends the job once it has read the end
+
+    def _watch(self, work: Work) -> None:
+        """The render's progress and previews, as `live`, the record's percent and the events (`_progressed`)."""
         last, stage = -1, None
         finished: set[str] = set()  # the stages this render has left (their order: `progress_percent`)
 
         def on_progress(p: Progress) -> None:
             nonlocal last, stage
-            if work.future.done():  # finished while its render winds down (cancelled while it streamed its frames)
-                return
-            work.progress = p
             changed = p.stage != stage
             if changed and stage is not None:
                 finished.add(stage)
             stage = p.stage
             percent = progress_percent(p, finished)
-            if work.persist and percent != last:
-                last = percent
-                self.store.update(work.id, progress=percent)
-            if work.persist:
-                if changed:
-                    self.events.publish(work.id, "stage", {"stage": p.stage, "progress": percent})
-                if p.done:
-                    data = {"stage": p.stage, "done": p.done, "total": p.total, "progress": percent}
-                    self.events.publish(work.id, "progress", data)
+            events = [("stage", {"stage": p.stage, "progress": percent})] if changed else []
+            if p.done:
+                events.append(("progress", {"stage": p.stage, "done": p.done, "total": p.total, "progress": percent}))
+            self._progressed(work, p, None if percent == last else percent, events)
+            last = percent
 
         def on_preview(preview) -> None:
-            if work.future.done():
+            if work.state.ended:  # (checked again as the event goes out; this spares the PNG's write)
                 return
             if not self.events.set_preview(work.id, preview.png):  # logged: no event for a preview nobody can fetch
                 return
             data = {"url": f"/v1/videos/{work.id}/preview?forward={preview.forward}", "forward": preview.forward,
                     "forwards": preview.forwards, "width": preview.width, "height": preview.height,
                     "seconds": round(preview.seconds, 4)}  # fmt: skip
-            self.events.publish(work.id, "preview", data)
+            self._progressed(work, None, None, [("preview", data)])
 
         work.ctx.on_progress = on_progress
         if work.persist and work.request.preview_every:
             work.ctx.on_preview = on_preview
-        if work.persist:
-            self.store.update(work.id, status=JobStatus.IN_PROGRESS)
-        frames = work.sink = work.ctx.frames_to = _Frames(self, work)
-        try:
-            result = self.engine.render(work.request, work.ctx)
-        except RenderCancelled as err:
-            if not self._take_back(work):  # the encoder reading its frames stops and finishes it
-                frames.stream.fail(err)
-            elif not work.future.done():
-                self._finish_cancelled(work, str(err) or "cancelled", ran=True)
-            return False
-        except Exception as err:
-            if not self._take_back(work):
-                log.error("job %s: the render failed while its frames streamed to the encoder", work.id, exc_info=err)
-                frames.stream.fail(_RenderFailed(err))
-            elif not work.future.done():
-                self._finish_failed(work, err, "render")
-            return False
-        if frames.waited and "total" in result.timings:  # waiting for the encoder's backlog is not rendering
-            result.timings["total"] -= frames.waited
-        if work.handed:
-            if not work.future.done():
-                work.result = result
-            frames.stream.close()  # after the result: the encoder finishes the job once it has read the end
-            return False
-        work.result = result
-        return True
 
-    def _take_back(self, work: Work) -> bool:
-        """After its render failed: True when the worker is to finish the job (never handed off, or handed and still
-        waiting for the encoder: taken back from it); False when the encoder is reading its frames (it finishes it)."""
+    def _progressed(
+        self, work: Work, progress: Progress | None, percent: int | None, events: list[tuple[str, dict[str, Any]]]
+    ) -> None:
+        """A render's progress while its job has not ended (a render winding down after its job ended publishes
+        nothing more): `live`'s view, the record's percent (None: unchanged) and an async job's events."""
         with self._cond:
-            if not work.handed:
-                return True
-            if work in self._encodes:
-                self._encodes.remove(work)
-                self._cond.notify_all()  # room in the backlog
-                return True
-            return work is not self._encoding
+            if work.state.ended:
+                return
+            if progress is not None:
+                work.progress = progress
+            if not work.persist:
+                return
+            if percent is not None:
+                self.store.update(work.id, progress=percent)
+            for name, data in events:
+                self.events.publish(work.id, name, data)
+
+    def _feed(self, work: Work, stream: FrameStream, frames: Any) -> None:
+        """A run of a streaming render's frames, for the encoder; dropped once the job has ended (nobody reads them)."""
+        with self._cond:
+            if not work.state.ended:
+                stream.put(frames)  # never waits (an unbounded stream)
+
+    def _render_failed(self, work: Work, frames: _Frames, err: Exception) -> None:
+        """End a job whose render raised if the worker holds it, or takes it back while it waits for the encoder (it
+        ends now, not after the encode ahead of it); one the encoder has taken meets the error in its frames' stream,
+        and the encoder ends it."""
+        cancelled = isinstance(err, RenderCancelled)
+        with self._cond:
+            if holds(work.state, Hand.WORKER):
+                if cancelled:
+                    self._end_cancelled(work, str(err) or "cancelled", Hand.WORKER)
+                else:
+                    self._end_failed(work, err, "render", Hand.WORKER)
+            elif work.state is JobState.ENCODING:
+                if not cancelled:
+                    log.error(
+                        "job %s: the render failed while its frames streamed to the encoder", work.id, exc_info=err
+                    )
+                frames.stream.fail(err if cancelled else _RenderFailed(err))
 
     def _hand_off(self, work: Work) -> bool:
         """Give a job to the encoder (rendered, or its frames about to stream), waiting while the backlog is full (a
@@ -438,15 +453,13 @@ class Scheduler:
                 self._cond.wait(RECOVERY_POLL_S)  # a sync render's cancel (its route's) notifies no one: polled
             if work.ctx.cancelled:
                 return False
-            self._encodes.append(work)
-            work.handed = True
-            self._cond.notify_all()
+            self._transition(work, JobState.HANDED_OFF, Hand.WORKER)
             return True
 
     # ---- the encoder ----------------------------------------------------------------------------------------
     def _encode_loop(self) -> None:
         while (work := self._next_encode()) is not None:
-            with self._guard(work):
+            with self._guard(work, Hand.ENCODER):
                 self._encode(work)
             with self._cond:
                 self._encoding = None
@@ -456,38 +469,38 @@ class Scheduler:
             while not self._encodes and not self._stopping:
                 self._cond.wait()
             if self._stopping:
-                return None  # `stop` has finished what was left waiting
-            self._encoding = self._encodes.popleft()
-            self._cond.notify_all()  # room in the backlog: a worker waiting to hand off goes on
+                return None  # `stop` has ended what was left waiting
+            self._encoding = self._encodes[0]
+            self._transition(self._encoding, JobState.ENCODING, Hand.ENCODER)  # room in the backlog: the worker goes on
             return self._encoding
 
     def _encode(self, work: Work) -> None:
-        """Encode a job's MP4 (its frames as its render decodes them, or whole) and finish the job."""
+        """Encode a job's MP4 (its frames as its render decodes them, or whole) and end the job."""
         if work.ctx.cancelled:
-            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            self._end_cancelled(work, work.ctx.reason, Hand.ENCODER)
             return
         try:
             payload = self._write(work)
         except RenderCancelled:  # cancelled between frames: write_mp4 has removed the partial file
-            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            self._end_cancelled(work, work.ctx.reason, Hand.ENCODER)
             return
         except _RenderFailed as err:  # the render streaming the frames failed (logged there): no file was kept
-            self._finish_failed(work, err.error, "render", logged=True)
+            self._end_failed(work, err.error, "render", Hand.ENCODER, logged=True)
             return
         except OSError as err:  # the encode's own errors are ValueErrors; an OSError is the disk's or the folder's
             work.ctx.cancel("the MP4 could not be written")  # a render still decoding stops
-            self._finish_unwritten(work, err)
+            self._end_unwritten(work, err)
             return
         except Exception as err:
             work.ctx.cancel("the MP4 encode failed")
-            self._finish_failed(work, err, "MP4 encode")
+            self._end_failed(work, err, "MP4 encode", Hand.ENCODER)
             return
         if work.ctx.cancelled:  # cancelled while encoding: the encode has finished, its file goes
             if work.persist:
                 (self.store.videos / payload).unlink(missing_ok=True)
-            self._finish_cancelled(work, work.ctx.reason, ran=True)
+            self._end_cancelled(work, work.ctx.reason, Hand.ENCODER)
             return
-        self._finish_completed(work, payload)
+        self._transition(work, JobState.COMPLETED, Hand.ENCODER, payload=payload)
 
     def _write(self, work: Work) -> str | bytes:
         """The MP4 of a job: an async job's file (its name returned) or a sync render's bytes."""
@@ -510,27 +523,97 @@ class Scheduler:
         encode_mp4(buffer, frames, audio, **settings)
         return buffer.getvalue()
 
-    # ---- outcomes -------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _guard(self, work: Work) -> Iterator[None]:
-        """A failure outside the render and the encode (a store write that raised): logged, the job's waiter
-        released, and the thread goes on with the next job."""
+    # ---- a job's moves --------------------------------------------------------------------------------------
+    def _transition(
+        self,
+        work: Work,
+        to: JobState,
+        hand: Hand,
+        *,
+        record: VideoJob | None = None,
+        payload: str | bytes | None = None,
+        error: JobError | None = None,
+        raised: BaseException | None = None,
+    ) -> None:
+        """Move a job on: the one writer of its state, its record, its events and its result, under the lock, after
+        `check_transition` (IllegalTransition: a move the table does not have, or by a hand that does not hold the
+        job). The facts are the move's: the `record` a submit inserts; an ending's `payload` (completed: the MP4's
+        file name or bytes), or the record's `error` and the exception its waiter gets (`raised`)."""
+        with self._cond:
+            check_transition(work.id, work.state, to, hand)
+            if to.ended:
+                self._end(work, to, payload, error, raised)
+            else:
+                self._advance(work, to, record)
+            self._cond.notify_all()  # the threads wait on moves: a job to take, room in the backlog
+
+    def _advance(self, work: Work, to: JobState, record: VideoJob | None) -> None:
+        """A move short of the end. Its record is written first: a refused write (the store's error, raised) moves
+        nothing, so a job is never queued without its record nor further on than its record says."""
+        if to is JobState.QUEUED and record is not None:
+            self.store.insert(record)
+        elif to is JobState.RENDERING and work.persist:
+            self.store.update(work.id, status=to.status)
+        self._move(work, to)
+        if to is JobState.RENDERING:
+            work.started = time.monotonic()
+        elif to is JobState.QUEUED and work.persist:
+            ahead = len(self._queue) - 1 + int(self._rendering is not None)
+            self.events.publish(work.id, "queued", {"ahead": ahead})
+
+    def _move(self, work: Work, to: JobState) -> None:
+        """The state, and the waiting line that goes with it (a queued job is in the queue, a handed-off one in the
+        encoder's backlog, and nowhere else)."""
+        if (left := self._waiting.get(work.state)) is not None:
+            left.remove(work)
+        work.state = to
+        if (joined := self._waiting.get(to)) is not None:
+            joined.append(work)
+
+    def _end(
+        self,
+        work: Work,
+        to: JobState,
+        payload: str | bytes | None,
+        error: JobError | None,
+        raised: BaseException | None,
+    ) -> None:
+        """An ending: it ends even if its record cannot be written (logged, and its waiter gets the store's error), and
+        the job lets go of its video."""
+        self._move(work, to)
         try:
-            yield
+            self._record_end(work, to, payload, error, raised)
         except Exception as err:
             log.exception("job %s: the scheduler could not finish it", work.id)
-            if not work.future.done():
-                work.future.set_exception(err)
+            raised = err
+        self._release(work, keep_result=to is JobState.COMPLETED and not work.persist)
+        if raised is None:
+            work.future.set_result(payload)
+        else:
+            work.future.set_exception(raised)
 
-    def _finish_completed(self, work: Work, payload: str | bytes) -> None:
-        result = work.result
-        self.metrics.render_finished("completed", result)
-        if work.persist:
+    def _record_end(
+        self,
+        work: Work,
+        to: JobState,
+        payload: str | bytes | None,
+        error: JobError | None,
+        raised: BaseException | None,
+    ) -> None:
+        """An ending's count in the metrics, and an async job's record and last event."""
+        cancelled = isinstance(raised, RenderCancelled)  # by its client, or by a shutdown (failed, interrupted)
+        result = work.result if to is JobState.COMPLETED else None
+        if not cancelled or work.started is not None:  # a job cancelled before the GPU took it was no render
+            self.metrics.render_finished("cancelled" if cancelled else to.value, result)
+        if not work.persist or (cancelled and self.store.get(work.id) is None):
+            return
+        status, now = to.status, int(time.time())
+        if to is JobState.COMPLETED:
             self.store.update(
                 work.id,
-                status=JobStatus.COMPLETED,
+                status=status,
                 progress=100,
-                completed_at=int(time.time()),
+                completed_at=now,
                 file_name=payload,
                 inference_time_s=round(result.timings["total"], 4),
                 stage_durations={k: round(v, 4) for k, v in result.timings.items() if k != "total"},
@@ -539,14 +622,13 @@ class Scheduler:
                 step_cache=step_cache_mode(result.step_cache, work.request.quality),
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
-            self._release(work)  # the frames are on disk: a finished job holds no video
             self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
         else:
-            self._release(work, keep_result=True)
-        work.future.set_result(payload)
+            self.store.update(work.id, status=status, completed_at=now, error=error)
+            self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
 
     def _release(self, work: Work, keep_result: bool = False) -> None:
-        """A finished job lets go of its video: the rendered frames (with the result, unless `keep_result`: a sync
+        """An ended job lets go of its video: the rendered frames (with the result, unless `keep_result`: a sync
         render's timings for its response), and the streamed ones nobody will read."""
         if not keep_result:
             work.result = None
@@ -555,47 +637,43 @@ class Scheduler:
             work.sink.release()
             work.sink = None
 
-    def _finish_failed(self, work: Work, err: Exception, stage: str, logged: bool = False) -> None:
+    @contextlib.contextmanager
+    def _guard(self, work: Work, hand: Hand) -> Iterator[None]:
+        """A failure outside the render and the encode (a record write refused): logged, the job failed if this hand
+        holds it (its waiter released), and the thread goes on with the next job."""
+        try:
+            yield
+        except Exception as err:
+            log.exception("job %s: the scheduler could not finish it", work.id)
+            with self._cond:
+                if holds(work.state, hand):
+                    self._end_failed(work, err, "render" if hand is Hand.WORKER else "MP4 encode", hand, logged=True)
+
+    # ---- the endings ----------------------------------------------------------------------------------------
+    def _end_failed(self, work: Work, err: Exception, stage: str, hand: Hand, logged: bool = False) -> None:
         """A render or encode that raised: the traceback goes to the log (unless `logged` already), the record and
         the client get a message that names the request id to look for there (an exception's text can hold paths and
         internals)."""
         if not logged:
             log.error("job %s: the %s failed", work.id, stage, exc_info=err)
-        self.metrics.render_finished("failed", None)
-        if work.persist:
-            message = f"the {stage} failed (internal error); see the server log, request id {work.id}"
-            code = "render_failed"
-            if isinstance(err, NodeLost):  # names a node and a rank, nothing of this host: the client may know
-                message, code = f"the {stage} failed: {err}; it resumes when the node joins again", "node_lost"
-            error = JobError(code=code, message=message)
-            self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
-            self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
-        self._release(work)
-        work.future.set_exception(err)
+        message, code = (
+            f"the {stage} failed (internal error); see the server log, request id {work.id}",
+            "render_failed",
+        )
+        if isinstance(err, NodeLost):  # names a node and a rank, nothing of this host: the client may know
+            message, code = f"the {stage} failed: {err}; it resumes when the node joins again", "node_lost"
+        self._transition(work, JobState.FAILED, hand, error=JobError(code=code, message=message), raised=err)
 
-    def _finish_unwritten(self, work: Work, err: OSError) -> None:
+    def _end_unwritten(self, work: Work, err: OSError) -> None:
         """An MP4 the disk or the folder refused: failed with code write_failed and the OS's reason (no path)."""
         log.error("job %s: the MP4 could not be written: %s", work.id, err)
-        self.metrics.render_finished("failed", None)
         message = write_failure(err, work.id)
-        if work.persist:
-            error = JobError(code="write_failed", message=message)
-            self.store.update(work.id, status=JobStatus.FAILED, completed_at=int(time.time()), error=error)
-            self.events.publish(work.id, "failed", {"status": "failed", "error": error.model_dump()})
-        self._release(work)
-        work.future.set_exception(WriteFailed(message))
+        error = JobError(code="write_failed", message=message)
+        self._transition(work, JobState.FAILED, Hand.ENCODER, error=error, raised=WriteFailed(message))
 
-    def _finish_cancelled(self, work: Work, reason: str, ran: bool = False) -> None:
-        """A job stopped before it finished: cancelled by its client (or a timeout), or failed by a shutdown.
-        `ran`: it had reached the GPU (counted as a cancelled render)."""
-        if ran:
-            self.metrics.render_finished("cancelled", None)
-        stopped = self._stopping
-        if work.persist and self.store.get(work.id) is not None:
-            status, code = (JobStatus.FAILED, "interrupted") if stopped else (JobStatus.CANCELLED, "cancelled")
-            error = JobError(code=code, message=reason or "cancelled")
-            self.store.update(work.id, status=status, completed_at=int(time.time()), error=error)
-            self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
-        self._release(work)  # a video nobody will encode: its memory goes now
-        if not work.future.done():
-            work.future.set_exception(RenderCancelled(reason))
+    def _end_cancelled(self, work: Work, reason: str, hand: Hand) -> None:
+        """A job stopped before it finished: cancelled by its client (or a timeout), or, in a shutdown, failed with
+        code interrupted (as a crash leaves it once the store reopens)."""
+        to, code = (JobState.FAILED, "interrupted") if self._stopping else (JobState.CANCELLED, "cancelled")
+        error = JobError(code=code, message=reason or "cancelled")
+        self._transition(work, to, hand, error=error, raised=RenderCancelled(reason))

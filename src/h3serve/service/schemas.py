@@ -4,10 +4,11 @@ Accepted fields are OpenAI's video fields (`prompt`, `model`, `seconds`, `size` 
 and vLLM-Omni's extensions (`width`, `height`, `num_frames`, `fps`, `num_inference_steps`, `flow_shift`, `seed`,
 `aspect_ratio`, `short_edge`, `quality`, repeated `input_references`, and `extra_params` as a JSON object with
 `task`, `duration`, `audio_flow_shift`, `frame_indices`, `mute_references`). Any other field is refused by name rather
-than ignored: a setting the server would not honour must not look accepted. The mapped values go through the same
-`validate_request` as the CLI, and every refusal names the API field. `quality` (step caching for the request:
-`lossless` runs without the step cache, `high` the conservative profile) goes to the engine, which refuses `high` on a
-server started without a step cache.
+than ignored: a setting the server would not honour must not look accepted. The fields are one model,
+`VideoCreateRequest`, whose fields carry their API names (aliases) and bounds; `to_fields` gives the engine's typed
+`RequestFields`, which go through the same `Admission.validate` as the CLI's, and every refusal names the API field.
+`quality` (step caching for the request: `lossless` runs without the step cache, `high` the conservative profile) goes
+to the engine, which refuses `high` on a server started without a step cache.
 
 Files (multipart file parts, or base64 strings / data: URLs in a JSON body) mean one of two things:
 
@@ -30,13 +31,15 @@ import enum
 import math
 import re
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from h3serve.config import FPS
-from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.admission import Admission
+from h3serve.pipeline.request import RenderRequest, RequestFields
 from h3serve.pipeline.rules import (
     MAX_REFERENCE_AUDIOS,
     MAX_REFERENCE_IMAGES,
@@ -45,11 +48,15 @@ from h3serve.pipeline.rules import (
     MAX_SEED,
     QUALITIES,
     RequestError,
+    RequestRules,
     resolve_canvas,
 )
 from h3serve.service.bodies import LongInt, Upload, load_json
 from h3serve.service.errors import ApiError, bad_request, named, shown
 from h3serve.vocab import ANCHORS, TASK_ANCHORS, ReferenceKind, Task, seconds_to_frames
+
+if TYPE_CHECKING:
+    from h3serve.pipeline.engine import RenderEngine
 
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
@@ -84,14 +91,6 @@ INTEGER = re.compile(r"\s*[+-]?\d{1,40}\s*")
 NUMBER = re.compile(r"\s*[+-]?(\d{1,40}(\.\d{0,40})?|\.\d{1,40})([eE][+-]?\d{1,4})?\s*")
 
 
-@dataclass(frozen=True)
-class Mapped:
-    """A request ready for the engine (its `quality` is the request's, echoed by the job record)."""
-
-    request: RenderRequest
-    preview_asked: bool = False  # the request set preview_every itself (not the server's default)
-
-
 def _int(param: str, value: Any) -> int:
     """An integer field: a JSON integer (or an integral float), or a form's decimal string of at most 40 digits."""
     if isinstance(value, int) and not isinstance(value, bool):
@@ -119,38 +118,43 @@ def _float(param: str, value: Any) -> float:
     return number
 
 
-def _extra_params(value: Any) -> dict[str, Any]:
-    if isinstance(value, str):  # a form field: the object as JSON text, read as strictly as a JSON body
-        value = load_json(value, "extra_params")
-    if not isinstance(value, dict):
-        raise bad_request("extra_params", f"extra_params must be a JSON object, got {shown(value)}")
-    for key, item in value.items():
-        if key not in EXTRA_PARAMS:
-            raise bad_request(
-                f"extra_params.{named(key)}",
-                f"extra_params.{named(key)} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}",
-            )
-        if item is None:
-            raise bad_request(f"extra_params.{key}", f"extra_params.{key} is null; leave it out for its default")
-    return value
+@dataclass(frozen=True)
+class PreviewRule:
+    """The server's bounds on previews: the interval a request that leaves `preview_every` out gets (H3_PREVIEW_EVERY,
+    0: none) and the smallest a request may ask for (H3_PREVIEW_MIN_EVERY)."""
+
+    default: int = 0
+    minimum: int = 1
 
 
-def _check_fields(fields: dict[str, Any]) -> None:
-    """Every field named as accepted, present with a value (null is refused: leave a field out for its default),
-    and the text fields text."""
-    for name, value in fields.items():
-        if name in NOT_USED:
-            raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
-        if name not in FIELDS:
-            raise bad_request(named(name), f"unknown field {shown(name)}; accepted: {', '.join(FIELDS)}")
-        if value is None:
-            raise bad_request(name, f"{name} is null; leave the field out for its default")
-        if name in TEXT_FIELDS and not isinstance(value, str):
-            allowed = f" (one of {', '.join(CHOICES[name])})" if name in CHOICES else ""
-            raise bad_request(name, f"{name} must be a string{allowed}, got {shown(value)}")
-    user = fields.get("user")
-    if user is not None and len(user) > MAX_USER_CHARS:
-        raise bad_request("user", f"user is {len(user)} characters; the limit is {MAX_USER_CHARS}")
+def random_seed() -> int:
+    """The seed of a request that sends none: any of the documented range, 0..MAX_SEED, alike."""
+    return secrets.randbelow(MAX_SEED + 1)
+
+
+@dataclass(frozen=True)
+class ServerTerms:
+    """What this server holds a request to beyond the model's rules (which the engine applies): the model it serves,
+    its caps, what a request leaves out (grid points, previews, the seed) and what it was started with."""
+
+    served_model: str
+    max_prompt: int
+    rules: RequestRules
+    steps: int  # grid points of a request that leaves them out (`Admission.sampler`: an adapter's trained ones)
+    admission: Admission  # the engine's: the rules about a request's shape (previews only from one process)
+    tasks: tuple[str, ...]
+    adapters: tuple = ()  # `checkpoint.adapters.Adapter`s merged at load
+    previews: PreviewRule = PreviewRule()
+    draw_seed: Callable[[], int] = random_seed
+
+    @classmethod
+    def of(
+        cls, engine: RenderEngine, served_model: str, max_prompt: int, previews: PreviewRule = PreviewRule()
+    ) -> ServerTerms:
+        rules, steps = engine.rules, engine.admission.sampler.steps
+        return cls(
+            served_model, max_prompt, rules, steps, engine.admission, tuple(engine.tasks), engine.adapters, previews
+        )
 
 
 def _task_and_order(task: str | None, indices: Any, uploads: list[Upload]) -> tuple[str, list[Upload]]:
@@ -230,10 +234,11 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
     return value
 
 
-def _check_lora(value: Any, adapters) -> None:
+def _check_lora(value: Any, adapters: Sequence) -> dict[str, Any]:
     """vLLM-Omni's per-request `lora` ({name, path, scale}; a JSON string in a form). The adapters are merged into
     the weights at load, so a request may name only what the server merged (by its path, or its file name as `name`
-    or `path`, at its scale): that is a no-op; anything else is refused, saying how to serve it."""
+    or `path`, at its scale): that is a no-op, and the object is returned; anything else is refused, saying how to
+    serve it."""
     if isinstance(value, str):
         value = load_json(value, "lora")
     if not isinstance(value, dict):
@@ -258,55 +263,9 @@ def _check_lora(value: Any, adapters) -> None:
             if scale is not None and scale != adapter.scale:
                 raise bad_request("lora.scale", f"lora.scale {scale:g}: the server merged {adapter.path.name} at "
                                                 f"{adapter.scale:g}; {serve}:{scale:g}")  # fmt: skip
-            return
+            return value
     raise bad_request("lora", f"lora names {shown(names[0])}, but this server merged {loaded} and a request cannot "
                               f"switch adapters; {serve}[:SCALE]")  # fmt: skip
-
-
-def _refusal(err: RequestError, names: dict[str, str], hint: str = "") -> ApiError:
-    """The engine's refusal under the API's names (`names`: engine field -> API param, from the request as sent).
-
-    One reference is the param `input_references[i]` and its message names it so, from the error's field and index
-    (`RequestError.describe`); a mute_references refusal names the reference it points at the same way. Any other
-    refusal is its field's param, followed by the engine's message (which names the engine's field).
-    """
-    param = names.get(err.field, err.field)
-    if err.index is not None and err.field == "references":
-        return bad_request(f"{param}[{err.index}]", err.describe(names) + hint)
-    if err.index is not None and err.field == "mute_references":
-        why = " (only a video reference has a soundtrack to leave out)"
-        return bad_request(param, err.describe(names) + why + hint)
-    return bad_request(param, f"{param}: {err}{hint}")
-
-
-@dataclass(frozen=True)
-class PreviewRule:
-    """The server's bounds on previews: the interval a request that leaves `preview_every` out gets (H3_PREVIEW_EVERY,
-    0: none) and the smallest a request may ask for (H3_PREVIEW_MIN_EVERY)."""
-
-    default: int = 0
-    minimum: int = 1
-
-
-def _preview_every(fields: dict[str, Any], rule: PreviewRule, steps: int, engine) -> int | None:
-    """The request's preview interval: its own (refused below the server's minimum), else the server's default where
-    the request's `steps` leave a forward to preview before the last, else none (and none from a split render)."""
-    if "preview_every" in fields:
-        every = _int("preview_every", fields["preview_every"])
-        if every and engine.num_gpus > 1:
-            raise bad_request(
-                "preview_every",
-                f"previews come from a render in one process; this server splits each render over {engine.num_gpus} "
-                "GPUs (H3_NUM_GPUS), so it makes none: send preview_every 0 or leave it out",
-            )
-        if 0 < every < rule.minimum:
-            raise bad_request(
-                "preview_every",
-                f"preview_every must be 0 (none) or at least {rule.minimum} forwards on this server "
-                f"(H3_PREVIEW_MIN_EVERY), got {every}",
-            )
-        return every
-    return rule.default if 0 < rule.default <= steps - 2 and engine.num_gpus == 1 else None
 
 
 def _preview_refusal(every: int, steps: int, rule: PreviewRule) -> ApiError:
@@ -323,141 +282,348 @@ def _preview_refusal(every: int, steps: int, rule: PreviewRule) -> ApiError:
     return bad_request("preview_every", f"preview_every must be {allowed} for {steps} steps, got {every}")
 
 
-def map_request(
-    fields: dict[str, Any],
-    uploads: list[Upload],
-    engine,
-    served_model: str,
-    max_prompt: int,
-    previews: PreviewRule = PreviewRule(),
-) -> Mapped:
-    """Validate the API fields and build the engine's request; ApiError names the field on any refusal."""
-    _check_fields(fields)
-    prompt = fields.get("prompt")
-    if prompt is None or not prompt.strip():
-        raise bad_request("prompt", "prompt is required and must be a non-empty string")
-    if len(prompt) > max_prompt:
-        raise bad_request("prompt", f"prompt is {len(prompt)} characters; the limit is {max_prompt}")
-    model = fields.get("model")
-    if model is not None and model != served_model:
-        raise ApiError(
-            404,
-            "model_not_found",
-            f"model {shown(model)} is not served here; this server serves {shown(served_model)}",
-            "model",
-        )
-    extra = _extra_params(fields["extra_params"]) if "extra_params" in fields else {}
-    if "lora" in fields:
-        _check_lora(fields["lora"], engine.adapters)
+def _out_of_bounds(param: str, error: dict[str, Any], lo: Any, hi: Any) -> ApiError:
+    """A value pydantic refused against its field's declared type or bounds, in the API's words."""
+    value = error.get("input")
+    if error["type"] == "string_too_long":
+        return bad_request(param, f"{param} is {len(value)} characters; the limit is {error['ctx']['max_length']}")
+    if error["type"] in ("greater_than_equal", "less_than_equal"):
+        return bad_request(param, f"{param} must be {lo}..{hi}, got {shown(value)}")
+    return bad_request(param, f"{param}: {error['msg']}, got {shown(value)}")
 
-    # Canvas: size or width+height, else aspect_ratio (+ short_edge), else the model's default.
-    width = _int("width", fields["width"]) if "width" in fields else None
-    height = _int("height", fields["height"]) if "height" in fields else None
-    size_param = "width"
-    if "size" in fields:
-        match = SIZE.fullmatch(fields["size"].strip())
+
+class _ApiModel(BaseModel):
+    """API fields, each named by its alias, the API's name (under `PREFIX` in a nested object). A refusal is an
+    ApiError naming that field, raised where it is found: pydantic passes an exception other than ValueError through,
+    so validation stops at the first refusal in field order, as a client reading one message at a time expects."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    PREFIX: ClassVar[str] = ""
+
+    @classmethod
+    def param(cls, name: str) -> str:
+        """The API name of the field `name`."""
+        return cls.PREFIX + (cls.model_fields[name].alias or name)
+
+    @field_validator("*", mode="wrap")
+    @classmethod
+    def _declared(cls, value: Any, handler: Callable[[Any], Any], info: ValidationInfo) -> Any:
+        """The field's declared type and bounds (`Field(ge=, le=, max_length=)`), refused by name."""
+        try:
+            return handler(value)
+        except ValidationError as err:
+            bounds = {type(m).__name__: m for m in cls.model_fields[info.field_name].metadata}
+            lo, hi = getattr(bounds.get("Ge"), "ge", None), getattr(bounds.get("Le"), "le", None)
+            raise _out_of_bounds(cls.param(info.field_name), err.errors()[0], lo, hi) from None
+
+
+class ExtraParams(_ApiModel):
+    """vLLM-Omni's `extra_params` object (a JSON string in a form)."""
+
+    PREFIX: ClassVar[str] = "extra_params."
+
+    task: Task | None = Field(None, description="t2va, i2va, l2va, fl2va or ref2va; else from the files")
+    duration: float | None = Field(None, description="seconds of video; one of num_frames, seconds, duration")
+    audio_shift: float | None = Field(None, alias="audio_flow_shift", description="the audio schedule's shift")
+    # Checked against the files, once the task is known (`_task_and_order`, `_mute_references`).
+    frame_indices: Any = Field(None, description="where each keyframe goes: 0 first, -1 last")
+    mute_references: Any = Field(None, description="ref2va: positions of video references to take without sound")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _object(cls, value: Any) -> Any:
+        if isinstance(value, str):  # a form field: the object as JSON text, read as strictly as a JSON body
+            value = load_json(value, "extra_params")
+        if not isinstance(value, dict):
+            raise bad_request("extra_params", f"extra_params must be a JSON object, got {shown(value)}")
+        for key, item in value.items():
+            if key not in EXTRA_PARAMS:
+                raise bad_request(
+                    f"extra_params.{named(key)}",
+                    f"extra_params.{named(key)} is not accepted; allowed: {', '.join(EXTRA_PARAMS)}",
+                )
+            if item is None:
+                raise bad_request(f"extra_params.{key}", f"extra_params.{key} is null; leave it out for its default")
+        return value
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task(cls, value: Any) -> Any:
+        if value not in TASKS:
+            raise bad_request("extra_params.task", f"task must be one of {', '.join(TASKS)}, got {shown(value)}")
+        return value
+
+    @field_validator("duration", mode="before")
+    @classmethod
+    def _duration(cls, value: Any, info: ValidationInfo) -> float:
+        return _seconds(cls.param("duration"), value, info.context)
+
+    @field_validator("audio_shift", mode="before")
+    @classmethod
+    def _shift(cls, value: Any) -> float:
+        return _float(cls.param("audio_shift"), value)
+
+
+def _seconds(param: str, value: Any, terms: ServerTerms) -> float:
+    seconds = _float(param, value)
+    # Past an hour the frame rule would refuse it anyway; refusing here keeps seconds * FPS finite.
+    if not 0 < seconds <= MAX_SECONDS:
+        frames = terms.rules.frames
+        allowed = f"{frames.min_frames / FPS:.2f}-{frames.max_frames / FPS:.2f} s"
+        raise bad_request(param, f"{param} must be > 0 (the model takes {allowed}), got {seconds:g}")
+    return seconds
+
+
+class VideoCreateRequest(_ApiModel):
+    """POST /v1/videos' fields (OpenAI's and vLLM-Omni's), in the order they are checked; the files come apart
+    (`service.bodies`). Validate with `parse`, under a server's `ServerTerms`; `to_fields` gives the engine's."""
+
+    user: str | None = Field(None, max_length=MAX_USER_CHARS, description="who asks, for the operator's log")
+    prompt: str = Field(None, validate_default=True, description="what to render; required")
+    model: str | None = Field(None, description="the served model's id, if given")
+    extra_params: ExtraParams = Field(default_factory=ExtraParams)
+    lora: dict[str, Any] | None = Field(None, description="an adapter by name/path and scale: only the merged one")
+    width: int | None = None
+    height: int | None = None
+    size: tuple[int, int] | None = Field(None, description="WIDTHxHEIGHT, instead of width and height")
+    aspect_ratio: str | None = Field(None, description="the canvas by ratio, when no size is given")
+    short_edge: int | None = Field(None, description="with aspect_ratio; only the model's own")
+    num_frames: int | None = None
+    seconds: float | None = Field(None, description="the length in seconds, instead of num_frames")
+    fps: int | None = Field(None, description="only the model's frame rate")
+    quality: str | None = Field(None, description="step caching: lossless (none) or high (conservative)")
+    steps: int | None = Field(None, alias="num_inference_steps", description="grid points, the final one included")
+    preview_every: int | None = Field(None, description="a preview after every this many forwards; 0: none")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="left out: drawn from the whole range")
+    video_shift: float | None = Field(None, alias="flow_shift", description="the video schedule's shift")
+
+    @classmethod
+    def parse(cls, fields: dict[str, Any], terms: ServerTerms) -> VideoCreateRequest:
+        """The request's fields checked one by one; ApiError naming the first field refused."""
+        return cls.model_validate(fields, context=terms)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _names(cls, fields: Any) -> Any:
+        """Every field named as accepted, present with a value (null is refused: leave a field out for its
+        default), and the text fields text."""
+        for name, value in fields.items():
+            if name in NOT_USED:
+                raise bad_request(name, f"{name} is not accepted: {NOT_USED[name]}")
+            if name not in FIELDS:
+                raise bad_request(named(name), f"unknown field {shown(name)}; accepted: {', '.join(FIELDS)}")
+            if value is None:
+                raise bad_request(name, f"{name} is null; leave the field out for its default")
+            if name in TEXT_FIELDS and not isinstance(value, str):
+                allowed = f" (one of {', '.join(CHOICES[name])})" if name in CHOICES else ""
+                raise bad_request(name, f"{name} must be a string{allowed}, got {shown(value)}")
+        return fields
+
+    @field_validator("width", "height", "num_frames", "steps", "seed", mode="before")
+    @classmethod
+    def _integer(cls, value: Any, info: ValidationInfo) -> int:
+        return _int(cls.param(info.field_name), value)
+
+    @field_validator("video_shift", mode="before")
+    @classmethod
+    def _number(cls, value: Any, info: ValidationInfo) -> float:
+        return _float(cls.param(info.field_name), value)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, prompt: str | None, info: ValidationInfo) -> str:
+        if prompt is None or not prompt.strip():
+            raise bad_request("prompt", "prompt is required and must be a non-empty string")
+        if len(prompt) > info.context.max_prompt:
+            raise bad_request("prompt", f"prompt is {len(prompt)} characters; the limit is {info.context.max_prompt}")
+        return prompt
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: str, info: ValidationInfo) -> str:
+        served = info.context.served_model
+        if model != served:
+            message = f"model {shown(model)} is not served here; this server serves {shown(served)}"
+            raise ApiError(404, "model_not_found", message, "model")
+        return model
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora(cls, value: Any, info: ValidationInfo) -> dict[str, Any]:
+        return _check_lora(value, info.context.adapters)
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size(cls, value: str, info: ValidationInfo) -> tuple[int, int]:
+        match = SIZE.fullmatch(value.strip())
         if not match:
-            raise bad_request("size", f"size must be WIDTHxHEIGHT, e.g. 768x448, got {shown(fields['size'])}")
+            raise bad_request("size", f"size must be WIDTHxHEIGHT, e.g. 768x448, got {shown(value)}")
         sw, sh = int(match[1]), int(match[2])
-        for name, given, value in (("width", width, sw), ("height", height, sh)):
-            if given is not None and given != value:
+        for name, side in (("width", sw), ("height", sh)):
+            given = info.data.get(name)
+            if given is not None and given != side:
                 raise bad_request("size", f"size {sw}x{sh} disagrees with {name} {given}; give one or the other")
-        width, height, size_param = sw, sh, "size"
-    canvas = engine.rules.canvas
-    aspect = fields.get("aspect_ratio")
-    if aspect is not None and aspect not in ASPECT_RATIOS:
-        allowed = ", ".join(ASPECT_RATIOS)
-        raise bad_request("aspect_ratio", f"aspect_ratio must be one of {allowed}, got {shown(aspect)}")
-    if "short_edge" in fields and (edge := _int("short_edge", fields["short_edge"])) != canvas.default_short_edge:
-        raise bad_request(
-            "short_edge", f"short_edge must be {canvas.default_short_edge} for this model, got {shown(edge)}"
-        )
-    if width is None and height is None and "aspect_ratio" in fields:
-        width, height = resolve_canvas(*ASPECT_RATIOS[fields["aspect_ratio"]], canvas)
-        size_param = "aspect_ratio"
+        return sw, sh
 
-    # Length: one of num_frames, seconds, extra_params.duration.
-    given = [p for p in ("num_frames", "seconds", "duration") if p in (extra if p == "duration" else fields)]
-    given = [("extra_params." + p if p == "duration" else p) for p in given]
-    if len(given) > 1:
-        raise bad_request(given[1], f"give one of num_frames, seconds, extra_params.duration; got {', '.join(given)}")
-    num_frames, frames_param = None, "num_frames"
-    if "num_frames" in fields:
-        num_frames = _int("num_frames", fields["num_frames"])
-    elif given:
-        param = "seconds" if "seconds" in fields else "extra_params.duration"
-        seconds = _float(param, fields["seconds"] if "seconds" in fields else extra["duration"])
-        # Past an hour the frame rule would refuse it anyway; refusing here keeps seconds * FPS finite.
-        if not 0 < seconds <= MAX_SECONDS:
-            frames = engine.rules.frames
-            allowed = f"{frames.min_frames / FPS:.2f}-{frames.max_frames / FPS:.2f} s"
-            raise bad_request(param, f"{param} must be > 0 (the model takes {allowed}), got {seconds:g}")
-        num_frames, frames_param = seconds_to_frames(seconds), param
-    if "fps" in fields and _int("fps", fields["fps"]) != FPS:
-        raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {shown(fields['fps'])}")
+    @field_validator("aspect_ratio", "quality")
+    @classmethod
+    def _choice(cls, value: str, info: ValidationInfo) -> str:
+        # quality: the engine owns the rule (and refuses high without a step cache); checked here too so that a
+        # misspelt value is refused before any file is decoded.
+        if value not in CHOICES[info.field_name]:
+            allowed = ", ".join(CHOICES[info.field_name])
+            raise bad_request(info.field_name, f"{info.field_name} must be one of {allowed}, got {shown(value)}")
+        return value
 
-    # Step caching for this request; the engine owns the rule (and refuses high without a step cache). Checked here
-    # too so that a misspelt value is refused before any file is decoded.
-    quality = fields.get("quality")
-    if quality is not None and quality not in QUALITIES:
-        raise bad_request("quality", f"quality must be one of {', '.join(QUALITIES)}, got {shown(quality)}")
-    steps = fields.get("num_inference_steps")
-    steps = engine.admission.sampler.steps if steps is None else _int("num_inference_steps", steps)
-    preview_every = _preview_every(fields, previews, steps, engine)
-    seed = _int("seed", fields["seed"]) if "seed" in fields else secrets.randbelow(2**31)
-    if not 0 <= seed <= MAX_SEED:
-        raise bad_request("seed", f"seed must be 0..{MAX_SEED}, got {shown(seed)}")
-    task, ordered = _task_and_order(extra.get("task"), extra.get("frame_indices"), uploads)
-    mute = _mute_references(task, extra.get("mute_references"), uploads)
+    @field_validator("short_edge", mode="before")
+    @classmethod
+    def _short_edge(cls, value: Any, info: ValidationInfo) -> int:
+        edge, wanted = _int("short_edge", value), info.context.rules.canvas.default_short_edge
+        if edge != wanted:
+            raise bad_request("short_edge", f"short_edge must be {wanted} for this model, got {shown(edge)}")
+        return edge
 
-    names = {
-        "task": "extra_params.task",
-        "prompt": "prompt",
-        "keyframes": "input_reference",
-        "width": size_param,
-        "height": "height" if size_param == "width" else size_param,
-        "num_frames": frames_param,
-        "steps": "num_inference_steps",
-        "seed": "seed",
-        "video_shift": "flow_shift",
-        "audio_shift": "extra_params.audio_flow_shift",
-        "references": ordered[0].field if ordered else "input_references",  # the name the files were sent under
-        "mute_references": "extra_params.mute_references",
-    }
-    if ordered and task != REF2VA:
-        names["keyframes"] = ordered[0].field
-    kwargs: dict[str, Any] = {
-        "task": task, "width": width, "height": height, "num_frames": num_frames, "seed": seed, "quality": quality,
-    }  # fmt: skip
-    if preview_every is not None:
-        kwargs["preview_every"] = preview_every
-        names["preview_every"] = "preview_every"
-    # Left out, the sampler is the server's: the released one, or its adapter's trained one (`Admission.sampler`).
-    kwargs["steps"] = (
-        _int("num_inference_steps", fields["num_inference_steps"]) if "num_inference_steps" in fields else None
-    )
-    if "flow_shift" in fields:
-        kwargs["video_shift"] = _float("flow_shift", fields["flow_shift"])
-    if "audio_flow_shift" in extra:
-        kwargs["audio_shift"] = _float("extra_params.audio_flow_shift", extra["audio_flow_shift"])
-    if task == REF2VA:
-        # The file name only appears in the engine's messages: capped as every echo is.
-        kwargs["references"] = [(named(u.filename) if u.filename else None, u.data) for u in ordered]
-        kwargs["mute_references"] = mute
-    else:
-        kwargs["keyframes"] = [u.data for u in ordered]
-    try:
-        request = engine.validate(prompt, **kwargs)
-    except RequestError as err:
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any, info: ValidationInfo) -> float:
+        return _seconds("seconds", value, info.context)
+
+    @field_validator("fps", mode="before")
+    @classmethod
+    def _fps(cls, value: Any) -> int:
+        if _int("fps", value) != FPS:
+            raise bad_request("fps", f"fps must be {FPS}, the model's frame rate, got {shown(value)}")
+        return FPS
+
+    @field_validator("preview_every", mode="before")
+    @classmethod
+    def _preview_every(cls, value: Any, info: ValidationInfo) -> int:
+        every, terms = _int("preview_every", value), info.context
+        try:
+            terms.admission.check_previews(every)
+        except RequestError as err:
+            raise bad_request("preview_every", err.message) from None
+        if 0 < every < terms.previews.minimum:
+            raise bad_request(
+                "preview_every",
+                f"preview_every must be 0 (none) or at least {terms.previews.minimum} forwards on this server "
+                f"(H3_PREVIEW_MIN_EVERY), got {every}",
+            )
+        return every
+
+    def _canvas_source(self) -> str:
+        """The field that sets the canvas: size, else width and height, else aspect_ratio (else the model's
+        default, which width names)."""
+        if self.size is not None:
+            return "size"
+        if self.width is None and self.height is None and self.aspect_ratio is not None:
+            return "aspect_ratio"
+        return "width"
+
+    def _length_source(self) -> str:
+        """The one field that sets the length, of num_frames, seconds and extra_params.duration (else the model's
+        default, which num_frames names)."""
+        given = [p for p in ("num_frames", "seconds") if p in self.model_fields_set]
+        given += ["extra_params.duration"] if self.extra_params.duration is not None else []
+        if len(given) > 1:
+            raise bad_request(
+                given[1], f"give one of num_frames, seconds, extra_params.duration; got {', '.join(given)}"
+            )
+        return given[0] if given else "num_frames"
+
+    def _num_frames(self) -> int | None:
+        source = self._length_source()
+        if source == "num_frames":
+            return self.num_frames
+        return seconds_to_frames(self.seconds if source == "seconds" else self.extra_params.duration)
+
+    def _canvas(self, terms: ServerTerms) -> tuple[int | None, int | None]:
+        source = self._canvas_source()
+        if source == "size":
+            return self.size
+        if source == "aspect_ratio":
+            return resolve_canvas(*ASPECT_RATIOS[self.aspect_ratio], terms.rules.canvas)
+        return self.width, self.height
+
+    def _steps(self, terms: ServerTerms) -> int:
+        return terms.steps if self.steps is None else self.steps
+
+    def _previews(self, terms: ServerTerms) -> int | None:
+        """The request's preview interval, else the server's default where the request's grid points leave a
+        forward to preview before the last, else none (and none from a split render)."""
+        if self.preview_every is not None:
+            return self.preview_every
+        rule = terms.previews
+        return rule.default if 0 < rule.default <= self._steps(terms) - 2 and terms.admission.previews else None
+
+    def to_fields(self, uploads: list[Upload], terms: ServerTerms) -> RequestFields:
+        """The engine's fields: the canvas and length from whichever field set them, the files as keyframes in
+        packed order or as references, a seed drawn where none was sent. What the request leaves out of its
+        sampler stays None: the server's sampler fills it (`Admission.sampler`)."""
+        width, height = self._canvas(terms)
+        num_frames = self._num_frames()
+        seed = terms.draw_seed() if self.seed is None else self.seed
+        task, ordered = _task_and_order(self.extra_params.task, self.extra_params.frame_indices, uploads)
+        mute = _mute_references(task, self.extra_params.mute_references, uploads)
+        if task == REF2VA:
+            # The file name only appears in the engine's messages: capped as every echo is.
+            files = {"references": [(named(u.filename) if u.filename else None, u.data) for u in ordered]}
+        else:
+            files = {"keyframes": [u.data for u in ordered]}
+        return RequestFields(
+            prompt=self.prompt, task=task, width=width, height=height, num_frames=num_frames, steps=self.steps,
+            seed=seed, video_shift=self.video_shift, audio_shift=self.extra_params.audio_shift, mute_references=mute,
+            quality=self.quality, preview_every=self._previews(terms), **files,
+        )  # fmt: skip
+
+    def api_name(self, field: str, files: str) -> str:
+        """The API field that set the engine's `field`: the canvas and the length by what the request sent, the
+        files by the name they were sent under (`files`), any other by its declared alias."""
+        if field in ("width", "height"):
+            source = self._canvas_source()
+            return field if source == "width" else source
+        if field == "num_frames":
+            return self._length_source()
+        if field in ("keyframes", "references"):
+            return files
+        for model in (type(self), ExtraParams):
+            if field in model.model_fields:
+                return model.param(field)
+        return field  # the engine's own (an adapter's sigma positions)
+
+    def refusal(self, err: RequestError, uploads: list[Upload], terms: ServerTerms) -> ApiError:
+        """The engine's refusal under the API's names. One file is named by its position as the field was sent,
+        e.g. `input_references[2]`, from the error's index (`RequestError.describe`); a mute_references refusal names
+        the reference it points at the same way. Any other refusal is its field's, followed by the engine's message
+        (which names the engine's field)."""
         if err.field == "preview_every":  # the engine knows 1 as the least; this server's least is its minimum
-            raise _preview_refusal(
-                _int("preview_every", fields.get("preview_every", preview_every)), steps, previews
-            ) from err
+            return _preview_refusal(self._previews(terms), self._steps(terms), terms.previews)
+        _, ordered = _task_and_order(self.extra_params.task, self.extra_params.frame_indices, uploads)
+        default = "input_references" if err.of == "references" else "input_reference"
+        files = ordered[0].field if ordered else default
         hint = ""
-        if err.field == "task" and extra.get("task") is None and ordered and REF2VA in engine.tasks:
+        if err.field == "task" and self.extra_params.task is None and ordered and REF2VA in terms.tasks:
             hint = "; to send the files as Ref2VA references instead, set extra_params.task to ref2va"
-        raise _refusal(err, names, hint) from err
-    return Mapped(request, preview_asked="preview_every" in fields)
+        param = self.api_name(err.field, files)
+        names = {err.of: self.api_name(err.of, files), err.field: param}
+        if err.index is not None and err.field == "references":
+            return bad_request(f"{param}[{err.index}]", err.describe(names) + hint)
+        if err.index is not None and err.field == "mute_references":
+            why = " (only a video reference has a soundtrack to leave out)"
+            return bad_request(param, err.describe(names) + why + hint)
+        return bad_request(param, f"{param}: {err}{hint}")
+
+
+def admit(
+    fields: dict[str, Any], uploads: list[Upload], engine: RenderEngine, terms: ServerTerms
+) -> tuple[VideoCreateRequest, RenderRequest]:
+    """A request as sent, checked by the API's rules and then the engine's; ApiError names the field on any
+    refusal. The model comes back with the engine's request: it knows what the client itself set."""
+    asked = VideoCreateRequest.parse(fields, terms)
+    try:
+        return asked, engine.validate(asked.to_fields(uploads, terms))
+    except RequestError as err:
+        raise asked.refusal(err, uploads, terms) from err
 
 
 def request_limits(engine, max_prompt: int, max_upload_mb: int) -> dict[str, Any]:

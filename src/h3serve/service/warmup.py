@@ -17,7 +17,7 @@ import numpy as np
 
 from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
 from h3serve.pipeline.engine import RenderEngine
-from h3serve.pipeline.request import RenderRequest
+from h3serve.pipeline.request import RenderRequest, RequestFields
 from h3serve.vocab import SMOKE_REQUEST, Task
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,16 @@ def warmup_request(engine: RenderEngine) -> RenderRequest:
     task = Task.T2VA if Task.T2VA in engine.tasks else Task.REF2VA
     extra = {"references": [("warmup.png", _reference_png())]} if task == Task.REF2VA else {}
     return engine.validate(
-        SMOKE_REQUEST.prompt,
-        task=task,
-        width=size[0] if size else None,
-        height=size[1] if size else None,
-        num_frames=engine.rules.warmup_frames,
-        steps=WARMUP_STEPS,
-        seed=0,
-        **extra,
+        RequestFields(
+            SMOKE_REQUEST.prompt,
+            task=task,
+            width=size[0] if size else None,
+            height=size[1] if size else None,
+            num_frames=engine.rules.warmup_frames,
+            steps=WARMUP_STEPS,
+            seed=0,
+            **extra,
+        )
     )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,9 +48,6 @@ class Adapter:
     preset_note: str  # where the preset came from, or why there is none
     shapes: Mapping[str, tuple[int, ...]] = field(repr=False, compare=False)  # target -> its shape in the DiT
     deltas: tuple[Delta, ...] = field(repr=False, compare=False)
-
-    def with_scale(self, scale: float) -> Adapter:
-        return replace(self, scale=float(scale))
 
     def describe(self) -> str:
         full = sum(d.down is None for d in self.deltas)

@@ -2,7 +2,8 @@
 (`export_state_dict`: original names with QKV stacked or interleaved per head, or diffusers' names through diffusers'
 own converter) and the configuration under diffusers' `transformer/config.json` keys (`diffusers_config`). For the
 tests and benchmarks that hand our weights to diffusers' model, or write a checkpoint for the loader to read (the
-"diffusers" layout imports diffusers, a test dependency: only they ask for it)."""
+"diffusers" layout imports diffusers, a test dependency: only they ask for it). Here, not in the package: the service
+never writes a checkpoint."""
 
 from __future__ import annotations
 
