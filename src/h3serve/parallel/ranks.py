@@ -200,6 +200,7 @@ class DealtTiles:
             for _, tile in rank_tiles(vae, z, plan, window, g.rank, autocast_dtype):
                 g.send(torch.tensor(tile.shape, dtype=torch.int64, device=tile.device), 0)
                 g.send(tile, 0)
+                del tile  # let go before the next batch decodes (a tile is a view of its whole batch)
             on_window(window + 1, plan.windows)
 
 

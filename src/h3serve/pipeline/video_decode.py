@@ -127,6 +127,7 @@ class LocalTiles:
         for window in range(plan.windows):
             for _, tile in rank_tiles(vae, z, plan, window, 0, autocast_dtype):
                 yield tile
+                del tile  # let go before the next batch decodes (a tile is a view of its whole batch)
 
 
 LOCAL_TILES = LocalTiles()
@@ -138,12 +139,14 @@ def rank_tiles(
     """Rank `rank`'s tiles of window `window` of `plan`, in order, each with its number u; `z`: the padded latents
     (`DecodePlan.padded`). `vae.tile_batch` of them go through the decoder as one batch, the ones left over one at a
     time, so a decode runs batches of exactly these two sizes (the ones the GPU tier holds bitwise); a batch is
-    decoded when its first tile is asked for, so a rank holds one batch of raw tiles at a time."""
+    decoded when its first tile is asked for, and each tile is let go of as it is handed over, so a rank holds one
+    batch of raw tiles at a time (a tile is a view of its batch: one kept reference keeps the whole batch)."""
     tiles = plan.tiles_of(rank, window)
     latents = plan.window_latents(z, window)
     for group in _batches(tiles, check_tile_batch(vae.tile_batch)):
         decoded = vae.decode_tiles(latents, plan.grid, [u % plan.grid.count for u in group], autocast_dtype)
-        yield from zip(group, decoded, strict=True)
+        for u in group:
+            yield u, decoded.pop(0)
 
 
 def _batches(tiles: list[int], batch: int) -> Iterator[list[int]]:
