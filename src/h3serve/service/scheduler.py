@@ -25,7 +25,7 @@ failed, code `interrupted` (as a crash leaves them once the store reopens).
 
 An MP4 that cannot be written (a full disk, a file-size limit, a folder made read-only or replaced by a file) fails
 its job with code `write_failed` and the OS's reason; the write is atomic, so no partial MP4 is left and the record
-names no file. Readiness covers the folders the service writes (`startup.service_folders`): a server that cannot
+names no file. Readiness covers the folders the service writes (`service.folders.service_folders`): a server that cannot
 write them is not ready.
 """
 
@@ -193,7 +193,7 @@ class Scheduler:
         folders: dict[str, Path] | None = None,
     ):
         self.engine = engine
-        self.folders = folders or {}  # name -> folder the service writes (startup.service_folders), checked for ready
+        self.folders = folders or {}  # name -> folder the service writes (`folders.service_folders`), checked for ready
         self._folder_problems: dict[str, str] = {}  # the last check's, to log a change once
         self.store = store
         self.max_queue = max_queue
