@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,10 @@ from h3serve.parallel.workers import ParallelEngine, RankPlace, WorkerError, Wor
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.request import RequestFields
 from h3serve.service.jobs import TRANSITIONS, Hand, IllegalTransition, JobState
-from h3serve.service.metrics import Metrics
 from h3serve.service.scheduler import Scheduler, Work, WriteFailed
-from h3serve.service.store import JobStore, job_record, new_job_id
+from h3serve.service.store import job_record, new_job_id
 from service_fixtures import tiny_engine, until
+from test_service_scheduler import running as scheduler_running
 
 Q, R, H, E = JobState.QUEUED, JobState.RENDERING, JobState.HANDED_OFF, JobState.ENCODING
 DONE, FAILED, CANCELLED = JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED
@@ -114,16 +113,8 @@ class Watched(Scheduler):
         return super()._write(work)
 
 
-@contextlib.contextmanager
-def running(tmp_path: Path, engine) -> Iterator[Watched]:
-    store = JobStore(tmp_path)
-    scheduler = Watched(Gated(engine), store, max_queue=8, warmup=False, encoder_threads=1, metrics=Metrics())
-    scheduler.start()
-    try:
-        yield scheduler
-    finally:
-        scheduler.stop()
-        store.close()
+def running(tmp_path: Path, engine) -> contextlib.AbstractContextManager[Watched]:
+    return scheduler_running(tmp_path, Watched, engine=Gated(engine))
 
 
 def job(scheduler: Watched, seed: int, hold_encode: bool = False, prompt: str = "a kettle on a stove") -> Work:

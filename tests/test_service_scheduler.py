@@ -29,10 +29,11 @@ PROMPT = "a kettle on a stove, the whistle rising"
 
 
 @contextlib.contextmanager
-def running(tmp_path: Path, scheduler_class=Scheduler, **options) -> Iterator[Scheduler]:
+def running(tmp_path: Path, scheduler_class=Scheduler, engine=None, **options) -> Iterator[Scheduler]:
+    """A started scheduler over a job store in `tmp_path` (the tiny engine unless `engine`), stopped afterwards."""
     store = JobStore(tmp_path)
     options = {"max_queue": 8, "warmup": False, "encoder_threads": 1, **options}
-    scheduler = scheduler_class(tiny_engine(), store, metrics=Metrics(), **options)
+    scheduler = scheduler_class(tiny_engine() if engine is None else engine, store, metrics=Metrics(), **options)
     scheduler.start()
     try:
         yield scheduler
