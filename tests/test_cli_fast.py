@@ -150,15 +150,23 @@ def test_check_without_preflight_shows_the_profile_on_each_device_an_unset_devic
     assert profile["cuda"].startswith("invalid: attention CUDNN_ATTN has no float32 kernel")
 
 
-def test_the_settings_take_the_encoders_thread_bounds():
-    from h3serve.config import MAX_ENCODER_THREADS
-    from h3serve.media import mp4
+def test_the_settings_take_the_encoders_defaults_and_bounds():
+    from h3serve.config import ENCODER_PRESET, ENCODER_SEGMENT_FRAMES, MAX_ENCODER_THREADS
+    from h3serve.media.encoding import MAX_SEGMENT_FRAMES, Encoding
     from h3serve.settings import EngineSettings
 
-    field = EngineSettings.model_fields["encoder_threads"]
-    bounds = {type(m).__name__: m for m in field.metadata}
-    assert field.default == mp4.DEFAULT_THREADS and MAX_ENCODER_THREADS == mp4.MAX_THREADS
-    assert bounds["Ge"].ge == 1 and bounds["Le"].le == mp4.MAX_THREADS
+    def bounds(name: str) -> tuple:
+        field = EngineSettings.model_fields[name]
+        found = {type(m).__name__: m for m in field.metadata}
+        return found["Ge"].ge, found["Le"].le
+
+    assert bounds("encoder_threads") == (1, MAX_ENCODER_THREADS)
+    assert bounds("encoder_segment_frames") == (0, MAX_SEGMENT_FRAMES)
+    assert EngineSettings().encoding == Encoding()  # the settings' defaults are the writer's
+    assert (Encoding().preset, Encoding().segment) == (ENCODER_PRESET, ENCODER_SEGMENT_FRAMES)
+    nvenc = EngineSettings(encoder="nvenc").encoding
+    assert (nvenc.preset, nvenc.segment) == ("p4", 0)  # its own preset, one stream
+    assert EngineSettings(encoder_segment_frames=0, encoder_preset="medium").encoding.segment == 0
 
 
 def test_a_refused_old_flag_is_named_as_typed(tmp_path, capsys, monkeypatch):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from h3serve.accel.profile import Profile
+from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import encode_mp4, verify_mp4, write_mp4
 from h3serve.pipeline.context import Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, Engine
@@ -130,8 +131,8 @@ def _clip(frames: int = 5):
 def test_encode_mp4_to_a_file_object_matches_write_mp4(tmp_path):
     video, audio = _clip()
     buffer = io.BytesIO()
-    encode_mp4(buffer, video, audio, threads=2)
-    path = write_mp4(tmp_path / "a.mp4", video, audio, threads=2)
+    encode_mp4(buffer, video, audio, encoding=Encoding(threads=2, segment=8))
+    path = write_mp4(tmp_path / "a.mp4", video, audio, encoding=Encoding(threads=2, segment=8))
     assert buffer.getvalue() == path.read_bytes()
     info = verify_mp4(io.BytesIO(buffer.getvalue()), width=96, height=64, num_frames=5)
     assert (info.video_codec, info.audio_codec, info.channels) == ("h264", "aac", 2)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import (
     AAC_FRAME_SAMPLES,
     StreamInfo,
@@ -291,9 +292,14 @@ _AU = stereo_tone(2000)
         (_FR, _AU, {"sample_rate": 22000}, ValueError, "sample_rate must be one of the AAC rates"),
         (_FR, _AU, {"fps": 0}, ValueError, "fps must be an integer in 1..240"),
         (_FR, _AU, {"fps": 23.976}, ValueError, "fps must be an integer"),
-        (_FR, _AU, {"crf": 0}, ValueError, r"crf must be an integer in 1..51"),
-        (_FR, _AU, {"threads": 0}, ValueError, "threads must be an integer in 1..64"),
-        (_FR, _AU, {"threads": True}, ValueError, "threads must be an integer"),
+        (_FR, _AU, {"encoding": Encoding(crf=0)}, ValueError, r"crf must be an integer in 1..51"),
+        (_FR, _AU, {"encoding": Encoding(threads=0)}, ValueError, "threads must be an integer in 1..64"),
+        (_FR, _AU, {"encoding": Encoding(threads=True)}, ValueError, "threads must be an integer"),
+        (_FR, _AU, {"encoding": Encoding(segment=7)}, ValueError, r"segment must be 0 \(one stream\) or .* 8\.\."),
+        (_FR, _AU, {"encoding": Encoding(preset="quick")}, ValueError, r"x264 preset must be one of .*'veryfast'"),
+        (_FR, _AU, {"encoding": Encoding("nvenc", "p4", segment=24)}, ValueError, "nvenc encodes one stream"),
+        (_FR, _AU, {"encoding": Encoding(encoder="hevc")}, ValueError, r"encoder must be one of \('x264', 'nvenc'\)"),
+        (_FR, _AU, {"encoding": {"crf": 18}}, ValueError, "encoding must be a media.encoding.Encoding, got dict"),
     ],
 )
 def test_rejects_bad_input(

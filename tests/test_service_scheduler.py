@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import encode_mp4
 from h3serve.pipeline.context import RenderCancelled
 from h3serve.pipeline.request import RequestFields
@@ -32,7 +33,7 @@ PROMPT = "a kettle on a stove, the whistle rising"
 def running(tmp_path: Path, scheduler_class=Scheduler, engine=None, **options) -> Iterator[Scheduler]:
     """A started scheduler over a job store in `tmp_path` (the tiny engine unless `engine`), stopped afterwards."""
     store = JobStore(tmp_path)
-    options = {"max_queue": 8, "warmup": False, "encoder_threads": 1, **options}
+    options = {"max_queue": 8, "warmup": False, "encoding": Encoding(threads=1), **options}
     scheduler = scheduler_class(tiny_engine() if engine is None else engine, store, metrics=Metrics(), **options)
     scheduler.start()
     try:
@@ -75,11 +76,11 @@ class HeldEncoder(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.encoding = threading.Event()
+        self.in_encode = threading.Event()
         self.release = threading.Event()
 
     def _write(self, work: Work):
-        self.encoding.set()
+        self.in_encode.set()
         assert self.release.wait(60), "the test never released the encoder"
         return super()._write(work)
 
@@ -91,7 +92,7 @@ def test_the_worker_renders_the_next_jobs_while_the_encoder_writes_the_previous_
     render, byte for byte."""
     with running(tmp_path, HeldEncoder) as scheduler:
         works = [job(scheduler, seed) for seed in range(4)]
-        assert scheduler.encoding.wait(30)  # the first job is in its encode, held there
+        assert scheduler.in_encode.wait(30)  # the first job is in its encode, held there
         wait_for(lambda: works[1].result is not None and handing_off(works[2]), "the next two renders")
         assert not works[0].future.done() and scheduler.store.get(works[0].id).status == JobStatus.IN_PROGRESS
         assert scheduler.depth == 1  # the fourth waits for the worker, which waits to hand the third off
@@ -109,7 +110,7 @@ def test_cancel_works_while_a_job_waits_hands_off_or_encodes(tmp_path):
         renders = scheduler.metrics.registry.get_sample_value
         first, second, third = job(scheduler, 1), job(scheduler, 2), job(scheduler, 3)
         queued = job(scheduler, 4)
-        assert scheduler.encoding.wait(30)  # the first is in its encode
+        assert scheduler.in_encode.wait(30)  # the first is in its encode
         # While it encodes, the worker renders the next two: the second waits for the encoder, the third (the
         # backlog being full) waits to hand its frames off. The fourth waits in the queue.
         wait_for(lambda: second.result is not None and handing_off(third), "the next two renders")
@@ -157,7 +158,7 @@ def test_a_sync_render_cancelled_while_encoding_gives_no_bytes(tmp_path):
         request = tiny_engine().validate(RequestFields(PROMPT, steps=2, seed=0))
         work = Work(new_job_id(), request, persist=False)
         scheduler.submit(work)
-        assert scheduler.encoding.wait(30)
+        assert scheduler.in_encode.wait(30)
         work.ctx.cancel("the client disconnected")  # as the sync route does on a disconnect or its timeout
         scheduler.release.set()
         with pytest.raises(RenderCancelled, match="the client disconnected"):
@@ -168,7 +169,7 @@ def test_a_shutdown_fails_every_unfinished_job_with_the_reason(tmp_path):
     with running(tmp_path, HeldEncoder) as scheduler:
         store = scheduler.store
         works = [job(scheduler, seed) for seed in range(4)]
-        assert scheduler.encoding.wait(30)
+        assert scheduler.in_encode.wait(30)
         wait_for(lambda: works[1].result is not None and handing_off(works[2]), "the next two renders")
         stopper = threading.Thread(target=scheduler.stop)
         stopper.start()
@@ -188,11 +189,11 @@ class EncodeSeen(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.began: dict[str, bool] = {}
-        self.encoding = threading.Event()
+        self.in_encode = threading.Event()
 
     def _write(self, work: Work):
         self.began[work.id] = work.result is None
-        self.encoding.set()
+        self.in_encode.set()
         return super()._write(work)
 
 
@@ -210,7 +211,7 @@ def frames_through(scheduler: Scheduler, monkeypatch, after_put=None) -> None:
                 sink.begin(*args)
 
             def put(self, frames):
-                assert scheduler.encoding.wait(30), "the encoder never began this job's MP4"
+                assert scheduler.in_encode.wait(30), "the encoder never began this job's MP4"
                 sink.put(frames)
                 if after_put is not None:
                     after_put(ctx)
@@ -235,7 +236,8 @@ def test_a_jobs_frames_stream_into_its_mp4_while_it_decodes(tmp_path, monkeypatc
         result = whole(work.request)
         assert result.frames is not None
         expected = io.BytesIO()
-        encode_mp4(expected, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=1)
+        media = {"fps": result.fps, "sample_rate": result.sample_rate}
+        encode_mp4(expected, result.frames, result.audio, **media, encoding=Encoding(threads=1))
         assert (scheduler.store.videos / f"{work.id}.mp4").read_bytes() == expected.getvalue()
 
 
@@ -310,7 +312,7 @@ def test_a_render_failing_while_it_waits_for_the_encoder_fails_at_once_not_after
 
     with running(tmp_path, HeldEncoder) as scheduler:
         first = job(scheduler, 12)
-        assert scheduler.encoding.wait(30)  # the first is in its encode, held there
+        assert scheduler.in_encode.wait(30)  # the first is in its encode, held there
         frames_through(scheduler, monkeypatch, broken)  # (its encoder has begun: the first job's, held)
         second = job(scheduler, 13)
         with pytest.raises(RuntimeError, match="the encoder was busy"):

@@ -8,9 +8,11 @@ import io
 
 import numpy as np
 import pytest
+import torch
 
 from h3serve.accel.profile import Profile
 from h3serve.media.mp4 import FrameStream, Mp4Writer, encode_mp4, write_mp4
+from h3serve.media.yuv import rgb_to_i420
 from h3serve.pipeline.context import RenderCancelled, RenderContext
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.request import RequestFields
@@ -55,7 +57,9 @@ def test_a_streamed_render_writes_the_bytes_of_the_whole_one(engine, tmp_path):
     assert sink.calls[0] == ("begin", whole.audio.shape, whole.sample_rate, whole.fps, request.width, request.height)
     chunks = [c[1] for c in sink.calls[1:]]
     assert len(chunks) == windows + 1 and max(len(c) for c in chunks) < len(whole.frames) / 2
-    np.testing.assert_array_equal(np.concatenate(chunks), whole.frames)
+    # In the encoder's layout, converted where they were decoded: the whole video's frames, converted.
+    assert chunks[0].shape[1:] == (request.height * 3 // 2, request.width)
+    np.testing.assert_array_equal(np.concatenate(chunks), rgb_to_i420(torch.from_numpy(whole.frames)).numpy())
     write_mp4(tmp_path / "whole.mp4", whole.frames, whole.audio, fps=whole.fps, sample_rate=whole.sample_rate)
     assert (tmp_path / "streamed.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
     assert writer.frames == len(whole.frames)

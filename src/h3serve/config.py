@@ -43,11 +43,16 @@ CLIP_FRAMES = 17  # video VAE: pixel frames per encoded clip (the frame grid the
 LATENTS_PER_CLIP = 5  # latent frames per clip (ceil(17 / 4))
 TOKEN_DROP = 3  # video VAE: latent frames dropped from the end of an encoded video (its config's token_drop)
 PATCH_SIZE = (1, 2, 2)  # DiT patch (t, h, w) over the video latents
-# H.264 encoder threads. Pinned, never 0 ("auto"): x264's output depends on its thread count. 4 is a measured sweet spot
-# on small frames (1 -> 2 threads is ~1.6x faster, beyond 4 nothing more) and is the same on every host. Here, not in
-# media.mp4, so that reading the settings (`--help`, `check`, `ready`) does not import av and numpy.
-ENCODER_THREADS = 4
+# The H.264 encode (media.h264): here, not in media, so that reading the settings (`--help`, `check`, `ready`) does not
+# import av. Every value but the workers is part of the file's bytes. Chosen from the table measured on the GPU
+# machine's 16-core host (bench/encode.py, bench/results/README.md "The MP4 as fast as the render").
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
+ENCODER_PRESET = "veryfast"
+# x264 frame threads of each segment's encoder. Pinned, never 0 ("auto"): x264's output depends on its thread count.
+ENCODER_THREADS = 2
 MAX_ENCODER_THREADS = 64
+# Frames per independently encoded segment (a closed group of pictures; 0: one stream). One second at 24 fps.
+ENCODER_SEGMENT_FRAMES = 24
 
 # diffusers' `transformer/config.json` names -> the original `FL2VA/transformer/config.json` names.
 _DIFFUSERS_DIT_KEYS = {

@@ -48,7 +48,7 @@ from h3serve.accel.profile import (
     check_step_cache,
     is_integrated,
 )
-from h3serve.config import ENCODER_THREADS, MAX_ENCODER_THREADS
+from h3serve.config import ENCODER_PRESET, ENCODER_SEGMENT_FRAMES, ENCODER_THREADS, MAX_ENCODER_THREADS, X264_PRESETS
 from h3serve.errors import (
     ECHO_CHARS,
     ENV_PREFIX,
@@ -64,6 +64,7 @@ from h3serve.errors import (
     whole_number,
 )
 from h3serve.files import FileRefused, open_regular, read_regular, read_setting_file
+from h3serve.media.encoding import MAX_SEGMENT_FRAMES, NVENC_PRESET, Encoding, EncodingError
 from h3serve.vocab import TINY_MODEL_NAME, TaskType
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -190,11 +191,36 @@ class EngineSettings(BaseModel):
         "comma-separated for several; the first adapter's trained sampler (grid points, shifts) is the default of "
         "requests that do not set them",
     )
+    # The MP4 (media.h264: which of these are part of the file's bytes) -------------------------------------------
+    encoder: Literal["x264", "nvenc"] = Field(
+        "x264",
+        description="H.264 encoder: x264 on the host's cores, or nvenc on the GPU's video engine (opt-in; RTX cards "
+        "and the DGX Spark's GB10 have one, the H100/H200/GB200 do not; its bytes are not promised repeatable)",
+    )
+    encoder_preset: str | None = Field(
+        None,
+        description=f"the encoder's speed/size preset: x264's {', '.join(X264_PRESETS)}, or nvenc's p1..p7; unset: "
+        f"{ENCODER_PRESET} (x264), {NVENC_PRESET} (nvenc)",
+    )
     encoder_threads: int = Field(
         ENCODER_THREADS,
         ge=1,
         le=MAX_ENCODER_THREADS,
-        description="H.264 encoder threads, pinned so that the same input gives the same bytes",
+        description="x264 frame threads of each segment's encoder, pinned so that the same input gives the same bytes",
+    )
+    encoder_segment_frames: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEGMENT_FRAMES,
+        description="x264 encodes the video in segments of this many frames (closed groups of pictures, several at "
+        "once on the host's cores, joined into one stream; the bytes do not depend on the host); 0: one stream; "
+        f"unset: {ENCODER_SEGMENT_FRAMES} (x264), 0 (nvenc, which encodes one stream)",
+    )
+    encoder_workers: int = Field(
+        0,
+        ge=0,
+        le=256,
+        description="segments encoded at once (not part of the bytes); 0: the host's cores // encoder_threads",
     )
     num_gpus: int = Field(
         1,
@@ -313,6 +339,17 @@ class EngineSettings(BaseModel):
             except ProfileError as err:
                 out[device] = err
         return out
+
+    @property
+    def encoding(self) -> Encoding:
+        """The MP4's video encode these settings select (checked by `_encoder_rules`)."""
+        x264 = self.encoder == "x264"
+        preset = self.encoder_preset or (ENCODER_PRESET if x264 else NVENC_PRESET)
+        segment = self.encoder_segment_frames
+        if segment is None:
+            segment = ENCODER_SEGMENT_FRAMES if x264 else 0
+        workers = self.encoder_workers
+        return Encoding(self.encoder, preset, threads=self.encoder_threads, segment=segment, workers=workers)
 
     @property
     def ranks(self) -> int:
@@ -664,7 +701,33 @@ def _engine_rules(s: EngineSettings, failed: set[str], env: Mapping[str, str], c
     if ok("offload", "linear_backend") and s.offload == Offload.ALL and not streams:
         out.append(refusal("offload", "all: HUMMING's FP8 layout does not stream; use auto or none with HUMMING, or "
                                       "another H3_LINEAR_BACKEND"))  # fmt: skip
-    return out + _profile_rules(s, ok, check_profile)
+    return out + _profile_rules(s, ok, check_profile) + _encoder_rules(s, ok, check_profile)
+
+
+# Encoding's fields -> their settings.
+ENCODER_SETTINGS = {
+    "encoder": "encoder",
+    "preset": "encoder_preset",
+    "threads": "encoder_threads",
+    "segment": "encoder_segment_frames",
+    "workers": "encoder_workers",
+}
+
+
+def _encoder_rules(s: EngineSettings, ok: Callable[..., bool], check_profile: bool) -> list[str]:
+    """The encoder's settings together (`media.encoding.Encoding.check`), then, where the machine is asked, whether it
+    can open the encoder (nvenc needs a GPU with the engine and its driver)."""
+    if not ok(*ENCODER_SETTINGS.values()):
+        return []
+    try:
+        s.encoding.check()
+        if check_profile:
+            from h3serve.media.h264 import check_available
+
+            check_available(s.encoding)
+    except EncodingError as err:
+        return [refusal(ENCODER_SETTINGS.get(err.field, "encoder"), str(err))]
+    return []
 
 
 def _cache_rules(s: EngineSettings, ok: Callable[..., bool]) -> list[str]:

@@ -327,7 +327,7 @@ def _load_render_encode(args: argparse.Namespace, settings, plan, request):
     from h3serve.media.mp4 import Mp4Writer
 
     try:
-        writer = Mp4Writer(args.output, threads=settings.encoder_threads)
+        writer = Mp4Writer(args.output, encoding=settings.encoding)
     except (ValueError, OSError) as err:
         raise CliError(f"--output {args.output}: {err}") from err
     start = time.perf_counter()

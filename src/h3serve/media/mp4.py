@@ -1,13 +1,17 @@
 """MP4 output: encode frames and stereo PCM to H.264 + AAC-LC, and decode them back for verification.
 
 The writer is the last stage of the data flow. What it produces is fixed by the output contract:
-H.264 High (libx264, yuv420p, BT.709 limited range, 24 fps), AAC-LC stereo at the model's 32 kHz, MP4 with
-`moov` before `mdat` (faststart) so a browser can play the file while it downloads.
+H.264 High (yuv420p, BT.709 limited range, 24 fps), AAC-LC stereo at the model's 32 kHz, MP4 with `moov` before
+`mdat` (faststart) so a browser can play the file while it downloads.
 
-Determinism: libx264 is repeatable for a fixed thread count (its `non-deterministic` flag is off by
-default), so the encoder's threads are pinned and never left to "auto" (which follows the host's core
-count). Two encodes of the same input are then byte-identical on the same av/FFmpeg build; across av
-versions only the decoded frames are promised identical (docs/model.md §7).
+Frames come as RGB (converted here, `media.yuv`) or already as packed yuv420p (a render converts them on its GPU):
+the same conversion either way, so the same bytes. The video is encoded as `media.h264` says (segments on the
+host's cores by default); the audio is encoded before the first frame arrives and interleaved by time as the video's
+packets come, so neither waits on the other.
+
+Determinism: two encodes of the same input with the same `Encoding` are byte-identical on the same av/FFmpeg build,
+on any host (media.h264 says why); across av versions only the decoded frames are promised identical
+(docs/model.md §7).
 
 The decode helpers exist for verification (tests and the acceptance command) and assume files written
 here: they convert with the same BT.709 limited-range matrix the writer uses.
@@ -17,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import heapq
 import math
 import os
 import queue
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -35,29 +39,24 @@ from typing import TYPE_CHECKING, BinaryIO
 import av
 import numpy as np
 
-from h3serve.config import ENCODER_THREADS, FPS, MAX_ENCODER_THREADS, SAMPLE_RATE
+from h3serve.config import FPS, SAMPLE_RATE
+from h3serve.media.encoding import Encoding, EncodingError, is_int
+from h3serve.media.h264 import Segments, codec_name, configure, encode_frames
 
 if TYPE_CHECKING:  # torch is not imported for this module's sake: `h3serve ready` and the settings load without it
     import torch
 
-# crf 18 is near visually lossless for x264 and keeps a 5 s 768x448 clip around a few MB.
-DEFAULT_CRF = 18
-DEFAULT_THREADS = ENCODER_THREADS  # pinned: config.py says why
-# The x264 preset is part of the byte-identity promise, so it is a constant, not a knob.
-X264_PRESET = "medium"
+DEFAULT_ENCODING = Encoding()
 AUDIO_BIT_RATE = 128_000
 # The native AAC encoder consumes fixed 1024-sample frames (only the last may be shorter).
 AAC_FRAME_SAMPLES = 1024
 # Sample rates the AAC-LC standard defines (ISO/IEC 14496-3 sampling frequency index).
 AAC_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
-MAX_THREADS = MAX_ENCODER_THREADS
 
 # One colour convention for both directions: BT.709 matrix, limited (MPEG) range, tagged in the stream so
 # players do not guess (untagged HD is usually read as BT.709, SD as BT.601, which would shift colours).
 _COLORSPACE = "ITU709"
 _YUV_RANGE = "MPEG"
-_AVCOL_BT709 = 1  # AVCOL_PRI_BT709 == AVCOL_TRC_BT709 == AVCOL_SPC_BT709 == 1 in FFmpeg
-_AVCOL_RANGE_MPEG = 1
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -72,8 +71,7 @@ def write_mp4(
     *,
     fps: int = FPS,
     sample_rate: int = SAMPLE_RATE,
-    crf: int = DEFAULT_CRF,
-    threads: int = DEFAULT_THREADS,
+    encoding: Encoding = DEFAULT_ENCODING,
     check: Callable[[], None] | None = None,
 ) -> Path:
     """Encode `frames` (F, H, W, 3) uint8 RGB and `audio` (2, N) float32 in [-1, 1] to an MP4 at `path`.
@@ -85,7 +83,7 @@ def write_mp4(
     `check` is called between frames; whatever it raises stops the encode (a service's cancel).
     """
     dest = Path(path)
-    check_settings(fps, sample_rate, crf, threads)
+    check_settings(fps, sample_rate, encoding)
     video = frames if isinstance(frames, FrameStream) else FrameStream.of(_check_frames(frames))
     pcm = _check_audio(audio)  # (2, N) float32
     _check_destination(dest)
@@ -95,7 +93,7 @@ def write_mp4(
         # Exclusive create through Python rather than av.open(path): FFmpeg parses a "name:" prefix in a path
         # as a protocol. '+' (read access) in case the faststart rewrite reads back through the handle.
         with open(tmp, "xb+") as fh:
-            _encode(fh, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads, check=check)
+            _encode(fh, video, pcm, fps=fps, sample_rate=sample_rate, encoding=encoding, check=check)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, dest)
@@ -115,8 +113,7 @@ def encode_mp4(
     *,
     fps: int = FPS,
     sample_rate: int = SAMPLE_RATE,
-    crf: int = DEFAULT_CRF,
-    threads: int = DEFAULT_THREADS,
+    encoding: Encoding = DEFAULT_ENCODING,
     check: Callable[[], None] | None = None,
 ) -> None:
     """Encode to a writable binary file object (a file, a BytesIO, a socket's file), with the same checks, settings
@@ -125,13 +122,13 @@ def encode_mp4(
     The encode goes through a temporary file first: FFmpeg's faststart pass re-opens its output by name to move
     `moov` to the front, which an in-memory object does not have.
     """
-    check_settings(fps, sample_rate, crf, threads)
+    check_settings(fps, sample_rate, encoding)
     video = frames if isinstance(frames, FrameStream) else FrameStream.of(_check_frames(frames))
     pcm = _check_audio(audio)
     with tempfile.TemporaryDirectory(prefix="h3serve-mp4-") as folder:
         tmp = Path(folder) / "out.mp4"
         with open(tmp, "xb+") as out:
-            _encode(out, video, pcm, fps=fps, sample_rate=sample_rate, crf=crf, threads=threads, check=check)
+            _encode(out, video, pcm, fps=fps, sample_rate=sample_rate, encoding=encoding, check=check)
         with open(tmp, "rb") as done:
             shutil.copyfileobj(done, fh)
 
@@ -143,28 +140,33 @@ def _encode(
     *,
     fps: int,
     sample_rate: int,
-    crf: int,
-    threads: int,
+    encoding: Encoding,
     check: Callable[[], None] | None = None,
 ) -> None:
     container = av.open(fh, mode="w", format="mp4", options={"movflags": "+faststart"})
     try:
-        vstream = _add_video_stream(container, video.width, video.height, fps, crf, threads)
+        vstream = _add_video_stream(container, video.width, video.height, fps, encoding)
         astream = _add_audio_stream(container, sample_rate)
-        # Feed both encoders in presentation order. Feeding all video first would make the muxer give up
-        # waiting for audio after its 10 s interleave window and write long unmixed runs, which a player
-        # streaming the file must then download ahead of time.
-        timed = heapq.merge(
-            ((Fraction(f.pts, fps), vstream, f) for f in _video_frames(video, fps)),
-            ((Fraction(f.pts, sample_rate), astream, f) for f in _audio_frames(pcm, sample_rate)),
-            key=lambda item: item[0],
-        )
-        for _, stream, frame in timed:
-            if check is not None:
-                check()
-            container.mux(stream.encode(frame))
-        container.mux(vstream.encode(None))
-        container.mux(astream.encode(None))
+        # The audio is whole before the first frame: encoded now, off the video's path, and muxed by time below.
+        audio = deque(_encoded_audio(astream, pcm, sample_rate))
+        # The container's own video encoder only makes the parameter sets (the MP4's avcC); the segments' encoders,
+        # with the same settings, must reproduce them.
+        container.start_encoding()
+        header = bytes(vstream.codec_context.extradata or b"")
+        segments = Segments(encoding, video.width, video.height, fps, header)
+
+        def mux(packet: av.Packet) -> None:
+            # Both streams in time order: a player streaming the file reads them side by side. (Left to the muxer,
+            # audio far behind the video is written in long unmixed runs after its 10 s interleave window.)
+            at = Fraction(packet.dts, fps)
+            while audio and Fraction(audio[0].dts, sample_rate) <= at:
+                container.mux_one(audio.popleft())
+            packet.stream = vstream
+            container.mux_one(packet)
+
+        encode_frames(_video_frames(video, fps, check), segments, mux)
+        while audio:
+            container.mux_one(audio.popleft())
     except BaseException:
         # Release FFmpeg's handles; the caller removes the file. A second error here would only hide the first.
         with contextlib.suppress(Exception):
@@ -174,24 +176,13 @@ def _encode(
 
 
 def _add_video_stream(
-    container: av.container.OutputContainer, width: int, height: int, fps: int, crf: int, threads: int
+    container: av.container.OutputContainer, width: int, height: int, fps: int, encoding: Encoding
 ) -> av.video.stream.VideoStream:
-    stream = container.add_stream("libx264", rate=Fraction(fps, 1))
+    stream = container.add_stream(codec_name(encoding), rate=Fraction(fps, 1))
     stream.width = width
     stream.height = height
     stream.pix_fmt = "yuv420p"
-    # mbtree off: with it on, av 19.0.2's x264 gave different bytes for the same input from run to run, even with
-    # one thread; off, every encode matched, on av 18 and 19. It costs some compression at the same crf. (The runs:
-    # bench/results/README.md, 2026-11-30.)
-    stream.options = {"crf": str(crf), "preset": X264_PRESET, "x264-params": "mbtree=0"}
-    ctx = stream.codec_context
-    ctx.thread_count = threads
-    # Frame threading, set explicitly: a different default in a later PyAV would change the bytes.
-    ctx.thread_type = "FRAME"
-    ctx.color_primaries = _AVCOL_BT709
-    ctx.color_trc = _AVCOL_BT709
-    ctx.colorspace = _AVCOL_BT709
-    ctx.color_range = _AVCOL_RANGE_MPEG
+    configure(stream.codec_context, encoding)
     return stream
 
 
@@ -203,18 +194,7 @@ def _add_audio_stream(container: av.container.OutputContainer, sample_rate: int)
     return stream
 
 
-def _video_frames(video: FrameStream, fps: int) -> Iterator[av.VideoFrame]:
-    for i, rgb in enumerate(frame for chunk in video for frame in chunk):  # (H, W, 3)
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-        frame = frame.reformat(
-            format="yuv420p", src_colorspace=_COLORSPACE, dst_colorspace=_COLORSPACE, dst_color_range=_YUV_RANGE
-        )
-        frame.pts = i
-        frame.time_base = Fraction(1, fps)
-        yield frame
-
-
-def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
+def _encoded_audio(stream: av.audio.stream.AudioStream, pcm: np.ndarray, sample_rate: int) -> Iterator[av.Packet]:
     # Cut into the encoder's frame size ourselves: PyAV would otherwise insert its own FIFO and resampler,
     # whose behaviour is one more thing that can change between versions.
     for start in range(0, pcm.shape[1], AAC_FRAME_SAMPLES):
@@ -223,18 +203,44 @@ def _audio_frames(pcm: np.ndarray, sample_rate: int) -> Iterator[av.AudioFrame]:
         frame.sample_rate = sample_rate
         frame.pts = start
         frame.time_base = Fraction(1, sample_rate)
-        yield frame
+        yield from stream.encode(frame)
+    yield from stream.encode(None)
+
+
+def _video_frames(video: FrameStream, fps: int, check: Callable[[], None] | None) -> Iterator[av.VideoFrame]:
+    i = 0
+    for chunk in video:
+        for planes in _as_i420(chunk):  # (H * 3 // 2, W)
+            if check is not None:
+                check()
+            frame = av.VideoFrame.from_ndarray(planes, format="yuv420p")
+            frame.pts = i
+            frame.time_base = Fraction(1, fps)
+            i += 1
+            yield frame
+
+
+def _as_i420(chunk: np.ndarray) -> np.ndarray:
+    """A chunk as packed yuv420p: RGB chunks converted (`media.yuv`, the conversion a render does on its GPU)."""
+    if chunk.ndim == 3:
+        return chunk
+    import torch
+
+    from h3serve.media.yuv import rgb_to_i420
+
+    return rgb_to_i420(torch.from_numpy(chunk)).numpy()
 
 
 class FrameStream:
-    """Frames of one size arriving in chunks ((n, H, W, 3) uint8 RGB, in order) from another thread: `put` each,
+    """Frames of one size arriving in chunks from another thread, in order, each chunk (n, H, W, 3) uint8 RGB or
+    (n, H * 3 // 2, W) uint8 packed yuv420p (`media.yuv.rgb_to_i420`, what a render hands on): `put` each,
     then `close` (or `fail`, which makes the reader raise). Iterating yields the chunks, waiting for each; `put` waits
     while `depth` chunks are unread, so a slow encoder holds the producer back instead of the host filling up (depth
     0: it never waits, the unread chunks stay in memory: the service's, whose GPU must not wait on its encoder).
     `of(frames)`: a whole array as one closed chunk."""
 
     def __init__(self, width: int, height: int, depth: int = 2):
-        if not (_is_int(width) and _is_int(height)) or height < 2 or width < 2 or height % 2 or width % 2:
+        if not (is_int(width) and is_int(height)) or height < 2 or width < 2 or height % 2 or width % 2:
             raise ValueError(f"frames height and width must be even and >= 2 for yuv420p, got H={height} W={width}")
         self.width, self.height = width, height
         self._chunks: queue.Queue = queue.Queue(maxsize=depth)
@@ -249,9 +255,10 @@ class FrameStream:
 
     def put(self, chunk: np.ndarray, timeout: float | None = None) -> None:
         """Queue a chunk, waiting while `depth` are unread (queue.Full after `timeout` seconds, if given)."""
-        if chunk.dtype != np.uint8 or chunk.ndim != 4 or chunk.shape[1:] != (self.height, self.width, 3):
-            raise ValueError(f"a chunk of frames must be uint8 (n, {self.height}, {self.width}, 3), got "
-                             f"{chunk.dtype} {tuple(chunk.shape)}")  # fmt: skip
+        rgb, i420 = (self.height, self.width, 3), (self.height * 3 // 2, self.width)
+        if chunk.dtype != np.uint8 or chunk.ndim not in (3, 4) or chunk.shape[1:] != (rgb if chunk.ndim == 4 else i420):
+            raise ValueError(f"a chunk of frames must be uint8 (n, {self.height}, {self.width}, 3) RGB or (n, "
+                             f"{i420[0]}, {self.width}) yuv420p, got {chunk.dtype} {tuple(chunk.shape)}")  # fmt: skip
         self._chunks.put(chunk, timeout=timeout)
         self.frames += len(chunk)
 
@@ -302,11 +309,11 @@ class Mp4Writer:
     file. The bytes are those of `write_mp4` over the whole array. The settings and the destination are checked when
     it is made, before anything renders."""
 
-    def __init__(self, path: str | os.PathLike[str], *, crf: int = DEFAULT_CRF, threads: int = DEFAULT_THREADS):
-        check_settings(FPS, SAMPLE_RATE, crf, threads)
+    def __init__(self, path: str | os.PathLike[str], *, encoding: Encoding = DEFAULT_ENCODING):
+        check_settings(FPS, SAMPLE_RATE, encoding)
         self.path = Path(path)
         _check_destination(self.path)
-        self.crf, self.threads = crf, threads
+        self.encoding = encoding
         self._stream: FrameStream | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -318,10 +325,10 @@ class Mp4Writer:
     def begin(self, audio: np.ndarray, sample_rate: int, fps: int, width: int, height: int) -> None:
         if self._thread is not None:
             raise RuntimeError("this writer has begun already")
-        check_settings(fps, sample_rate, self.crf, self.threads)
+        check_settings(fps, sample_rate, self.encoding)
         pcm = _check_audio(audio)
         self._stream = stream = FrameStream(width, height)
-        kwargs = {"fps": fps, "sample_rate": sample_rate, "crf": self.crf, "threads": self.threads}
+        kwargs = {"fps": fps, "sample_rate": sample_rate, "encoding": self.encoding}
 
         def run() -> None:
             try:
@@ -376,24 +383,16 @@ class _Failed:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def check_settings(fps: int, sample_rate: int, crf: int, threads: int) -> None:
-    """Validate the encoder settings alone (callers check them before rendering anything)."""
-    if not _is_int(fps) or not 1 <= fps <= 240:
+def check_settings(fps: int, sample_rate: int, encoding: Encoding) -> None:
+    """Validate the encoder settings alone (callers check them before rendering anything); an `Encoding` refused
+    raises its `EncodingError` (a ValueError naming the field)."""
+    if not is_int(fps) or not 1 <= fps <= 240:
         raise ValueError(f"fps must be an integer in 1..240, got {fps!r}")
-    if not _is_int(sample_rate) or sample_rate not in AAC_SAMPLE_RATES:
+    if not is_int(sample_rate) or sample_rate not in AAC_SAMPLE_RATES:
         raise ValueError(f"sample_rate must be one of the AAC rates {AAC_SAMPLE_RATES}, got {sample_rate!r}")
-    # crf 0 makes x264 lossless, which needs the High 4:4:4 Predictive profile most players reject.
-    if not _is_int(crf) or not 1 <= crf <= 51:
-        raise ValueError(f"crf must be an integer in 1..51 (0, lossless, is not allowed), got {crf!r}")
-    if not _is_int(threads) or not 1 <= threads <= MAX_THREADS:
-        raise ValueError(
-            f"threads must be an integer in 1..{MAX_THREADS} (pinned for repeatable output; 0/auto is not "
-            f"allowed), got {threads!r}"
-        )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    if not isinstance(encoding, Encoding):
+        raise EncodingError("encoding", f"encoding must be a media.encoding.Encoding, got {type(encoding).__name__}")
+    encoding.check()
 
 
 def _as_numpy(x: np.ndarray | torch.Tensor, name: str) -> np.ndarray:

@@ -46,7 +46,8 @@ ProgressCallback = Callable[[Progress], None]
 
 class FrameSink(Protocol):
     """Where a render's frames go as they are decoded (`media.mp4.Mp4Writer`): `begin` with the decoded audio and the
-    frame size, then `put` with each run of final frames ((n, H, W, 3) uint8 RGB), in order."""
+    frame size, then `put` with each run of final frames, in order, as packed yuv420p ((n, H * 3 // 2, W) uint8,
+    `media.yuv.rgb_to_i420`: converted where they were decoded)."""
 
     def begin(self, audio: np.ndarray, sample_rate: int, fps: int, width: int, height: int) -> None: ...
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from h3serve.media.yuv import rgb_to_i420
 from h3serve.model.audio_vae import AudioVAE
 from h3serve.model.video_vae import VideoVAE
 from h3serve.pipeline.layout import PackedLayout, audio_rows_to_latents, unpatchify_video
@@ -40,22 +41,34 @@ def decode_video(
     autocast: the decoder's autocast dtype (float16 is the released recipe on the GPU), or None for pure float32.
     on_window(done, total): called after each temporal decode window; source: where the windows' tiles come from
     (`video_decode.decode`: decoded here, or dealt to the ranks of a split render). Returns (F, H, W, 3) uint8 RGB;
-    with `on_frames`, hands it each decode window's final frames ((n, H, W, 3) uint8, in order) as they are made
-    instead, and returns None: neither the device nor the host holds the whole video then. A non-finite pixel fails
-    the decode in either case (streamed: at its window).
+    with `on_frames`, hands it each decode window's final frames as they are made instead, already in the encoder's
+    layout (packed yuv420p, (n, H * 3 // 2, W) uint8, in order; converted where they were decoded, `media.yuv`), and
+    returns None: neither the device nor the host holds the whole video then. A non-finite pixel fails the decode in
+    either case (streamed: at its window).
     """
     z = video_latents(vae, video_rows, layout)
     if on_frames is not None:
 
         def hand(pixels: torch.Tensor) -> None:
             _check_pixels(pixels)
-            on_frames(vae.output_to_rgb(pixels)[0].cpu().numpy())
+            on_frames(to_host(rgb_to_i420(vae.output_to_rgb(pixels)[0])))
 
         decode(vae, z, autocast_dtype=autocast, source=source, on_window=on_window, on_frames=hand)
         return None
     pixels = decode(vae, z, autocast_dtype=autocast, source=source, on_window=on_window)  # (1, 3, F, H, W)
     _check_pixels(pixels)
     return vae.output_to_rgb(pixels)[0].cpu().numpy()
+
+
+def to_host(frames: torch.Tensor) -> np.ndarray:
+    """A device's frames on the host, copied through page-locked memory on CUDA (torch's host allocator keeps the
+    pages for the next window once the encoder has let go of these)."""
+    if frames.device.type != "cuda":
+        return frames.cpu().numpy()
+    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
+    host.copy_(frames, non_blocking=True)
+    torch.cuda.current_stream(frames.device).synchronize()
+    return host.numpy()
 
 
 def _check_pixels(pixels: torch.Tensor) -> None:

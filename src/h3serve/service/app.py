@@ -113,7 +113,7 @@ def create_app(
             store,
             max_queue=settings.max_queue,
             warmup=settings.startup_warmup,
-            encoder_threads=settings.encoder_threads,
+            encoding=settings.encoding,
             metrics=metrics,
             folders=service_folders(settings.output_dir),
         )

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import FrameStream, encode_mp4, write_mp4
 from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
@@ -188,7 +189,7 @@ class Scheduler:
         *,
         max_queue: int,
         warmup: bool,
-        encoder_threads: int,
+        encoding: Encoding,
         metrics: Metrics,
         folders: dict[str, Path] | None = None,
     ):
@@ -197,7 +198,7 @@ class Scheduler:
         self._folder_problems: dict[str, str] = {}  # the last check's, to log a change once
         self.store = store
         self.max_queue = max_queue
-        self.encoder_threads = encoder_threads
+        self.encoding = encoding  # the MP4's video encode (`media.encoding`)
         self.metrics = metrics
         self._warmup_enabled = warmup
         self.readiness = Readiness.WARMING
@@ -327,7 +328,7 @@ class Scheduler:
             self.readiness = Readiness.READY
             return
         log.info("warmup: rendering the production shape")
-        result = self.warmup_result = run_warmup(self.engine, threads=self.encoder_threads)
+        result = self.warmup_result = run_warmup(self.engine, encoding=self.encoding)
         if result.passed:
             log.info("warmup passed in %.2f s (%s); ready", result.seconds, result.request)
             self.readiness = Readiness.READY
@@ -512,7 +513,7 @@ class Scheduler:
         settings = {
             "fps": fps,
             "sample_rate": sample_rate,
-            "threads": self.encoder_threads,
+            "encoding": self.encoding,
             "check": work.ctx.check,  # a cancel stops the encode before the next frame
         }
         if work.persist:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from h3serve.media.mp4 import DEFAULT_THREADS, encode_mp4, verify_mp4
+from h3serve.media.encoding import Encoding
+from h3serve.media.mp4 import DEFAULT_ENCODING, encode_mp4, verify_mp4
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.pipeline.request import RenderRequest, RequestFields
 from h3serve.vocab import SMOKE_REQUEST, Task
@@ -71,7 +72,7 @@ def describe(request: RenderRequest) -> str:
     return f"{shape}, {request.grid}"
 
 
-def run_warmup(engine: RenderEngine, threads: int = DEFAULT_THREADS) -> WarmupResult:
+def run_warmup(engine: RenderEngine, encoding: Encoding = DEFAULT_ENCODING) -> WarmupResult:
     """Make the default schedule's AdaLN tables, render the warmup request, encode it to MP4 in memory and check the
     file as a client would (codecs, size, frame count, stereo AAC). Never raises: a failure is the result, with its
     reason."""
@@ -87,7 +88,8 @@ def run_warmup(engine: RenderEngine, threads: int = DEFAULT_THREADS) -> WarmupRe
         if compiled is not None:  # where a compiling forward's time went (Dynamo's own per-phase account)
             log.info("warmup compile: %d graph(s); %s", compiled.graphs, _compile_times())
         buffer = io.BytesIO()
-        encode_mp4(buffer, result.frames, result.audio, fps=result.fps, sample_rate=result.sample_rate, threads=threads)
+        media = {"fps": result.fps, "sample_rate": result.sample_rate, "encoding": encoding}
+        encode_mp4(buffer, result.frames, result.audio, **media)
         buffer.seek(0)
         verify_mp4(buffer, width=request.width, height=request.height, num_frames=request.num_frames)
     except Exception as err:  # every failure is reported instead of raised: the server stays up and not ready
