@@ -60,7 +60,7 @@ from lib.timing import run_header
 from h3serve.accel import attention
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Attention, Profile, ProfileError, check
-from h3serve.config import ENCODER_THREADS
+from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import Mp4Writer
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.context import RenderContext
@@ -115,11 +115,21 @@ def runs(names: list[str], default: Attention | str = ATTENTION) -> list[Run]:
     return sorted(out.values(), key=lambda r: order.index(r.base))
 
 
-def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None, threads: int = ENCODER_THREADS) -> dict:
+def encoding_of(name: str) -> Encoding:
+    """`default`, or PRESET/THREADS/SEGMENT."""
+    if name == "default":
+        return Encoding()
+    preset, threads, segment = name.split("/")
+    return Encoding(preset=preset, threads=int(threads), segment=int(segment))
+
+
+def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None,
+          encodings: tuple[str, ...] = ("default",)) -> dict:  # fmt: skip
     """A warmup render (the same request, or `warmup_steps` points of it), then a timed one: its stage times, per
     forward, rank 0's peak, whether it is byte-identical to the warmup; an error instead, as text. With `mp4` the timed
-    render streams its frames into that MP4 as `h3serve render` does (`media.mp4.Mp4Writer`), and its end to end
-    includes the encoder's finish."""
+    render streams its frames into an MP4 there as `h3serve render` does (`media.mp4.Mp4Writer`), once per encoding
+    (`encoding_of`), and each one's end to end includes the encoder's finish: `mp4[name].tail_s` is what the file
+    took after the render returned."""
     entry: dict = {"steps": request.steps, "forwards": request.forwards}
     try:
         entry["default_tables_s"] = round(engine.prepare_tables(), 2)  # as the service does at start
@@ -131,19 +141,25 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None, th
         first = engine.render(warm)
         entry["warmup_render_s"] = round(time.perf_counter() - start, 2)
         entry["warmup_steps"] = warm.steps
-        previews: list = []
-        start = time.perf_counter()
-        # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render with
-        # previews against one without.
-        keep = lambda p: previews.append((time.perf_counter() - start, p))  # noqa: E731
-        writer = None if mp4 is None else Mp4Writer(mp4, threads=threads)
-        ctx = RenderContext(on_preview=keep if request.preview_every else None, frames_to=writer)
-        second = engine.render(request, ctx)
-        if writer is not None:
-            entry["render_returned_s"] = round(time.perf_counter() - start, 3)
-            writer.finish()
-            entry["mp4_bytes"], entry["mp4_threads"] = mp4.stat().st_size, threads
-        entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
+        for name in encodings if mp4 is not None else (None,):
+            previews: list = []
+            start = time.perf_counter()
+            # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render
+            # with previews against one without.
+            keep = lambda p, previews=previews, start=start: previews.append((time.perf_counter() - start, p))  # noqa: E731
+            writer = None if name is None else Mp4Writer(mp4 / f"{name}.mp4", encoding=encoding_of(name))
+            ctx = RenderContext(on_preview=keep if request.preview_every else None, frames_to=writer)
+            second = engine.render(request, ctx)
+            if writer is not None:
+                returned = time.perf_counter() - start
+                writer.finish()
+                end = time.perf_counter() - start
+                entry.setdefault("mp4", {})[name] = {
+                    "encoding": encoding_of(name).describe(), "render_returned_s": round(returned, 3),
+                    "end_to_end_s": round(end, 3), "tail_s": round(end - returned, 3),
+                    "bytes": (mp4 / f"{name}.mp4").stat().st_size,
+                }  # fmt: skip
+            entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
         if request.preview_every:
             entry["previews"] = [{"forward": p.forward, "seconds": round(p.seconds, 4), "at_s": round(at, 3),
                                   "width": p.width, "height": p.height} for at, p in previews]  # fmt: skip
@@ -187,12 +203,9 @@ def main() -> None:
         help="DiT main blocks of the one-GPU run (default: the released 50); fewer for a smoke run",
     )
     parser.add_argument("--mp4", type=Path, help="stream the timed render's frames into an MP4 in this folder")
-    parser.add_argument(
-        "--mp4-threads",
-        type=int,
-        default=ENCODER_THREADS,
-        help=f"the MP4 encoder's threads (the `--threads` setting; default {ENCODER_THREADS})",
-    )
+    parser.add_argument("--mp4-encodings", type=lambda v: tuple(v.split(",")), default=("default",),
+                        help="with --mp4, one timed render per encoding: `default` (the settings' defaults) or "
+                        "PRESET/THREADS/SEGMENT (medium/4/0: the writer before issue 55's settings)")  # fmt: skip
     parser.add_argument("--preview-every", type=int, default=0,
                         help="previews in the timed render after every N forwards: their time, share and the first's "
                         "latency (the warmup renders without, so identical_to_first compares the two)")  # fmt: skip
@@ -246,8 +259,10 @@ def main() -> None:
             if not split:
                 entry["resident_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
             entry["budget_gib"] = engine.memory_budget()
-            mp4 = None if args.mp4 is None else args.mp4 / f"{run.key}.mp4".replace("+", "_")
-            entry |= timed(engine, request, args.warmup_steps, mp4, args.mp4_threads)
+            mp4 = None if args.mp4 is None else args.mp4 / run.key.replace("+", "_")
+            if mp4 is not None:
+                mp4.mkdir(parents=True, exist_ok=True)
+            entry |= timed(engine, request, args.warmup_steps, mp4, args.mp4_encodings)
         except Exception as err:  # a split's workers that failed to start: recorded, the next profile still runs
             entry["error"] = f"{type(err).__name__}: {err}"[:2000]
         finally:

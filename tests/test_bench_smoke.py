@@ -156,3 +156,23 @@ def test_event_streams_times_a_render_without_and_with_streams(tmp_path):
     assert set(runs) == {"no_streams", "with_streams"} and all(len(r) == 1 for r in runs.values())
     assert all(r[0]["status"] == "completed" for r in runs.values()), runs
     assert runs["with_streams"][0]["streams_asked"] == 2
+
+
+def encode_checks(record: dict, presets: set[str]) -> None:
+    """What bench/encode.py must show whatever the machine: every setting twice the same bytes, the bytes not
+    following the workers, a row for each preset and layout, the tail measured, before and after."""
+    for content, rows in record["contents"].items():
+        settings = {k for k in rows if "/" in k}
+        assert {k.split("/")[0] for k in settings} == presets, settings
+        assert all(rows[k]["same_bytes"] and rows[k]["bytes"] > 0 and rows[k]["psnr_yuv_db"] > 20 for k in settings)
+        assert rows["default_workers_1"]["same_bytes_as_default"], content
+        assert rows["before"]["s"] > 0 and all(rows["tail"][w]["tail_s"] >= 0 for w in ("before", "default"))
+
+
+def test_encode_measures_every_setting_against_the_writer_before(tmp_path):
+    out = tmp_path / "encode.json"
+    script("encode", "--frames", "22", "--width", "96", "--height", "64", "--presets", "veryfast", "--contents",
+           "natural", "--pace", "0.02", "--out", str(out))  # fmt: skip
+    record = json.loads(out.read_text())
+    encode_checks(record, {"veryfast"})
+    assert record["conversion"]["swscale_one_thread_ms"] > 0

@@ -99,6 +99,13 @@ def dit_step(r: dict) -> None:
     assert r["profiles"]["CUDNN_ATTN+compile+CUTLASS"]["recompiles"] == 0
 
 
+def encode(r: dict) -> None:
+    from tests.test_bench_smoke import encode_checks
+
+    encode_checks(r, {"veryfast"})
+    assert r["conversion"]["device_equals_host_conversion"] and r["conversion"]["device_ms"] > 0
+
+
 def fa4_check(r: dict) -> None:
     no_errors(r)
     assert "missing" not in r
@@ -167,6 +174,7 @@ def render(r: dict) -> None:
     entry = r["runs"]["eager"]
     assert set(r["runs"]) == {"eager"} and entry["attention"] == "CUDNN_ATTN" and entry["identical_to_first"], entry
     assert entry["steps"] == 2 and entry["per_forward_s"] > 0
+    assert set(entry["mp4"]) == {"default", "medium/4/0"} and all(m["bytes"] > 0 for m in entry["mp4"].values())
 
 
 def serve_accept(r: dict) -> None:
@@ -248,6 +256,7 @@ SMOKES: dict[str, Smoke] = {
     "dit_step": Smoke(
         cli(f"--blocks 1 --only {','.join(PROFILES_DIT_STEP)} --warmup 0 --iters 1 {OUT}"), dit_step, 300
     ),
+    "encode": Smoke(cli(f"--frames 22 --width 192 --height 128 --presets veryfast --pace 0.05 {OUT}"), encode, 240),
     "event_streams": Smoke(skip=CPU_ONLY),
     "fa4_check": Smoke(cli(f"--iters 1 {OUT}"), fa4_check, 300, unless=fa4_missing),
     "full_size_smoke": Smoke(cli(f"--blocks 1 --steps 2 {OUT}"), full_size_smoke, 300),
@@ -272,7 +281,11 @@ SMOKES: dict[str, Smoke] = {
     ),
     "plot_scaling": Smoke(skip=CPU_ONLY),
     "ref2va_smoke": Smoke(cli(f"--blocks 1 --steps 2 {OUT}"), ref2va_smoke, 300),
-    "render": Smoke(cli(f"--blocks 1 --steps 2 --profiles eager {OUT}"), render, 300),
+    "render": Smoke(
+        cli(f"--blocks 1 --steps 2 --profiles eager --mp4 {{tmp}}/mp4 --mp4-encodings default,medium/4/0 {OUT}"),
+        render,
+        300,
+    ),
     "serve_accept": Smoke(cli(f"--blocks 1 {OUT}"), serve_accept, 480),
     "split": Smoke(
         skip=f"the split path (a worker and a one-GPU engine, one after the other) {TOO_BIG}; its plumbing runs on "

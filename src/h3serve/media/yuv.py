@@ -66,18 +66,22 @@ def rgb_to_i420(rgb: torch.Tensor) -> torch.Tensor:
 
 
 def _planes(rgb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = rgb.to(torch.int32)
-    r, g, b = x[..., 0], x[..., 1], x[..., 2]
-    y = (_Y[0] * r + _Y[1] * g + _Y[2] * b + ((16 << _SHIFT) + (1 << (_SHIFT - 1)))) >> _SHIFT
-    return y.to(torch.uint8), _chroma(r, g, b, _U), _chroma(r, g, b, _V)
+    x = rgb.permute(0, 3, 1, 2).contiguous().to(torch.int32)  # (n, 3, H, W): each channel one contiguous plane
+    r, g, b = x[:, 0], x[:, 1], x[:, 2]
+    y = r * _Y[0]
+    y.add_(g, alpha=_Y[1]).add_(b, alpha=_Y[2]).add_((16 << _SHIFT) + (1 << (_SHIFT - 1)))
+    return y.bitwise_right_shift_(_SHIFT).to(torch.uint8), _chroma(r, g, b, _U), _chroma(r, g, b, _V)
 
 
 def _chroma(r: torch.Tensor, g: torch.Tensor, b: torch.Tensor, k: tuple[int, int, int]) -> torch.Tensor:
     """One chroma plane (n, H/2, W/2): the pixel pairs summed across, then taps 1, 3, 3, 1 down (edges repeated)."""
-    c = k[0] * r + k[1] * g + k[2] * b  # (n, H, W), |c| < 2^23
+    c = r * k[0]
+    c.add_(g, alpha=k[1]).add_(b, alpha=k[2])  # (n, H, W), |c| < 2^23
     pairs = c[..., 0::2] + c[..., 1::2]  # (n, H, W/2)
     h = pairs.shape[1]
     padded = torch.cat([pairs[:, :1], pairs, pairs[:, -1:]], dim=1)  # row k is row k-1, clamped
-    taps = padded[:, 0:h:2] + 3 * padded[:, 1 : h + 1 : 2] + 3 * padded[:, 2 : h + 2 : 2] + padded[:, 3 : h + 2 : 2]
+    taps = padded[:, 0:h:2] + padded[:, 3 : h + 2 : 2]
+    taps.add_(padded[:, 1 : h + 1 : 2] + padded[:, 2 : h + 2 : 2], alpha=3)  # |taps| < 2^27
     bits = _SHIFT + _TAP_BITS
-    return ((taps + ((128 << bits) + (1 << (bits - 1)))) >> bits).clamp_(0, 255).to(torch.uint8)
+    taps.add_((128 << bits) + (1 << (bits - 1))).bitwise_right_shift_(bits)
+    return taps.clamp_(0, 255).to(torch.uint8)
