@@ -92,7 +92,7 @@ def test_stream_facts(clip: tuple[Path, np.ndarray, np.ndarray]) -> None:
     info = probe_mp4(clip[0])
     assert isinstance(info, StreamInfo)
     assert info.video_codec == "h264"
-    assert info.video_profile == "High"
+    assert info.video_profile == "Constrained Baseline"  # the default preset, ultrafast: no CABAC, no B-frames
     assert info.pixel_format == "yuv420p"
     assert (info.width, info.height) == (W, H)
     assert info.frame_count == F
@@ -103,6 +103,13 @@ def test_stream_facts(clip: tuple[Path, np.ndarray, np.ndarray]) -> None:
     assert info.sample_rate == SR
     with pytest.raises(dataclasses.FrozenInstanceError):
         info.width = 1  # type: ignore[misc]
+
+
+def test_the_profile_follows_the_preset(tmp_path: Path) -> None:
+    frames, audio = smooth_frames(), stereo_tone()
+    for preset, profile in (("medium", "High"), ("superfast", "High"), ("ultrafast", "Constrained Baseline")):
+        path = write_mp4(tmp_path / f"{preset}.mp4", frames, audio, encoding=Encoding(preset=preset))
+        assert probe_mp4(path).video_profile == profile, preset
 
 
 def test_audio_duration_matches_video(clip: tuple[Path, np.ndarray, np.ndarray]) -> None:

@@ -45,14 +45,18 @@ TOKEN_DROP = 3  # video VAE: latent frames dropped from the end of an encoded vi
 PATCH_SIZE = (1, 2, 2)  # DiT patch (t, h, w) over the video latents
 # The H.264 encode (media.h264): here, not in media, so that reading the settings (`--help`, `check`, `ready`) does not
 # import av. Every value but the workers is part of the file's bytes. Chosen from the table measured on the GPU
-# machine's 16-core host (bench/encode.py, bench/results/README.md "The MP4 as fast as the render").
+# machine's 16-core host (bench/encode.py; bench/results/README.md, "The MP4 as fast as the render", 2026-12-07): the
+# fewest bytes among the settings at least 5x faster than the writer before (x264 medium, 4 threads, one stream) at
+# an equal or better PSNR, on natural-looking content and on noise alike. Only ultrafast gets there at CRF 18; it
+# spends more bytes (about 3.4x on the natural content, 1.35x on noise).
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
-ENCODER_PRESET = "veryfast"
+ENCODER_PRESET = "ultrafast"
 # x264 frame threads of each segment's encoder. Pinned, never 0 ("auto"): x264's output depends on its thread count.
-ENCODER_THREADS = 2
+ENCODER_THREADS = 8
 MAX_ENCODER_THREADS = 64
-# Frames per independently encoded segment (a closed group of pictures; 0: one stream). One second at 24 fps.
-ENCODER_SEGMENT_FRAMES = 24
+# Frames per independently encoded segment (a closed group of pictures; 0: one stream): the default request's 124
+# frames are two.
+ENCODER_SEGMENT_FRAMES = 62
 
 # diffusers' `transformer/config.json` names -> the original `FL2VA/transformer/config.json` names.
 _DIFFUSERS_DIT_KEYS = {

@@ -1,8 +1,9 @@
 """MP4 output: encode frames and stereo PCM to H.264 + AAC-LC, and decode them back for verification.
 
 The writer is the last stage of the data flow. What it produces is fixed by the output contract:
-H.264 High (yuv420p, BT.709 limited range, 24 fps), AAC-LC stereo at the model's 32 kHz, MP4 with `moov` before
-`mdat` (faststart) so a browser can play the file while it downloads.
+H.264 (yuv420p, BT.709 limited range, 24 fps; the profile is the preset's: Constrained Baseline at the default
+ultrafast, High from superfast on), AAC-LC stereo at the model's 32 kHz, MP4 with `moov` before `mdat` (faststart) so
+a browser can play the file while it downloads.
 
 Frames come as RGB (converted here, `media.yuv`) or already as packed yuv420p (a render converts them on its GPU):
 the same conversion either way, so the same bytes. The video is encoded as `media.h264` says (segments on the
@@ -458,7 +459,7 @@ class StreamInfo:
     """Facts about an MP4's first video and first audio stream, as the container and codecs report them."""
 
     video_codec: str  # "h264"
-    video_profile: str | None  # "High"
+    video_profile: str | None  # "Constrained Baseline" (ultrafast), "High" (superfast and slower)
     pixel_format: str | None  # "yuv420p"
     width: int
     height: int
