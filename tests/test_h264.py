@@ -13,6 +13,7 @@ import pytest
 from tests.test_mp4 import psnr_u8, smooth_frames, stereo_tone
 
 from h3serve.media.encoding import Encoding
+from h3serve.media.h264 import Segments
 from h3serve.media.mp4 import decode_frames, encode_mp4, verify_mp4, write_mp4
 
 F, H, W = 56, 64, 96
@@ -84,4 +85,19 @@ def test_a_cancel_stops_every_segments_encoder_and_leaves_no_file(clip, tmp_path
     with pytest.raises(InterruptedError):
         write_mp4(tmp_path / "out.mp4", frames, audio, encoding=Encoding(segment=8, workers=2), check=check)
     assert list(tmp_path.iterdir()) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("h3serve-h264")]
+
+
+def test_a_segment_encoder_that_fails_stops_the_encode_with_its_error_instead_of_holding_the_frames(clip) -> None:
+    """A segment's encoder whose parameter sets are not the file's refuses to be joined; the writer meets that error
+    once the segment's queue is full (it cannot take more), not a hang."""
+    frames, _ = clip
+    segments = Segments(Encoding(segment=0, threads=1), W, H, 24, header=b"not the file's parameter sets")
+    with pytest.raises(RuntimeError, match="other parameter sets than the file's"):
+        for i, rgb in enumerate(np.concatenate([frames] * 2)):  # more frames than a segment's queue holds
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
+            frame.pts = i
+            segments.put(frame)
+            list(segments.packets())
+    segments.stop()
     assert not [t for t in threading.enumerate() if t.name.startswith("h3serve-h264")]

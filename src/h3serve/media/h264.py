@@ -127,13 +127,16 @@ class Segments:
         """Stop every segment's encoder at its next frame (an error or a cancel); their packets are dropped."""
         self._stop.set()
         for segment in self._open:
-            segment.close()
+            segment.abandon()
         for segment in self._open:
             segment.join()
         self._open.clear()
 
 
 _END = object()
+# Frames waiting for a segment's encoder: a `put` beyond them waits, so an encoder behind the decode holds the render's
+# frames back (`media.mp4.FrameStream`'s depth) instead of the host's memory filling with them.
+QUEUED_FRAMES = 16
 
 
 class _Segment:
@@ -142,17 +145,38 @@ class _Segment:
 
     def __init__(self, owner: Segments, start: int):
         self.owner, self.start = owner, start
-        self._in: queue.Queue = queue.Queue()
+        self._in: queue.Queue = queue.Queue(maxsize=QUEUED_FRAMES)
         self._out: queue.Queue = queue.Queue()
         self.done = False
         self._thread = threading.Thread(target=self._run, name=f"h3serve-h264-{start}", daemon=True)
         self._thread.start()
 
     def put(self, frame: av.VideoFrame) -> None:
-        self._in.put(frame)
+        self._queue(frame)
 
     def close(self) -> None:
-        self._in.put(_END)
+        self._queue(_END)
+
+    def _queue(self, item: object) -> None:
+        """Wait for room, unless the encoder has ended: then its error is raised here (it cannot take more)."""
+        while True:
+            try:
+                self._in.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    for _ in self.take(wait=True):  # raises the error it ended with
+                        pass
+                    raise RuntimeError("a segment's encoder ended before its frames did") from None
+
+    def abandon(self) -> None:
+        """Stop the encoder at its next frame (the owner's stop flag is set): its unread frames are dropped."""
+        while True:
+            try:
+                self._in.get_nowait()
+            except queue.Empty:
+                break
+        self._in.put_nowait(_END)  # only the writer's thread puts: after the drain there is room
 
     def join(self) -> None:
         self._thread.join()
