@@ -48,6 +48,7 @@ costs, and a check of the script on a one-GPU machine).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import time
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ from h3serve.accel import attention
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Attention, Profile, ProfileError, check
 from h3serve.media.encoding import Encoding
-from h3serve.media.mp4 import Mp4Writer
+from h3serve.media.mp4 import Mp4Writer, encode_mp4
 from h3serve.parallel.workers import ParallelEngine, WorkerSpec
 from h3serve.pipeline.context import RenderContext
 from h3serve.pipeline.engine import Engine
@@ -147,7 +148,8 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None,
             # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render
             # with previews against one without.
             keep = lambda p, previews=previews, start=start: previews.append((time.perf_counter() - start, p))  # noqa: E731
-            writer = None if name is None else Mp4Writer(mp4 / f"{name}.mp4", encoding=encoding_of(name))
+            path = None if name is None else mp4 / f"{name.replace('/', '-')}.mp4"
+            writer = None if path is None else Mp4Writer(path, encoding=encoding_of(name))
             ctx = RenderContext(on_preview=keep if request.preview_every else None, frames_to=writer)
             second = engine.render(request, ctx)
             if writer is not None:
@@ -157,8 +159,14 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None,
                 entry.setdefault("mp4", {})[name] = {
                     "encoding": encoding_of(name).describe(), "render_returned_s": round(returned, 3),
                     "end_to_end_s": round(end, 3), "tail_s": round(end - returned, 3),
-                    "bytes": (mp4 / f"{name}.mp4").stat().st_size,
+                    "bytes": writer.path.stat().st_size,
                 }  # fmt: skip
+                if warm is request and first.frames is not None:  # streamed bytes against the warmup's frames, whole
+                    whole = io.BytesIO()
+                    encode_mp4(whole, first.frames, first.audio, encoding=encoding_of(name))
+                    same = whole.getvalue() == writer.path.read_bytes()
+                    entry["mp4"][name]["identical_to_first"] = same
+                    entry["identical_to_first"] = entry.get("identical_to_first", True) and same
             entry["end_to_end_s"] = round(time.perf_counter() - start, 3)
         if request.preview_every:
             entry["previews"] = [{"forward": p.forward, "seconds": round(p.seconds, 4), "at_s": round(at, 3),
