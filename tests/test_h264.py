@@ -10,6 +10,7 @@ import threading
 import av
 import numpy as np
 import pytest
+import torch
 from tests.test_mp4 import psnr_u8, smooth_frames, stereo_tone
 
 from h3serve.media.encoding import Encoding
@@ -101,3 +102,16 @@ def test_a_segment_encoder_that_fails_stops_the_encode_with_its_error_instead_of
             list(segments.packets())
     segments.stop()
     assert not [t for t in threading.enumerate() if t.name.startswith("h3serve-h264")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may have an NVENC engine")
+def test_nvenc_is_refused_at_the_settings_where_it_cannot_open_and_x264_is_not():
+    from h3serve.settings import EngineSettings, SettingsError, load_settings
+
+    with pytest.raises(SettingsError) as refused:
+        load_settings(env={"H3_ENCODER": "nvenc"}, schema=EngineSettings)
+    assert "H3_ENCODER (--encoder): encoder nvenc cannot open here" in str(refused.value)
+    assert "use encoder x264" in str(refused.value)
+    # Without asking the machine (`check`, `ready`) the setting stands; x264 opens everywhere.
+    assert load_settings(env={"H3_ENCODER": "nvenc"}, schema=EngineSettings, check_profile=False).encoder == "nvenc"
+    assert load_settings(env={}, schema=EngineSettings).encoding == Encoding()

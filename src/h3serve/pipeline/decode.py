@@ -49,9 +49,11 @@ def decode_video(
     z = video_latents(vae, video_rows, layout)
     if on_frames is not None:
 
+        host = HostFrames()
+
         def hand(pixels: torch.Tensor) -> None:
             _check_pixels(pixels)
-            on_frames(to_host(rgb_to_i420(vae.output_to_rgb(pixels)[0])))
+            on_frames(host(rgb_to_i420(vae.output_to_rgb(pixels)[0])))
 
         decode(vae, z, autocast_dtype=autocast, source=source, on_window=on_window, on_frames=hand)
         return None
@@ -60,15 +62,29 @@ def decode_video(
     return vae.output_to_rgb(pixels)[0].cpu().numpy()
 
 
+class HostFrames:
+    """A decode's frames to host memory: on CUDA through one page-locked staging buffer, reused window after window
+    (grown when a window is larger), then into pageable memory the encoder owns. The page-locked memory stays one
+    window's whatever the encoder holds (the service's stream keeps a lagging job's frames unread)."""
+
+    def __init__(self) -> None:
+        self._staging: torch.Tensor | None = None
+
+    def __call__(self, frames: torch.Tensor) -> np.ndarray:
+        if frames.device.type != "cuda":
+            return frames.cpu().numpy()
+        n = frames.numel()
+        if self._staging is None or self._staging.numel() < n or self._staging.dtype != frames.dtype:
+            self._staging = torch.empty(n, dtype=frames.dtype, pin_memory=True)
+        staging = self._staging[:n].view(frames.shape)
+        staging.copy_(frames, non_blocking=True)
+        torch.cuda.current_stream(frames.device).synchronize()
+        return staging.numpy().copy()
+
+
 def to_host(frames: torch.Tensor) -> np.ndarray:
-    """A device's frames on the host, copied through page-locked memory on CUDA (torch's host allocator keeps the
-    pages for the next window once the encoder has let go of these)."""
-    if frames.device.type != "cuda":
-        return frames.cpu().numpy()
-    host = torch.empty(frames.shape, dtype=frames.dtype, pin_memory=True)
-    host.copy_(frames, non_blocking=True)
-    torch.cuda.current_stream(frames.device).synchronize()
-    return host.numpy()
+    """One batch of frames to host memory (`HostFrames` for a run of them)."""
+    return HostFrames()(frames)
 
 
 def _check_pixels(pixels: torch.Tensor) -> None:
