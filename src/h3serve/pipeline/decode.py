@@ -48,7 +48,6 @@ def decode_video(
     """
     z = video_latents(vae, video_rows, layout)
     if on_frames is not None:
-
         host = HostFrames()
 
         def hand(pixels: torch.Tensor) -> None:
