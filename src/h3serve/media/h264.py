@@ -1,4 +1,4 @@
-"""The H.264 encode of a render's frames: how it is set (`Encoding`) and the encoders that turn frames into packets.
+"""The H.264 encode of a render's frames: the encoders that make its packets (their settings: `media.encoding`).
 
 x264 (the default) encodes the video as *segments*: runs of `segment` frames, each a closed group of pictures
 encoded from its first frame (an IDR) by an encoder of its own with `threads` frame threads, several segments at
