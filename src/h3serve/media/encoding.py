@@ -60,11 +60,19 @@ class Encoding:
         """Segments encoded at once."""
         if self.workers:
             return self.workers
-        return max(1, (os.cpu_count() or 1) // self.threads)
+        return max(1, usable_cores() // self.threads)
 
     def describe(self) -> str:
         shape = f"segments of {self.segment} frames" if self.segment else "one stream"
         return f"{self.encoder} {self.preset} crf {self.crf}, {self.threads} threads, {shape}"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container's cpuset sets), else the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 class EncodingError(ValueError):
