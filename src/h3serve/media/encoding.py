@@ -25,7 +25,7 @@ class Encoding:
     crf: int = DEFAULT_CRF
     threads: int = ENCODER_THREADS  # x264 frame threads of each segment's encoder
     segment: int = ENCODER_SEGMENT_FRAMES  # frames per segment; 0: one stream
-    workers: int = 0  # segments encoded at once; 0: the host's cores // threads (at least 1)
+    workers: int = 0  # segments encoded at once; 0: the cores this process may use // threads (at least 1)
 
     def check(self) -> None:
         """Refuse a setting outside what the encoder takes, naming the field and what is allowed."""
