@@ -220,7 +220,8 @@ class EngineSettings(BaseModel):
         0,
         ge=0,
         le=256,
-        description="segments encoded at once (not part of the bytes); 0: the cores this process may use // encoder_threads",
+        description="segments encoded at once (not part of the bytes); 0: the cores this process may use // "
+        "encoder_threads",
     )
     num_gpus: int = Field(
         1,
