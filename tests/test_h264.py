@@ -115,3 +115,13 @@ def test_nvenc_is_refused_at_the_settings_where_it_cannot_open_and_x264_is_not()
     # Without asking the machine (`check`, `ready`) the setting stands; x264 opens everywhere.
     assert load_settings(env={"H3_ENCODER": "nvenc"}, schema=EngineSettings, check_profile=False).encoder == "nvenc"
     assert load_settings(env={}, schema=EngineSettings).encoding == Encoding()
+
+
+@pytest.mark.parametrize("count", [1, 7, 8, 9, 16, 17])
+def test_any_frame_count_joins_into_a_stream_with_every_frame_once(clip, count: int) -> None:
+    frames, audio = clip
+    data = encode(frames[:count], audio[:, : round(count / 24 * 32000)], Encoding(segment=8, threads=1, workers=2))
+    verify_mp4(io.BytesIO(data), width=W, height=H, num_frames=count)
+    packets = video_packets(data)
+    assert sorted(p[0] for p in packets) == list(range(count))
+    assert {p[0] for p in packets if p[2]} == set(range(0, count, 8))
