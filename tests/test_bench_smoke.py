@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from h3serve.cli import main as cli_main
 from oracle import oracle
@@ -176,3 +177,19 @@ def test_encode_measures_every_setting_against_the_writer_before(tmp_path):
     record = json.loads(out.read_text())
     encode_checks(record, {"veryfast"})
     assert record["conversion"]["swscale_one_thread_ms"] > 0
+
+
+def test_a_full_size_build_that_cannot_fit_is_refused_at_once_naming_the_memory():
+    """`lib.models.check_room`: the weights the full-size random build puts on the GPU, counted on meta models (the
+    DiT 61.7 GiB as the released checkpoint's 33 B parameters in bf16 with fp32 islands), refused against an 80 GB
+    card's free memory before any is drawn, with how many main blocks would fit; a setting that fits passes."""
+    sys.path.insert(0, str(BENCH))
+    from lib.models import GIB, check_room, weights_bytes
+
+    parts = weights_bytes()
+    assert round(parts["dit"] / GIB, 1) == 61.7 and round(parts["text_encoder"] / GIB, 1) == 48.0
+    assert parts["dit"] == parts["dit_rest"] + 50 * parts["per_block"]
+    with pytest.raises(SystemExit, match=r"needs 120\.0 GiB .* and 79\.1 GiB is free: at most --blocks 16"):
+        check_room(torch.device("cuda"), parts, free=int(79.1 * GIB))
+    check_room(torch.device("cuda"), weights_bytes(16), free=int(79.1 * GIB))  # what it named fits
+    check_room(torch.device("cuda"), weights_bytes(dit_only=True), free=int(139 * GIB))  # an H200 holds the DiT

@@ -69,9 +69,53 @@ def released_configs() -> SimpleNamespace:
     )
 
 
+GIB = 2**30
+NOT_SUMMED = ("per_block", "dit_rest")
+
+
+def weights_bytes(blocks: int | None = None, dit_only: bool = False) -> dict[str, int]:
+    """What `build` (or `build_dit`) puts on the device, per component, counted on meta models: the DiT with `blocks`
+    main blocks (bf16, fp32 islands), the text encoder (bf16), the video VAE and the audio VAE (fp32); and, not part
+    of the sum (`NOT_SUMMED`), `per_block` (one main block's bytes) and `dit_rest` (the DiT's bytes outside them)."""
+    cfg = released_dit_config()
+    with torch.device("meta"):
+        dit = H3DiT(dataclasses.replace(cfg, num_layers=1))
+        parts: dict[str, int] = {}
+        per_block = sum(t.numel() * 2 for t in dit.blocks[0].state_dict().values())
+        other = sum(t.numel() * (4 if is_fp32_name(n) else 2) for n, t in dit.state_dict().items()) - per_block
+        parts["dit"] = other + per_block * (cfg.num_layers if blocks is None else blocks)
+        if not dit_only:
+            qwen = truncated_qwen3vl(Qwen3VLConfig.from_pretrained(str(REFERENCE / "text_encoder")), TEXT_ENCODER_LAYER,
+                                     vision=True)  # fmt: skip
+            parts["text_encoder"] = sum(t.numel() * 2 for t in qwen.parameters())
+            released = released_configs()
+            parts["video_vae"] = sum(t.numel() * 4 for t in VideoVAE(released.video_vae_config).state_dict().values())
+            parts["audio_vae"] = sum(t.numel() * 4 for t in AudioVAE(released.audio_vae_config).state_dict().values())
+    return parts | {"per_block": per_block, "dit_rest": other}
+
+
+def check_room(device: torch.device, parts: dict[str, int], free: int | None = None) -> None:
+    """Refuse at once, naming the memory, a build whose weights alone exceed what is free on `device` (before minutes
+    of drawing random weights end in an out-of-memory error): how many main blocks would fit (`--blocks`)."""
+    if device.type != "cuda" and free is None:
+        return
+    free = torch.cuda.mem_get_info(device)[0] if free is None else free
+    need = sum(v for k, v in parts.items() if k not in NOT_SUMMED)
+    if need <= free:
+        return
+    shown = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in parts.items() if k not in NOT_SUMMED)
+    fits = (free - (need - parts["dit"]) - parts["dit_rest"]) // parts["per_block"]
+    hint = f"at most --blocks {fits} (weights alone)" if fits > 0 else "not even one main block fits beside the rest"
+    raise SystemExit(
+        f"the full-size random model needs {need / GIB:.1f} GiB of weights on {device} ({shown} GiB; one DiT main "
+        f"block {parts['per_block'] / GIB:.2f} GiB) and {free / GIB:.1f} GiB is free: {hint}"
+    )
+
+
 def build_dit(device: torch.device, blocks: int | None = None) -> H3DiT:
     """The DiT at the released configuration (`blocks` main blocks when given), bf16 with its fp32 islands, random
-    weights."""
+    weights. Refused at once where the weights alone do not fit (`check_room`)."""
+    check_room(device, weights_bytes(blocks, dit_only=True))
     dit_cfg = released_dit_config()
     if blocks is not None:
         dit_cfg = dataclasses.replace(dit_cfg, num_layers=blocks)
@@ -87,7 +131,9 @@ def build_dit(device: torch.device, blocks: int | None = None) -> H3DiT:
 
 def build(device: torch.device, blocks: int | None = None) -> Components:
     """Every component at the released configuration with random weights (the DiT with `blocks` main blocks when
-    given: a smoke run's setting, which fits an 80 GB card beside the full-size text encoder)."""
+    given: a smoke run's setting, which fits an 80 GB card beside the full-size text encoder). Refused at once where
+    the weights alone do not fit (`check_room`)."""
+    check_room(device, weights_bytes(blocks))
     dit = build_dit(device, blocks)
 
     qwen_cfg = Qwen3VLConfig.from_pretrained(str(REFERENCE / "text_encoder"))
