@@ -106,7 +106,7 @@ def read_adapter(path: Path | str, scale: float = 1.0, *, config: DiTConfig) -> 
         targets=len(targets),
         ranks=tuple(sorted({d.rank for d in deltas if d.rank is not None})),
         alpha_scale=tuple(sorted({d.scale for d in deltas if d.down is not None})),
-        touches_adaln=any(_is_adaln(t) for t in targets),
+        touches_adaln=any(is_adaln(t) for t in targets),
         preset=preset,
         preset_note=note,
         shapes={t: names.shapes[t] for t in targets},
@@ -262,12 +262,12 @@ def _rows(slot: Slot, shape: tuple[int, ...]) -> int:
 
 
 def _pruned_hint(target: str) -> str:
-    if _is_adaln(target):
+    if is_adaln(target):
         return "; an AdaLN projection of another width: an adapter trained on a pruned base (AdaLN removed)?"
     return ""
 
 
-def _is_adaln(name: str) -> bool:
+def is_adaln(name: str) -> bool:
     return ".adaln_proj." in name or name.startswith("final_layer.adaln_proj.")
 
 
