@@ -38,7 +38,10 @@ Results go to `--out` as JSON after every step, so a run cut short keeps what it
         diffusers+compile --out bench/results/dit_step_kernels.json    # add --shape default for 1344x768x124
 
 `--only` picks our profiles by name; the peer runs eager and compiled unless `--only` names a `diffusers+` profile,
-then only those named (the errors against the peer need `diffusers+eager`). A CPU dry run of the plumbing:
+then only those named (the errors against the peer need `diffusers+eager`, or `diffusers+offload`). Where the peer
+does not fit the card resident (all 50 blocks with ours freed still take more than 80 GB at the default shape),
+`diffusers+offload` runs by itself: diffusers' group offloading, a block at a time with CUDA streams, what a diffusers
+user on that card has; name it to run it anyway. A CPU dry run of the plumbing:
 `--tiny` (`--shape default` then takes a tiny canvas 4x the tiny reference's rows; CPU ops instead of kernels).
 
 FA4 (FlashAttention-4's forward kernel, `accel.fa4`) runs only on a CUDA GPU of sm90 or newer with the `fa4` extra
@@ -362,10 +365,18 @@ def run_ours(rec: Record, args) -> tuple[dict, dict]:
     return outputs, {"weights": weights, "inputs": host_inputs, "dev": dev}
 
 
+PEER_EXECUTIONS = ("eager", "compile", "offload")
+
+
 @torch.no_grad()
 def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
+    """The peer's rows: eager and compiled with every weight on the device, and `diffusers+offload` (diffusers' own
+    group offloading, a block at a time, with CUDA streams: the path a diffusers user has where the model does not
+    fit the card) when named, or by itself when the resident peer ran out of memory."""
     dev = handoff["dev"]
-    model = peer.peer(handoff.pop("weights"), dev)
+    weights = handoff.pop("weights")
+    spec = {k: weights[k] for k in ("config", "inv_freq")}
+    model = peer.peer(weights, "cpu")  # placed per row: resident, or offloaded by diffusers' hooks
     h = {k: (v.to(dev) if torch.is_tensor(v) else v) for k, v in handoff["inputs"].items()}
     # The peer refines the text itself: the same states that went into ours' refine_text.
 
@@ -373,12 +384,25 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
         return peer.call_peer(model, h)
 
     named = [n for n in args.only or () if n.startswith("diffusers+")]
-    for execution in ("eager", "compile"):
+    for execution in PEER_EXECUTIONS:
         name = f"diffusers+{execution}"
-        if named and name not in named:
+        out_of_memory = "OutOfMemoryError" in rec.data["profiles"].get("diffusers+eager", {}).get("error", "")
+        if (named and name not in named) or (not named and execution == "offload" and not out_of_memory):
             continue
         entry: dict = {}
         try:
+            if execution == "offload":  # a fresh, uncompiled model over the same host tensors
+                model = peer.peer({**spec, "state": model.to("cpu").state_dict()}, "cpu")
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                stream = torch.device(dev).type == "cuda"
+                model.enable_group_offload(torch.device(dev), torch.device("cpu"), offload_type="block_level",
+                                           num_blocks_per_group=1, non_blocking=stream, use_stream=stream,
+                                           record_stream=stream)  # fmt: skip
+                entry["offload"] = f"block_level, 1 block a group, streams {stream}"
+            else:
+                model.to(dev)
             if execution == "compile":
                 model.compile_repeated_blocks(fullgraph=True)
             reset_peak()
@@ -397,6 +421,9 @@ def run_peer(rec: Record, args, handoff: dict, outputs: dict) -> None:
                 entry["kernels"], entry["kernel_breakdown"] = kernel_table(run)
         except Exception as err:
             entry["error"] = f"{type(err).__name__}: {err}"[:2000]
+            model.to("cpu")  # what did not fit goes back to the host for the next row
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         rec.data["profiles"][name] = entry
         rec.save()
         print(name, {k: v for k, v in entry.items() if k not in ("kernels", "kernel_breakdown")}, flush=True)
@@ -507,8 +534,10 @@ def main() -> None:
     rec = Record(args.out)
     outputs, handoff = run_ours(rec, args)
     run_peer(rec, args, handoff, outputs)
-    reference = outputs.get("diffusers+eager")
-    peer_ms = {k: rec.data["profiles"].get(k, {}).get("ms_median") for k in ("diffusers+eager", "diffusers+compile")}
+    # The peer's eager output is the reference; offloaded, it is the same computation (where eager did not fit).
+    reference = outputs.get("diffusers+eager", outputs.get("diffusers+offload"))
+    peers = [f"diffusers+{e}" for e in PEER_EXECUTIONS]
+    peer_ms = {k: rec.data["profiles"].get(k, {}).get("ms_median") for k in peers}
     for name, (video, audio) in outputs.items():
         entry = rec.data["profiles"][name]
         if reference is not None:

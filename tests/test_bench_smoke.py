@@ -85,6 +85,20 @@ def test_dit_step_tiny_measures_one_profile_and_the_peer(tmp_path):
     assert ours["rerun_bitwise_identical"] and ours["rel_err_video_vs_peer_eager"] < 1e-2
 
 
+def test_dit_step_tiny_runs_the_peer_offloaded_by_diffusers_to_the_same_numbers(tmp_path):
+    """`diffusers+offload`: diffusers' own group offloading (a block at a time), the peer's row where it does not fit
+    the card resident; on the CPU the plumbing and the numbers: bit for bit the peer's eager forward."""
+    oracle("diffusers")
+    out = tmp_path / "dit_step.json"
+    only = "TORCH_SDPA+eager+BF16,diffusers+eager,diffusers+offload"
+    script("dit_step", "--tiny", "--only", only, "--warmup", "0", "--iters", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    no_errors(record)
+    offloaded = record["profiles"]["diffusers+offload"]
+    assert offloaded["offload"].startswith("block_level") and offloaded["rerun_bitwise_identical"]
+    assert offloaded["rel_err_video_vs_peer_eager"] == 0 and offloaded["rel_err_audio_vs_peer_eager"] == 0
+
+
 @pytest.fixture(scope="module")
 def split_record(tmp_path_factory) -> Path:
     """`dit_step.py --tiny --num-gpus 1`: the plain forward in one spawned rank, and its scaling table."""

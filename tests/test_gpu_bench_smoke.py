@@ -87,7 +87,7 @@ def decode_batch(r: dict) -> None:
     assert r["profile"]["batch"] in (1, 2) and set(r["launch"]) == {"rows", "norm", "qk"}
 
 
-PROFILES_DIT_STEP = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+CUTLASS", "diffusers+eager")
+PROFILES_DIT_STEP = ("CUDNN_ATTN+eager+BF16", "CUDNN_ATTN+compile+CUTLASS", "diffusers+eager", "diffusers+offload")
 
 
 def dit_step(r: dict) -> None:
@@ -97,6 +97,8 @@ def dit_step(r: dict) -> None:
         assert entry["ms_median"] > 0 and entry["rerun_bitwise_identical"], (name, entry)
         assert "rel_err_video_vs_peer_eager" in entry, name
     assert r["profiles"]["CUDNN_ATTN+compile+CUTLASS"]["recompiles"] == 0
+    offloaded = r["profiles"]["diffusers+offload"]  # diffusers' group offloading with streams: the same numbers
+    assert offloaded["rel_err_video_vs_peer_eager"] == 0 and "streams True" in offloaded["offload"], offloaded
 
 
 def encode(r: dict) -> None:
