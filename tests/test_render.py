@@ -65,6 +65,7 @@ def test_render_each_mode_writes_a_valid_mp4(tmp_path, keyframes, mode, flags, s
     assert code == 0, err
     assert f"h3serve: {mode} {size[0]}x{size[1]} {frames} frames" in err
     assert f"wrote {out}" in err and "denoise" in err
+    assert "(after the decode; x264 ultrafast crf 18, 8 threads, segments of 62 frames)" in err  # what made the bytes
     info = probe_mp4(out)
     assert (info.video_codec, info.pixel_format, info.width, info.height) == ("h264", "yuv420p", *size)
     assert info.fps == 24.0 and info.frame_count == frames and (frames - 5) % 17 == 0

@@ -371,7 +371,7 @@ def _report(args: argparse.Namespace, request, result, writer, load_s: float, en
     print(
         f"wrote {args.output}: {writer.frames} frames {request.width}x{request.height} at {result.fps} fps, "
         f"{result.audio.shape[1] / result.sample_rate:.2f} s stereo {result.sample_rate} Hz | load {load_s:.2f}s "
-        f"{stages} encode {encode_s:.2f}s (after the decode) "
+        f"{stages} encode {encode_s:.2f}s (after the decode; {writer.encoding.describe()}) "
         f"total {load_s + result.timings['total'] + encode_s:.2f}s{cache_note}",
         file=sys.stderr,
     )
