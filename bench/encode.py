@@ -21,6 +21,7 @@ import io
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from lib.mp4_before import write_mp4_before
 from lib.timing import run_header
 
 from h3serve.media.encoding import Encoding
-from h3serve.media.mp4 import FrameStream, decode_frames, encode_mp4, write_mp4
+from h3serve.media.mp4 import FrameStream, Mp4Writer, decode_frames, encode_mp4
 from h3serve.media.yuv import rgb_to_i420
 from h3serve.pipeline.decode import to_host
 
@@ -146,10 +147,6 @@ def tail(frames: np.ndarray, width: int, height: int, audio: np.ndarray, pace_s:
     """Frames put in 4 windows `pace_s` apart (the decode's pace) into a writer on its own thread, as a render's
     `Mp4Writer`; the seconds from the last window to the complete file. encoding None: today's writer, whose frames
     were RGB and whose encode began with the first window as this one's does."""
-    import threading
-
-    from h3serve.media.mp4 import Mp4Writer
-
     windows = np.array_split(np.arange(len(frames)), 4)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "out.mp4"
@@ -157,22 +154,22 @@ def tail(frames: np.ndarray, width: int, height: int, audio: np.ndarray, pace_s:
             stream = FrameStream(width, height, depth=0)
             thread = threading.Thread(target=write_mp4_before, args=(path, stream, audio, width, height))
             thread.start()
-            started = time.perf_counter()
-            for rows in windows:
-                time.sleep(pace_s)
-                stream.put(rgb[rows])
-            last = time.perf_counter()
-            stream.close()
-            thread.join()
+            put, source = stream.put, rgb
+
+            def finish() -> None:
+                stream.close()
+                thread.join()
+
         else:
             writer = Mp4Writer(path, encoding=encoding)
             writer.begin(audio, 32000, 24, width, height)
-            started = time.perf_counter()
-            for rows in windows:
-                time.sleep(pace_s)
-                writer.put(frames[rows])
-            last = time.perf_counter()
-            writer.finish()
+            put, source, finish = writer.put, frames, writer.finish
+        started = time.perf_counter()
+        for rows in windows:
+            time.sleep(pace_s)
+            put(source[rows])
+        last = time.perf_counter()
+        finish()
         end = time.perf_counter()
     return {"decode_s": round(last - started, 3), "tail_s": round(end - last, 3)}
 
@@ -229,8 +226,6 @@ def main() -> None:
             record["conversion"] = conversion(rgb_dev, rgb)
             print("conversion", record["conversion"], flush=True)
         args.out.write_text(json.dumps(record, indent=1))
-    with tempfile.TemporaryDirectory() as folder:  # the writer's own path once, to a file
-        write_mp4(Path(folder) / "check.mp4", rgb[:24], tone(1.0))
 
 
 def swscale(rgb: np.ndarray) -> np.ndarray:
