@@ -73,27 +73,18 @@ def test_bench_help_names_every_script(capsys):
     assert sorted(choices) == sorted(p.stem.replace("_", "-") for p in BENCH.glob("*.py"))
 
 
-def test_dit_step_tiny_measures_one_profile_and_the_peer(tmp_path):
-    oracle("diffusers")
-    out = tmp_path / "dit_step.json"
-    only = "TORCH_SDPA+eager+BF16,diffusers+eager"
-    script("dit_step", "--tiny", "--only", only, "--warmup", "0", "--iters", "1", "--out", str(out))
-    record = json.loads(out.read_text())
-    no_errors(record)
-    assert set(record["profiles"]) == set(only.split(",")) and record["shape"]["name"] == "reference (tiny)"
-    ours = record["profiles"]["TORCH_SDPA+eager+BF16"]
-    assert ours["rerun_bitwise_identical"] and ours["rel_err_video_vs_peer_eager"] < 1e-2
-
-
-def test_dit_step_tiny_runs_the_peer_offloaded_by_diffusers_to_the_same_numbers(tmp_path):
-    """`diffusers+offload`: diffusers' own group offloading (a block at a time), the peer's row where it does not fit
-    the card resident; on the CPU the plumbing and the numbers: bit for bit the peer's eager forward."""
+def test_dit_step_tiny_measures_one_profile_and_the_peer_resident_and_offloaded(tmp_path):
+    """Ours against the peer; `diffusers+offload` (diffusers' own group offloading, a block at a time: the peer's row
+    where it does not fit the card resident) bit for bit the peer's eager forward."""
     oracle("diffusers")
     out = tmp_path / "dit_step.json"
     only = "TORCH_SDPA+eager+BF16,diffusers+eager,diffusers+offload"
     script("dit_step", "--tiny", "--only", only, "--warmup", "0", "--iters", "1", "--out", str(out))
     record = json.loads(out.read_text())
     no_errors(record)
+    assert set(record["profiles"]) == set(only.split(",")) and record["shape"]["name"] == "reference (tiny)"
+    ours = record["profiles"]["TORCH_SDPA+eager+BF16"]
+    assert ours["rerun_bitwise_identical"] and ours["rel_err_video_vs_peer_eager"] < 1e-2
     offloaded = record["profiles"]["diffusers+offload"]
     assert offloaded["offload"].startswith("block_level") and offloaded["rerun_bitwise_identical"]
     assert offloaded["rel_err_video_vs_peer_eager"] == 0 and offloaded["rel_err_audio_vs_peer_eager"] == 0
