@@ -344,13 +344,8 @@ class EngineSettings(BaseModel):
     @property
     def encoding(self) -> Encoding:
         """The MP4's video encode these settings select (checked by `_encoder_rules`)."""
-        x264 = self.encoder == "x264"
-        preset = self.encoder_preset or (ENCODER_PRESET if x264 else NVENC_PRESET)
-        segment = self.encoder_segment_frames
-        if segment is None:
-            segment = ENCODER_SEGMENT_FRAMES if x264 else 0
-        workers = self.encoder_workers
-        return Encoding(self.encoder, preset, threads=self.encoder_threads, segment=segment, workers=workers)
+        return Encoding.of(self.encoder, self.encoder_preset, threads=self.encoder_threads,
+                           segment=self.encoder_segment_frames, workers=self.encoder_workers)  # fmt: skip
 
     @property
     def ranks(self) -> int:

@@ -27,6 +27,23 @@ class Encoding:
     segment: int = ENCODER_SEGMENT_FRAMES  # frames per segment; 0: one stream
     workers: int = 0  # segments encoded at once; 0: the cores this process may use // threads (at least 1)
 
+    @classmethod
+    def of(
+        cls,
+        encoder: str = "x264",
+        preset: str | None = None,
+        *,
+        threads: int = ENCODER_THREADS,
+        segment: int | None = None,
+        workers: int = 0,
+    ) -> Encoding:
+        """An encoding whose unset preset and segment length are the encoder's defaults (x264: `ENCODER_PRESET` in
+        segments of `ENCODER_SEGMENT_FRAMES`; nvenc: `NVENC_PRESET`, one stream)."""
+        x264 = encoder == "x264"
+        preset = preset or (ENCODER_PRESET if x264 else NVENC_PRESET)
+        segment = (ENCODER_SEGMENT_FRAMES if x264 else 0) if segment is None else segment
+        return cls(encoder, preset, threads=threads, segment=segment, workers=workers)
+
     def check(self) -> None:
         """Refuse a setting outside what the encoder takes, naming the field and what is allowed."""
         if self.encoder not in ENCODERS:
