@@ -148,8 +148,8 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None,
             # Previews (`--preview-every`): taken in the timed render only, so `identical_to_first` compares a render
             # with previews against one without.
             keep = lambda p, previews=previews, start=start: previews.append((time.perf_counter() - start, p))  # noqa: E731
-            path = None if name is None else mp4 / f"{name.replace('/', '-')}.mp4"
-            writer = None if path is None else Mp4Writer(path, encoding=encoding_of(name))
+            encoding = None if name is None else encoding_of(name)
+            writer = None if name is None else Mp4Writer(mp4 / f"{name.replace('/', '-')}.mp4", encoding=encoding)
             ctx = RenderContext(on_preview=keep if request.preview_every else None, frames_to=writer)
             second = engine.render(request, ctx)
             if writer is not None:
@@ -157,13 +157,13 @@ def timed(engine, request, warmup_steps: int | None, mp4: Path | None = None,
                 writer.finish()
                 end = time.perf_counter() - start
                 entry.setdefault("mp4", {})[name] = {
-                    "encoding": encoding_of(name).describe(), "render_returned_s": round(returned, 3),
+                    "encoding": encoding.describe(), "render_returned_s": round(returned, 3),
                     "end_to_end_s": round(end, 3), "tail_s": round(end - returned, 3),
                     "bytes": writer.path.stat().st_size,
                 }  # fmt: skip
                 if warm is request and first.frames is not None:  # streamed bytes against the warmup's frames, whole
                     whole = io.BytesIO()
-                    encode_mp4(whole, first.frames, first.audio, encoding=encoding_of(name))
+                    encode_mp4(whole, first.frames, first.audio, encoding=encoding)
                     same = whole.getvalue() == writer.path.read_bytes()
                     entry["mp4"][name]["identical_to_first"] = same
                     entry["identical_to_first"] = entry.get("identical_to_first", True) and same
