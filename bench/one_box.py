@@ -31,9 +31,9 @@ from lib.timing import run_header
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from h3serve.accel.adaln import is_block_adaln
 from h3serve.accel.compile import uncompile_repeated_blocks
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.pipeline.budget import GIB, PROCESS_HOST_GIB, plan_budget
 from h3serve.pipeline.engine import Engine
 from h3serve.pipeline.request import RequestFields

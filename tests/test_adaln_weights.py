@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from h3serve.accel.adaln import AdalnTables, is_block_adaln
+from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.profile import Profile
+from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.pipeline.layout import MediaGeometry, build_layout
 from h3serve.pipeline.request import RequestFields
 from h3serve.pipeline.sampling import step_timesteps

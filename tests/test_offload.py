@@ -413,7 +413,7 @@ def test_an_engine_refuses_to_stream_humming_weights():
 def test_a_load_sends_exactly_the_streamed_tensors_to_host_memory_by_the_names_it_reads():
     """The load hooks' predicates against the names the loaders pass them: the DiT's own and the Qwen3-VL model's
     (`checkpoint.text_encoder` loads the model the text encoder wraps)."""
-    from h3serve.accel.adaln import is_block_adaln
+    from h3serve.checkpoint.adapters.read import is_block_adaln
     from h3serve.model.tiny import tiny_components
 
     components = tiny_components()

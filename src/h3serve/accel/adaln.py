@@ -27,6 +27,7 @@ import torch
 from torch.func import functional_call
 
 from h3serve.accel.profile import TABLES_KEPT, AdalnWeights
+from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.config import DEFAULT_STEPS
 from h3serve.model.dit import H3DiT, is_fp32_name, pad_table
 
@@ -46,11 +47,6 @@ class ScheduleTables(Sequence[list[torch.Tensor]]):
 
     def __getitem__(self, step: int) -> list[torch.Tensor]:  # type: ignore[override]
         return [t.to(self.device, non_blocking=True) for t in self.tables[step]]
-
-
-def is_block_adaln(name: str) -> bool:
-    """Whether a DiT tensor name is a block's AdaLN projection (what waits in host memory off the device)."""
-    return name.startswith("blocks.") and ".adaln_proj." in name
 
 
 class AdalnHostHook:
@@ -135,17 +131,19 @@ class AdalnTables:
             return {n: p.to(self.device, non_blocking=True) for n, p in proj.named_parameters()}
         out = {}
         for n, p in proj.named_parameters():  # mapped: read from the page cache (or the disk) into a fresh tensor
-            name = f"blocks.{index}.adaln_proj.{n}"
+            # The checkpoint's name: a run-time adapter's wrapper (`accel.lora`) holds the linear as its `base`.
+            name = f"blocks.{index}.adaln_proj.{n}".replace(".base.", ".")
             dtype = torch.float32 if is_fp32_name(name) else self.dit.compute_dtype  # as the loader would place it
             fresh = torch.empty(p.shape, dtype=dtype, device=self.device).copy_(p)
             out[n] = fresh if self.merge is None else self.merge.transform(name, fresh)[name]
         return out
 
     @torch.no_grad()
-    def for_steps(self, timesteps: Sequence[torch.Tensor]) -> ScheduleTables:
+    def for_steps(self, timesteps: Sequence[torch.Tensor], adapters: tuple = ()) -> ScheduleTables:
         """Tables for a schedule given as each step's distinct timesteps ((M_i,) float32, as `timestep_plan` gives
-        them). Cached by the exact values."""
-        key = tuple(v for t in timesteps for v in t.tolist()) + tuple(len(t) for t in timesteps)
+        them). Cached by the exact values and `adapters`: the run-time adapter set applied now, where it changes the
+        AdaLN projections (`accel.lora.RuntimeAdapters.adaln_key`; the projections are called with it applied)."""
+        key = (tuple(v for t in timesteps for v in t.tolist()), tuple(len(t) for t in timesteps), adapters)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from h3serve.accel import attention, fused, humming, linear
-from h3serve.accel.adaln import AdalnHostHook, is_block_adaln
+from h3serve.accel.adaln import AdalnHostHook
 from h3serve.accel.blocks import BlockStack
 from h3serve.accel.compile import Compiler, GraphCounter
 from h3serve.accel.linear import Fp8LoadHook, TextFp8LoadHook
@@ -27,6 +27,7 @@ from h3serve.accel.vae import (
     set_decoder_passes,
     set_tile_batch,
 )
+from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.checkpoint.safetensors import chain
 from h3serve.model import ops
 from h3serve.model.dit import Attention, Block

@@ -298,8 +298,9 @@ def exact_passes(passes: BlockPasses) -> BlockPasses:
 
 
 def _fp8(linear: torch.nn.Module) -> bool:
-    """Whether the pass before `linear` quantizes its output for it (an FP8 GEMM's input)."""
-    return isinstance(linear, Fp8Linear)
+    """Whether the pass before `linear` quantizes its output for it (an FP8 GEMM's input): an Fp8Linear, or a
+    run-time adapter's wrapper around one (`accel.lora.LoraLinear`, which takes the same rows)."""
+    return isinstance(linear, Fp8Linear) or isinstance(getattr(linear, "base", None), Fp8Linear)
 
 
 def _project(linear: torch.nn.Module, h: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

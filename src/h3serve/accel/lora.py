@@ -1,121 +1,149 @@
-"""Adapters applied at run time instead of merged (issue 57, the engine's side; not yet reachable from a request): each
-linear an adapter targets gets its low-rank delta added beside it, `y = base(x) + (x @ down.T) @ up.T`, from buffers
-made once, at the rank every declared adapter together needs, so switching adapters copies into them and changes no
-shape (a compiled graph stays as it is). The base may be any linear (BF16, CUTLASS FP8, HUMMING): the delta is its
-own product in the compute dtype.
+"""Adapters applied at run time instead of merged (`H3_ADAPTERS`): each linear a declared adapter targets gets its
+low-rank delta added beside it, `y = base(x) + (x @ down.T) @ up.T`, from device buffers made once at the rank the
+declared adapters need (`checkpoint.adapters.library.buffer_ranks`: the `max_active` largest ranks at each target,
+padded to the largest of its role so every block is alike). A switch copies factors into them and changes no shape,
+so a compiled graph stays as it is. The base may be any linear (BF16, CUTLASS FP8, HUMMING): the delta is its own
+product in the compute dtype (float32 for the fp32 heads). An FP8 base's fused passes hand it quantized rows
+(`matmul_rows`): the delta reads them dequantized, the input a merged FP8 weight would have read.
 
-A target's buffers hold, side by side along the rank, every delta that may land on it: its own rank slice for each
-(the fused QKV takes q's, k's and v's factors in their rows). `activate` fills the slices of the chosen adapters
-(their up factors times the file's alpha/rank and the request's scale, made in float32, rounded once) and zeroes the
-rest; a target none of them touches runs its base alone, so a forward with no adapter active is bit for bit the
-plain model's.
+`activate` packs the chosen adapters' factors side by side along the rank (their up factors times the file's
+alpha / rank and the request's scale, made in float32, rounded once), zeroes the rest, and turns every wrapper on or
+off together (two compiled variants at most: on and off). With none chosen every wrapper runs its base alone, so a
+render without an adapter is bit for bit the plain model's.
 
-What is refused (an `AdapterError` naming the file and key), where merging (`H3_LORA`) stays the way: full-rank
-deltas (a bias or a norm's difference), and adapters that change an AdaLN projection (its modulation tables are
-made from the weights, once per schedule: per adapter, they are not made yet).
+A block's AdaLN projection is wrapped like any linear: its modulation tables are made by calling it, so the tables
+of an adapter set that changes AdaLN are made with the delta, once per schedule and adapter set
+(`AdalnTables.for_steps(key=...)`: `adaln_key`).
+
+Full-rank deltas are refused when the adapters are declared (`AdapterLibrary`): merging (`H3_LORA`) applies them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3serve.checkpoint.adapters.formats import AdapterError, Delta
-from h3serve.checkpoint.adapters.read import Adapter, is_adaln
+from h3serve.checkpoint.adapters.formats import Names
+from h3serve.checkpoint.adapters.library import AdapterLibrary, Catalog, buffer_ranks
+from h3serve.checkpoint.adapters.read import is_block_adaln
+from h3serve.model.dit import is_fp32_name
+
+BUFFERS = ("lora_down", "lora_up")  # a wrapper's buffers: resident on the compute device, never streamed
 
 
 class LoraLinear(nn.Module):
-    """A linear with an adapter's slot beside it: `down` (rank, in) and `up` (out, rank) in the compute dtype; the
-    delta is added only while `active`."""
+    """A linear with an adapter slot beside it: `lora_down` (rank, in) and `lora_up` (out, rank); the delta is added
+    only while `active`."""
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, rank: int, dtype, device):
+    def __init__(self, base: nn.Module, rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.base = base
-        self.register_buffer("down", torch.zeros(rank, in_features, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("up", torch.zeros(out_features, rank, dtype=dtype, device=device), persistent=False)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.register_buffer("lora_down", torch.zeros(rank, self.in_features, dtype=dtype, device=device),
+                             persistent=False)  # fmt: skip
+        self.register_buffer("lora_up", torch.zeros(self.out_features, rank, dtype=dtype, device=device),
+                             persistent=False)  # fmt: skip
         self.active = False
+
+    def _delta(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.lora_down), self.lora_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.active:
             return y
-        return y + F.linear(F.linear(x.to(self.down.dtype), self.down), self.up).to(y.dtype)
+        return y + self._delta(x.to(self.lora_down.dtype)).to(y.dtype)
+
+    def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An FP8 base on rows its pass already quantized (`accel.fused`); the delta reads them dequantized."""
+        y = self.base.matmul_rows(q, scale, dtype)
+        if not self.active:
+            return y
+        x = (q.to(torch.float32) * scale).to(self.lora_down.dtype)
+        return y + self._delta(x).to(y.dtype)
 
 
 @dataclass(frozen=True)
-class _Slice:
-    """Where one delta lives in its target's buffers: rank columns `start : start + rank`, output rows from `row`."""
+class Activation:
+    """What one `activate` did: the adapters now applied, the seconds it took and, of those, the reads from disk (an
+    adapter the host cache had given up)."""
 
-    adapter: str
-    delta: Delta
-    start: int
+    chosen: tuple[tuple[str, float], ...]
+    seconds: float
+    read_seconds: float
+    switched: bool  # False: the same set as before, nothing copied
 
 
 class RuntimeAdapters:
-    """The declared adapters, by name, applied at run time to `dit`: `activate([(name, scale), ...])` before a forward,
-    `activate([])` for the plain model. Wrapping happens here, once; every target's buffers are on the device of its
-    linear, in `dtype` (the DiT's compute dtype)."""
+    """The declared adapters (`library`) that suit the DiT of `kind` (a preset for the other DiT is left out), applied
+    at run time to `dit`: `activate([(name, scale), ...])` before a forward, `activate([])` for the plain model.
+    Wrapping happens here, once, after the profile's linears are made and before the placement streams any block;
+    every buffer is on `device` in `dtype` (the DiT's compute dtype; float32 at an fp32 head)."""
 
-    def __init__(self, dit: nn.Module, adapters: Mapping[str, Adapter], dtype: torch.dtype):
-        self.adapters = dict(adapters)
-        slices: dict[str, list[_Slice]] = {}
-        for name, adapter in self.adapters.items():
-            full = next((d for d in adapter.deltas if d.down is None), None)
-            if full is not None:
-                raise AdapterError(adapter.path, f"has a full-rank delta on {full.target}: merge it at load (H3_LORA) "
-                                   "instead of applying it per request", key=full.key)  # fmt: skip
-            if adapter.touches_adaln:
-                first = next(d for d in adapter.deltas if is_adaln(d.target))
-                raise AdapterError(adapter.path, "changes an AdaLN projection: merge it at load (H3_LORA) instead of "
-                                   "applying it per request", key=first.key)  # fmt: skip
-            for delta in adapter.deltas:
-                target = slices.setdefault(delta.target, [])
-                start = target[-1].start + target[-1].delta.rank if target else 0
-                target.append(_Slice(name, delta, start))
-        self._slices = slices
+    def __init__(self, dit: nn.Module, library: AdapterLibrary, kind: str | None, dtype: torch.dtype, device):
+        self.library = library
+        usable = {n: e for n, e in library.catalog.entries.items() if e.dit_kind in (None, kind)}
+        self.names = tuple(usable)
+        self.adaln = frozenset(n for n, e in usable.items() if any(is_block_adaln(t) for t in e.ranks))
+        ranks = buffer_ranks(Catalog(usable, library.catalog.max_active), Names.of(dit.config).shapes)
         self.linears: dict[str, LoraLinear] = {}
-        for target, parts in slices.items():
-            module_name = target.removesuffix(".weight")
-            parent_name, _, leaf = module_name.rpartition(".")
+        for target, rank in ranks.items():
+            parent_name, _, leaf = target.removesuffix(".weight").rpartition(".")
             parent = dit.get_submodule(parent_name)
             base = getattr(parent, leaf)
-            if not target.endswith(".weight") or not hasattr(base, "in_features"):
-                raise AdapterError(self.adapters[parts[0].adapter].path, f"targets {target}, which is no linear's "
-                                   "weight", key=parts[0].delta.key)  # fmt: skip
-            rank = parts[-1].start + parts[-1].delta.rank
-            device = next(base.parameters()).device
-            wrapped = LoraLinear(base, base.in_features, base.out_features, rank, dtype, device)
+            wrapped = LoraLinear(base, rank, torch.float32 if is_fp32_name(target) else dtype, torch.device(device))
             setattr(parent, leaf, wrapped)
             self.linears[target] = wrapped
         self.chosen: tuple[tuple[str, float], ...] = ()
 
+    def adaln_key(self, chosen: Sequence[tuple[str, float]] | None = None) -> tuple:
+        """What a schedule's AdaLN tables depend on besides the timesteps: the chosen set when one of them changes a
+        block's AdaLN projection, else nothing (the plain tables serve)."""
+        chosen = self.chosen if chosen is None else tuple(chosen)
+        return chosen if any(name in self.adaln for name, _ in chosen) else ()
+
     @torch.no_grad()
-    def activate(self, chosen: Sequence[tuple[str, float]]) -> None:
+    def activate(self, chosen: Sequence[tuple[str, float]]) -> Activation:
         """Apply these adapters with these scales from the next forward on (none: the plain model)."""
-        scales = dict(chosen)
-        unknown = [name for name in scales if name not in self.adapters]
-        if unknown or len(scales) != len(chosen):
-            raise ValueError(f"adapters must be declared ones, each once: {', '.join(self.adapters) or 'none'}; got "
-                             f"{[name for name, _ in chosen]}")  # fmt: skip
-        for target, parts in self._slices.items():
-            linear = self.linears[target]
-            linear.down.zero_()
-            linear.up.zero_()
-            used = [p for p in parts if p.adapter in scales]
-            for p in used:
-                d, rank = p.delta, p.delta.rank
-                up = d.up.to(torch.float32) * (d.scale * self.adapters[p.adapter].scale * scales[p.adapter])
-                linear.down[p.start : p.start + rank].copy_(d.down)
-                linear.up[d.row : d.row + up.shape[0], p.start : p.start + rank].copy_(up)
-            linear.active = bool(used)
-        self.chosen = tuple(chosen)
+        chosen = tuple((name, float(scale)) for name, scale in chosen)
+        names = [name for name, _ in chosen]
+        if any(n not in self.names for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"adapters must be declared ones for this DiT, each once: {', '.join(self.names) or 'none'}"
+                             f"; got {names}")  # fmt: skip
+        if len(chosen) > self.library.catalog.max_active:
+            raise ValueError(f"at most {self.library.catalog.max_active} adapters at once; got {len(chosen)}")
+        if chosen == self.chosen:
+            return Activation(chosen, 0.0, 0.0, False)
+        start, read = time.perf_counter(), 0.0
+        for linear in self.linears.values():
+            linear.lora_down.zero_()
+            linear.lora_up.zero_()
+        filled: dict[str, int] = {}
+        for name, scale in chosen:
+            adapter, seconds = self.library.get(name)
+            read += seconds
+            for d in adapter.deltas:
+                linear = self.linears[d.target]
+                first = filled.get(d.target, 0)
+                cols = slice(first, first + d.rank)
+                linear.lora_down[cols].copy_(d.down, non_blocking=True)
+                # Out of place: on a CPU `.to` returns the library's own tensor.
+                up = d.up.to(linear.lora_up.device, non_blocking=True).to(torch.float32) * (d.scale * scale)
+                linear.lora_up[d.row : d.row + up.shape[0], cols].copy_(up)
+                filled[d.target] = first + d.rank
+        for linear in self.linears.values():
+            linear.active = bool(chosen)
+        if self.linears and next(iter(self.linears.values())).lora_up.is_cuda:
+            torch.cuda.synchronize(next(iter(self.linears.values())).lora_up.device)
+        self.chosen = chosen
+        return Activation(chosen, time.perf_counter() - start, read, True)
 
     @property
     def buffer_bytes(self) -> int:
         """Device memory the adapters' buffers take."""
-        return sum(m.down.numel() * m.down.element_size() + m.up.numel() * m.up.element_size()
-                   for m in self.linears.values())  # fmt: skip
+        return sum(t.numel() * t.element_size() for m in self.linears.values() for t in (m.lora_down, m.lora_up))

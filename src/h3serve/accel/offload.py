@@ -350,11 +350,12 @@ def attach(
     video_vae_visits: bool = False,
     slots: int = 2,
 ) -> Offloaded:
-    """Stream `dit_streamed` blocks of each DiT (their AdaLN weights apart), the text encoder's decoder layers, and
+    """Stream `dit_streamed` blocks of each DiT (their AdaLN weights and adapter buffers apart), the text encoder's decoder layers, and
     let the video VAE visit, on loaded components (`model.components.Components`), after every transform of their
     weights (`accel.apply`). The DiT's streamer is the innermost layer of its block stack (`accel.blocks`)."""
-    from h3serve.accel.adaln import is_block_adaln
     from h3serve.accel.blocks import BlockStack
+    from h3serve.accel.lora import BUFFERS as LORA_BUFFERS
+    from h3serve.checkpoint.adapters.read import is_block_adaln
 
     out = Offloaded()
     blocks_of = {len(dit.blocks) for dit in components.dits.values()}
@@ -363,7 +364,9 @@ def attach(
     if dit_streamed:
         for kind, dit in components.dits.items():
             blocks = [dit.blocks[i] for i in dit_streamed]
-            streamer = Streamer(blocks, device, slots, skip=lambda name: is_block_adaln(f"blocks.0.{name}"))
+            # AdaLN weights make tables, not forwards; run-time adapters' buffers stay on the device (`accel.lora`).
+            skip = lambda name: is_block_adaln(f"blocks.0.{name}") or name.rpartition(".")[2] in LORA_BUFFERS  # noqa: E731
+            streamer = Streamer(blocks, device, slots, skip=skip)
             out.dits[kind] = streamer
             stack = BlockStack.of(dit)
             stack.wrappers.insert(0, StreamedBlocks(streamer, dit_streamed))

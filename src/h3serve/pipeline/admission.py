@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from h3serve.checkpoint.adapters.library import MAX_SCALE, Catalog
 from h3serve.config import AUDIO_SHIFT, CLIP_FRAMES, DEFAULT_STEPS, VIDEO_SHIFT, DiTConfig
-from h3serve.errors import SettingError, env_name, label
+from h3serve.errors import SettingError, env_name, label, shown
 from h3serve.pipeline.budget import PLANNED_TEXT_ROWS, largest_request_rows
 from h3serve.pipeline.layout import MediaGeometry, build_layout, build_ref2va_layout
 from h3serve.pipeline.references import reference_descriptors
@@ -88,6 +90,18 @@ def check_adapter_kinds(adapters, task_type: str) -> None:
             )
 
 
+def check_declared_kinds(catalog: Catalog, task_type: str) -> None:
+    """SettingError("adapters") for a declared run-time adapter trained for a DiT this server does not load."""
+    kinds = TASK_TYPES[task_type]
+    for entry in catalog.entries.values():
+        if entry.dit_kind is not None and entry.dit_kind not in kinds:
+            raise SettingError(
+                "adapters",
+                f"{entry.name} ({entry.path}): an adapter for the {entry.dit_kind} DiT, but this server loads "
+                f"{' and '.join(kinds)} ({label('task_type')} {task_type})",
+            )
+
+
 def trained_tasks(adapters) -> tuple[str, ...] | None:
     """The only tasks the adapters were distilled for (the first preset that restricts them), or None: any."""
     return next((tuple(a.preset.tasks) for a in adapters if a.preset is not None and a.preset.tasks), None)
@@ -104,6 +118,8 @@ class Admission:
     trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
     max_rows: int | None = None  # packed rows the device memory admits (`pipeline.placement`; None: the rules')
     ranks: int = 1  # processes one render runs on (H3_NUM_GPUS x H3_NNODES): a split render's shape rules below
+    catalog: Catalog = Catalog()  # the adapters a request may apply at run time (H3_ADAPTERS)
+    merged: tuple = ()  # the merged adapters (H3_LORA), their deltas dropped: their presets come first
 
     @classmethod
     def build(
@@ -115,9 +131,11 @@ class Admission:
         adapters: Sequence = (),
         max_rows: int | None = None,
         ranks: int = 1,
+        catalog: Catalog = Catalog(),
     ) -> Admission:
-        """What an engine that loads the DiTs of `task_type` (with `adapters` merged, and a step cache or not)
-        accepts: the one constructor, used by the engine and by the start-up plan before any weight loads."""
+        """What an engine that loads the DiTs of `task_type` (with `adapters` merged, `catalog` declared for run
+        time, and a step cache or not) accepts: the one constructor, used by the engine and by the start-up plan
+        before any weight loads."""
         kinds = TASK_TYPES[task_type]
         return cls(
             tasks=tuple(t for t in Task if dit_kind(t) in kinds),
@@ -129,6 +147,8 @@ class Admission:
             trained_tasks=trained_tasks(adapters),
             max_rows=max_rows,
             ranks=ranks,
+            catalog=catalog,
+            merged=tuple(dataclasses.replace(a, deltas=()) for a in adapters),
         )
 
     @property
@@ -165,14 +185,69 @@ class Admission:
             f"and serves only {', '.join(self.tasks)}; restart it with {label('task_type')} set to include it",
         )
 
-    def check_trained_task(self, task: str) -> None:
-        """RequestError("task") for a task the loaded adapters were not trained for (FastH3, FlashGen: T2VA only)."""
-        if self.trained_tasks is not None and task in tuple(Task) and task not in self.trained_tasks:
+    def check_trained_task(self, task: str, chosen: Sequence[tuple[str, float]] = ()) -> None:
+        """RequestError("task") for a task the merged adapters were not trained for (FastH3, FlashGen: T2VA only),
+        and RequestError("adapters") for one a chosen run-time adapter was not."""
+        if task not in tuple(Task):
+            return
+        if self.trained_tasks is not None and task not in self.trained_tasks:
             raise RequestError(
                 "task",
                 f"task {task}: this server's adapter was trained for {', '.join(self.trained_tasks)} only "
                 f"({self.sampler.source}); send one of those, or start the server without it",
             )
+        for index, (name, _) in enumerate(chosen):
+            tasks = trained_tasks([self.catalog.entries[name].adapter])
+            if tasks is not None and task not in tasks:
+                raise RequestError(
+                    "adapters",
+                    f"adapters: {name} was trained for {', '.join(tasks)} only; task {task} cannot use it",
+                    index,
+                )
+
+    def check_adapters(self, task: str, asked: Sequence[tuple[str, float | None]]) -> tuple[tuple[str, float], ...]:
+        """The run-time adapters a request names, each with its scale (its declared one where the request gives
+        none), checked: declared here (by name: a request never names a file), each once, at most `max_active`, a
+        scale that is a finite number with 0 < |scale| <= MAX_SCALE, and trained for the DiT the task runs.
+        RequestError("adapters", index) naming what is wrong and what is allowed."""
+        if not asked:
+            return ()
+        declared = ", ".join(self.catalog.names)
+        if not self.catalog:
+            raise RequestError("adapters", "adapters: this server declares none to apply per request (an operator "
+                               f"declares them with {label('adapters')}, by name)")  # fmt: skip
+        if len(asked) > self.catalog.max_active:
+            raise RequestError("adapters", f"adapters: at most {self.catalog.max_active} at once on this server "
+                               f"({label('adapter_max_active')}), got {len(asked)}")  # fmt: skip
+        chosen: list[tuple[str, float]] = []
+        for index, item in enumerate(asked):
+            name, scale = item
+            entry = self.catalog.entries.get(name) if isinstance(name, str) else None
+            if entry is None:
+                raise RequestError("adapters", f"adapters: {shown(name)} is not declared here; declared: {declared}",
+                                   index)  # fmt: skip
+            if any(name == n for n, _ in chosen):
+                raise RequestError("adapters", f"adapters: {name} is named twice; name each once", index)
+            if scale is None:
+                scale = entry.scale
+            elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+                raise RequestError("adapters", f"adapters: {name}'s scale must be a finite number, got {scale!r}", index)
+            elif not 0 < abs(scale) <= MAX_SCALE:
+                raise RequestError("adapters", f"adapters: {name}'s scale must be within -{MAX_SCALE:g}..{MAX_SCALE:g} "
+                                   f"and not 0 (leave the adapter out instead), got {scale:g}", index)  # fmt: skip
+            kind = dit_kind(task) if task in tuple(Task) else None
+            if entry.dit_kind is not None and kind is not None and entry.dit_kind != kind:
+                raise RequestError("adapters", f"adapters: {name} was trained on the {entry.dit_kind} DiT; task {task} "
+                                   f"runs the {kind} DiT", index)  # fmt: skip
+            chosen.append((name, float(scale)))
+        return tuple(chosen)
+
+    def sampler_for(self, chosen: Sequence[tuple[str, float]]) -> Sampler:
+        """The sampler of a request applying `chosen`: the merged adapters' preset first, then the chosen ones' in
+        the request's order, else the released one."""
+        if not chosen:
+            return self.sampler
+        return Sampler.for_adapters([*self.merged, *(self.catalog.entries[n].adapter for n, _ in chosen)])
 
     def check_quality(self, quality: str | None) -> None:
         """RequestError("quality") for quality=high on an engine without a step cache: the operator chose full
@@ -252,10 +327,12 @@ class Admission:
         """`validate_request` under this engine's rules and sampler, for a served task. The engine's own checks come
         first, so a request for a task not served is told so before its files are decoded."""
         self.check_task(fields.task)
-        self.check_trained_task(fields.task)
+        chosen = self.check_adapters(fields.task, fields.adapters)
+        self.check_trained_task(fields.task, chosen)
         self.check_quality(fields.quality)
         self.check_previews(fields.preview_every)
-        request = validate_request(self.sampler.fill(fields), self.rules, self.sampler.positions_for(fields))
+        sampler = self.sampler_for(chosen)
+        request = validate_request(sampler.fill(fields), self.rules, sampler.positions_for(fields))
         self.check_memory(request)
         self.check_rows(request)
-        return request
+        return dataclasses.replace(request, adapters=chosen)

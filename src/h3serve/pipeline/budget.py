@@ -295,7 +295,7 @@ def plan_budget(
 
 def _parts(dit: nn.Module, text: nn.Module) -> tuple[float, int, float, int]:
     """(one DiT block's streamable GiB, blocks, one text decoder layer's GiB, layers): what `Streamable` holds."""
-    from h3serve.accel.adaln import is_block_adaln
+    from h3serve.checkpoint.adapters.read import is_block_adaln
 
     block = count_bytes(dit.blocks[0], lambda name: MAPPED if is_block_adaln(f"blocks.0.{name}") else DEVICE)
     layers = text.get_submodule(TEXT_LAYERS)

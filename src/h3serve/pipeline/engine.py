@@ -34,16 +34,18 @@ from h3serve.accel import profile as profiles
 from h3serve.accel.adaln import AdalnTables
 from h3serve.accel.apply import apply, load_plan
 from h3serve.accel.compile import Compiler, GraphCounter
+from h3serve.accel.lora import RuntimeAdapters
 from h3serve.accel.profile import Attention, Profile
 from h3serve.accel.stepcache import HIGH_QUALITY, StepCache, StepCacheConfig, StepCacheReport
 from h3serve.accel.stepcache import attach as attach_step_cache
 from h3serve.checkpoint.adapters import Adapter, AdapterMerge, merge_into
+from h3serve.checkpoint.adapters.library import AdapterLibrary, catalog_of
 from h3serve.checkpoint.folder import ModelFolder, load_components, resolve_model_folder
 from h3serve.checkpoint.safetensors import chain
 from h3serve.config import FPS
 from h3serve.model.components import Components
 from h3serve.model.tiny import tiny_components
-from h3serve.pipeline.admission import Admission, check_adapter_kinds
+from h3serve.pipeline.admission import Admission, check_adapter_kinds, check_declared_kinds
 from h3serve.pipeline.budget import Budget, loaded_budget
 from h3serve.pipeline.conditioning import RELEASED_VIDEO_PROCESSING, VideoProcessing
 from h3serve.pipeline.context import RenderCancelled, RenderContext
@@ -152,6 +154,7 @@ class Engine:
         spread: Spread = ONE_DEVICE,
         placement: Placement = RESIDENT,
         keep_text_encoder: bool = True,
+        library: AdapterLibrary | None = None,
     ):
         if placement.streams and not profiles.Linear(profile.linear).streams:  # a rule of values: before the machine's
             raise profiles.ProfileError("linear", "HUMMING's FP8 layout does not stream from host memory; place it all "
@@ -170,6 +173,15 @@ class Engine:
         self.spread = spread  # one process, or this rank's part of a render over several GPUs (`h3serve.parallel`)
         # The compile's graph counter (None when eager): how many graphs compiled, and whether any recompiled.
         self.compiled: GraphCounter | None = apply(components, profile, compiler)
+        # Run-time adapters (H3_ADAPTERS): each DiT's targeted linears wrapped once, after the profile made them and
+        # before the placement streams any block (their buffers stay on the device).
+        self.library = library
+        if library is not None:
+            check_declared_kinds(library.catalog, components.task_type)
+        self.runtime = {
+            kind: RuntimeAdapters(dit, library, kind, profile.torch_dtype, profile.torch_device)
+            for kind, dit in components.dits.items()
+        } if library is not None else {}  # fmt: skip
         # What waits in host memory and streams in when it runs (`pipeline.placement`, `accel.offload`): after every
         # transform of the weights, before anything reads them (the AdaLN tables read the blocks' device).
         self.placement = placement
@@ -206,6 +218,7 @@ class Engine:
             self.adapters,
             max_rows=placement.max_rows,
             ranks=spread.ranks,
+            catalog=catalog_of(library),
         )
 
     @classmethod
@@ -219,6 +232,7 @@ class Engine:
         placement: Placement = RESIDENT,
         spread: Spread = ONE_DEVICE,
         keep_text_encoder: bool = True,
+        library: AdapterLibrary | None = None,
     ) -> Engine:
         """`model=None` builds the tiny model; otherwise a released checkpoint folder (or one already resolved).
         `task_type`: which DiTs to load (fl2va, ref2va or both), checked first. `step_cache`: the DBCache profile
@@ -227,8 +241,9 @@ class Engine:
         they load, before FP8 quantization and before any AdaLN table is made. `placement`: what waits in host memory
         (`pipeline.placement`); a load sends those tensors there as they are read. `spread`: this process's part of a
         render over several (`h3serve.parallel`); `keep_text_encoder` False frees the text encoder once loaded (a
-        split's rank that never encodes a prompt). The profile is checked against the machine before any weight
-        loads."""
+        split's rank that never encodes a prompt). `library`: the adapters requests may apply at run time
+        (`checkpoint.adapters.library`, read and checked already). The profile is checked against the machine before
+        any weight loads."""
         _check(profile, step_cache)
         check_adapter_kinds(adapters, task_type)
         if model is None:
@@ -238,7 +253,8 @@ class Engine:
                 merge_into(dit, adapters)
             merged = time.perf_counter() - start
             return cls(components, profile, TINY_RULES, step_cache=step_cache, adapters=adapters, merge_seconds=merged,
-                       spread=spread, placement=placement, keep_text_encoder=keep_text_encoder)  # fmt: skip
+                       spread=spread, placement=placement, keep_text_encoder=keep_text_encoder,
+                       library=library)  # fmt: skip
         folder = model if isinstance(model, ModelFolder) else resolve_model_folder(model)
         folder.check_task_type(task_type)
         hooks = load_plan(profile).hooks(folder)  # with the video decoder's float16 weights converted as read
@@ -254,7 +270,8 @@ class Engine:
         merged = merge.seconds if merge is not None else 0.0
         processing = video_processing or RELEASED_VIDEO_PROCESSING
         return cls(components, profile, RELEASED_RULES, processing, step_cache, adapters=adapters, merge_seconds=merged,
-                   spread=spread, placement=placement, keep_text_encoder=keep_text_encoder)  # fmt: skip
+                   spread=spread, placement=placement, keep_text_encoder=keep_text_encoder,
+                   library=library)  # fmt: skip
 
     # The RenderEngine interface: one process renders on one device, and has no workers to lose or stop.
     num_gpus = 1
@@ -351,7 +368,8 @@ class Engine:
             video_rows, audio_rows = initial_rows(layout, noise, conditions.latents, conditions.audio)
             schedule = request.schedule
         with self._stage(timings, "tables", ctx):
-            tables = self.tables[kind].for_steps(step_timesteps(layout, schedule))
+            adaln = self._apply_adapters(kind, request, timings)
+            tables = self.tables[kind].for_steps(step_timesteps(layout, schedule), adaln)
         with self._stage(timings, "denoise", ctx):
             model = spread.bind(dit, layout, text.states, tables)
             cache = self.step_caches.get(kind)
@@ -395,6 +413,21 @@ class Engine:
             timings=timings,
             step_cache=cache_report,
         )
+
+    def _apply_adapters(self, kind: str, request: RenderRequest, timings: dict[str, float]) -> tuple:
+        """The request's run-time adapters applied to the DiT of `kind` (none: the plain weights), the seconds it took
+        in `timings["adapters"]` (part of the tables stage; disk reads of adapters the host cache had given up in
+        `timings["adapter_reads"]`); returns the AdaLN tables' key for them."""
+        runtime = self.runtime.get(kind)
+        if runtime is None:
+            if request.adapters:  # the admission refuses this; a request built by hand is told too
+                raise ValueError("this engine declares no run-time adapters (H3_ADAPTERS)")
+            return ()
+        activation = runtime.activate(request.adapters)
+        timings["adapters"] = activation.seconds
+        if activation.read_seconds:
+            timings["adapter_reads"] = activation.read_seconds
+        return runtime.adaln_key()
 
     def _previews(self, request: RenderRequest, layout, ctx: RenderContext, timings: dict[str, float]):
         """The denoise loop's look at the clean estimate when the request asks for previews and someone takes them

@@ -54,7 +54,7 @@ class Placement:
 
     def dit_host_names(self):
         """A predicate for the DiT tensor names that wait in host memory (a load sends them there as read)."""
-        from h3serve.accel.adaln import is_block_adaln
+        from h3serve.checkpoint.adapters.read import is_block_adaln
 
         prefixes = tuple(f"blocks.{i}." for i in self.dit_streamed)
         return lambda name: name.startswith(prefixes) and not is_block_adaln(name)

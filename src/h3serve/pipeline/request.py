@@ -57,6 +57,8 @@ class RenderRequest:
     notices: tuple[str, ...] = ()
     # The unshifted sigma positions of the grid, when not evenly spaced (a distilled adapter's own: FastH3's).
     positions: tuple[float, ...] | None = None
+    # Run-time adapters applied to this render, by declared name, with their scales (`Admission.check_adapters`).
+    adapters: tuple[tuple[str, float], ...] = ()
 
     @property
     def anchors(self) -> tuple[str, ...]:
@@ -103,7 +105,7 @@ class RequestFields:
 
     references: ref2va's encoded files, each `bytes` or `(name, bytes)`, decoded by `validate_request`
     (`pipeline.references`); mute_references: positions of video references whose soundtrack is left out. quality:
-    step caching for this request (`QUALITIES`), None for the server's setting.
+    step caching for this request (`QUALITIES`), None for the server's setting. adapters: see the field.
     """
 
     prompt: str
@@ -120,6 +122,9 @@ class RequestFields:
     mute_references: Collection[int] = ()
     quality: str | None = None
     preview_every: int | None = None
+    # Run-time adapters by declared name, each with its scale (None: the one it was declared with); checked by the
+    # engine's admission (`Admission.check_adapters`), which knows what the server declared.
+    adapters: Sequence[tuple[str, float | None]] = ()
 
 
 def validate_request(

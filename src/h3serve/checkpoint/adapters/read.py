@@ -271,6 +271,12 @@ def is_adaln(name: str) -> bool:
     return ".adaln_proj." in name or name.startswith("final_layer.adaln_proj.")
 
 
+def is_block_adaln(name: str) -> bool:
+    """Whether a DiT tensor name is a block's AdaLN projection (made into tables once per schedule, never run in a
+    forward)."""
+    return name.startswith("blocks.") and ".adaln_proj." in name
+
+
 def _check_overlaps(path: Path, deltas: Sequence[Delta]) -> None:
     """Two modules of one file may not land on the same rows (q and k of one block never do; a file holding both
     `to_q` and `qkv_proj` names is malformed and was refused by its naming already)."""
