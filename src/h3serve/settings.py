@@ -191,6 +191,25 @@ class EngineSettings(BaseModel):
         "comma-separated for several; the first adapter's trained sampler (grid points, shifts) is the default of "
         "requests that do not set them",
     )
+    adapters: str | None = Field(
+        None,
+        min_length=1,
+        description="adapters a request may apply at run time, by name: NAME=PATH[:SCALE], comma-separated; each "
+        "file read and checked against the DiT at start, SCALE the default of a request that names no scale; a "
+        "request names them (`lora`, `lora_name`), never a file",
+    )
+    adapter_cache_gib: float = Field(
+        8.0,
+        gt=0,
+        description="host memory (GiB) the declared adapters' factors may take; past it the least recently used is "
+        "given up and read again on its next use",
+    )
+    adapter_max_active: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="adapters one request may apply at once: the device buffers are sized for this many",
+    )
     # The MP4 (media.h264: which of these are part of the file's bytes) -------------------------------------------
     encoder: Literal["x264", "nvenc"] = Field(
         "x264",
@@ -367,6 +386,16 @@ class EngineSettings(BaseModel):
         if self.lora is None:
             return []
         return [parse_lora_setting(item.strip()) for item in self.lora.split(",")]
+
+    def adapter_declaration(self):
+        """What `adapters` declares (`checkpoint.adapters.library.Declaration`), or None. Valid once load_settings
+        returned."""
+        if self.adapters is None:
+            return None
+        from h3serve.checkpoint.adapters.library import Declaration
+
+        declared = tuple(parse_adapter_setting(item.strip()) for item in self.adapters.split(","))
+        return Declaration(declared, int(self.adapter_cache_gib * 2**30), self.adapter_max_active)
 
     def step_cache(self):
         """The step-cache profile these settings select (`accel.stepcache.StepCacheConfig`), or None without one.
@@ -774,6 +803,26 @@ def _file_rules(s: EngineSettings, ok: Callable[..., bool], env: Mapping[str, st
                     pass
             except FileRefused as err:
                 out.append(refusal("lora", str(err)))
+    # Run-time adapters: NAME=PATH[:SCALE], each name once, each file readable; the companions need them.
+    if ok("adapters") and s.adapters is not None:
+        names: set[str] = set()
+        for item in s.adapters.split(","):
+            try:
+                name, path, _ = parse_adapter_setting(item.strip())
+            except ValueError as err:
+                out.append(refusal("adapters", f"{err} (in {shown(s.adapters)}; entries are comma-separated)"))
+                continue
+            if name in names:
+                out.append(refusal("adapters", f"{shown(name)} is declared twice; each name once"))
+            names.add(name)
+            try:
+                with open_regular(path):
+                    pass
+            except FileRefused as err:
+                out.append(refusal("adapters", f"{name}: {err}"))
+    for companion in ("adapter_cache_gib", "adapter_max_active"):
+        if ok("adapters", companion) and s.adapters is None and companion in s.model_fields_set:
+            out.append(refusal(companion, "given, but H3_ADAPTERS declares no adapters; declare some or remove it"))
     # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
     if ok("cache_dir") and s.cache_dir is not None:
         try:
@@ -925,6 +974,27 @@ def parse_lora_setting(value: str) -> tuple[Path, float]:
     if not head:
         raise ValueError(f"adapter setting {shown(value)}: no path before ':'")
     return Path(head), scale
+
+
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def parse_adapter_setting(value: str) -> tuple[str, Path, float]:
+    """`NAME=PATH[:SCALE]` -> (name, path, scale): a name of letters, digits, `.`, `_` and `-` (64 at most), the
+    path and scale as in H3_LORA (`parse_lora_setting`), the scale nonzero and within the requests' bound."""
+    from h3serve.checkpoint.adapters.library import MAX_SCALE
+
+    name, equals, rest = value.partition("=")
+    if not equals:
+        raise ValueError(f"adapter {shown(value)}: write NAME=PATH[:SCALE], e.g. turbo=/models/turbo.safetensors:1")
+    name = name.strip()
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError(f"adapter name {shown(name)}: 1-64 of letters, digits, '.', '_' and '-', starting with a "
+                         "letter or digit")  # fmt: skip
+    path, scale = parse_lora_setting(rest.strip())
+    if not 0 < abs(scale) <= MAX_SCALE:
+        raise ValueError(f"adapter {name}: scale {scale:g} must be within -{MAX_SCALE:g}..{MAX_SCALE:g} and not 0")
+    return name, path, scale
 
 
 def _service_rules(s: Settings, failed: set[str]) -> list[str]:

@@ -21,7 +21,7 @@ import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from h3serve.accel.profile import Offload
 from h3serve.config import TINY_DIT, DiTConfig
@@ -52,6 +52,7 @@ class LaunchPlan:
     task_type: str  # which DiTs load: fl2va, ref2va or both (a render's: its task's DiT)
     folder: ModelFolder | None  # None: the built-in tiny model
     adapters: tuple = ()  # checkpoint adapters, read and checked against the DiT; nothing merged yet
+    library: Any = None  # the run-time adapters (`checkpoint.adapters.library.AdapterLibrary`), read and checked
     profile: Profile | None = None  # the profile that will run: the FP8 scaling and the attention chosen
     budget: Budget | None = None  # the memory plan (a model folder, or the tiny model with a placement asked for)
     placement: Placement | None = None  # where each part lives (`pipeline.placement`); None: all resident
@@ -65,6 +66,7 @@ class LaunchPlan:
     def admission(self) -> Admission:
         """What the engine will accept (`pipeline.admission`): the same object the loaded engine builds, so that
         `render` refuses a request before any weight loads exactly as the engine would after."""
+        from h3serve.checkpoint.adapters.library import Catalog
         from h3serve.pipeline.admission import Admission
         from h3serve.pipeline.rules import RELEASED_RULES, TINY_RULES
 
@@ -72,7 +74,9 @@ class LaunchPlan:
         step_cache = self.settings.cache_backend != "none"
         max_rows = self.placement.max_rows if self.placement is not None else None
         ranks = self.settings.ranks
-        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters, max_rows, ranks)
+        catalog = self.library.catalog if self.library is not None else Catalog()
+        return Admission.build(self.task_type, rules, self.dit_config, step_cache, self.adapters, max_rows, ranks,
+                               catalog)  # fmt: skip
 
 
 def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
@@ -81,9 +85,10 @@ def plan(settings: EngineSettings, task_type: str) -> LaunchPlan:
     adapter to read (so `check` without --preflight stays quick)."""
     folder = model_folder(settings, task_type)
     adapters = read_adapters(settings, folder, task_type)
+    library = read_library(settings, folder, task_type)
     config = folder.dit if folder is not None else TINY_DIT
     check_heads(config, settings.num_gpus, settings.nnodes)
-    return LaunchPlan(settings, task_type, folder, adapters)
+    return LaunchPlan(settings, task_type, folder, adapters, library)
 
 
 def preflight(launch_plan: LaunchPlan, *, say: Callable[[str], None]) -> LaunchPlan:
@@ -132,6 +137,7 @@ def launch(launch_plan: LaunchPlan) -> RenderEngine:
             task_type=launch_plan.task_type,
             step_cache=settings.step_cache(),
             adapters=launch_plan.adapters,
+            library=launch_plan.library,
             num_gpus=settings.num_gpus,
             placement=launch_plan.placement or RESIDENT,
             nodes=nodes,
@@ -156,7 +162,7 @@ def node_plan(launch_plan: LaunchPlan, profile: Profile) -> NodePlan:
     key = s.node_secret
     assert key is not None  # the settings' rule: required with several nodes
     what = identity(launch_plan.folder, profile, launch_plan.task_type, s.step_cache(), launch_plan.adapters,
-                    s.num_gpus)  # fmt: skip
+                    s.num_gpus, launch_plan.library)  # fmt: skip
     return NodePlan(s.nnodes, s.node_rank, host, port, s.num_gpus, float(s.node_timeout), float(s.node_grace), what,
                     key)  # fmt: skip
 
@@ -173,7 +179,8 @@ def join(launch_plan: LaunchPlan, stopping: threading.Event) -> None:
     s = launch_plan.settings
     plan = node_plan(launch_plan, launch_plan.profile)
     spec = WorkerSpec(launch_plan.folder, launch_plan.profile, s.num_gpus, launch_plan.task_type, s.step_cache(),
-                      launch_plan.adapters, placement=launch_plan.placement or RESIDENT, nnodes=s.nnodes)  # fmt: skip
+                      launch_plan.adapters, placement=launch_plan.placement or RESIDENT, nnodes=s.nnodes,
+                      declaration=s.adapter_declaration())  # fmt: skip
     try:
         join_node(plan, lambda store, generation: NodeRanks(spec, s.node_rank, store), stopping)
     except NodeRefused as err:
@@ -224,6 +231,27 @@ def read_adapters(settings: EngineSettings, folder: ModelFolder | None, task_typ
         raise SettingError("lora", str(err)) from err
     check_adapter_kinds(adapters, task_type)  # SettingError("lora") itself
     return adapters
+
+
+def read_library(settings: EngineSettings, folder: ModelFolder | None, task_type: str):
+    """The H3_ADAPTERS library: every declared file read and checked against the DiT (`AdapterLibrary`), held in
+    host memory (page-locked where the engine runs on a GPU) within H3_ADAPTER_CACHE_GIB; None when none are
+    declared."""
+    declaration = settings.adapter_declaration()
+    if declaration is None:
+        return None
+    from h3serve.checkpoint.adapters import AdapterError
+    from h3serve.pipeline.admission import check_declared_kinds
+
+    config = folder.dit if folder is not None else TINY_DIT
+    try:
+        library = declaration.open(config, pin=settings.profile().cuda)
+    except (AdapterError, OSError) as err:
+        raise SettingError("adapters", str(err)) from err
+    except ValueError as err:  # larger than the cache
+        raise SettingError("adapter_cache_gib", str(err)) from err
+    check_declared_kinds(library.catalog, task_type)  # SettingError("adapters") itself
+    return library
 
 
 def check_fp8(profile: Profile) -> tuple[Profile, str | None]:

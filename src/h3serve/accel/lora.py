@@ -113,8 +113,8 @@ class RuntimeAdapters:
         chosen = tuple((name, float(scale)) for name, scale in chosen)
         names = [name for name, _ in chosen]
         if any(n not in self.names for n in names) or len(set(names)) != len(names):
-            raise ValueError(f"adapters must be declared ones for this DiT, each once: {', '.join(self.names) or 'none'}"
-                             f"; got {names}")  # fmt: skip
+            declared = ", ".join(self.names) or "none"
+            raise ValueError(f"adapters must be declared ones for this DiT, each once: {declared}; got {names}")
         if len(chosen) > self.library.catalog.max_active:
             raise ValueError(f"at most {self.library.catalog.max_active} adapters at once; got {len(chosen)}")
         if chosen == self.chosen:

@@ -350,9 +350,10 @@ def attach(
     video_vae_visits: bool = False,
     slots: int = 2,
 ) -> Offloaded:
-    """Stream `dit_streamed` blocks of each DiT (their AdaLN weights and adapter buffers apart), the text encoder's decoder layers, and
-    let the video VAE visit, on loaded components (`model.components.Components`), after every transform of their
-    weights (`accel.apply`). The DiT's streamer is the innermost layer of its block stack (`accel.blocks`)."""
+    """Stream `dit_streamed` blocks of each DiT (their AdaLN weights and adapter buffers apart), the text encoder's
+    decoder layers, and let the video VAE visit, on loaded components (`model.components.Components`), after every
+    transform of their weights (`accel.apply`). The DiT's streamer is the innermost layer of its block stack
+    (`accel.blocks`)."""
     from h3serve.accel.blocks import BlockStack
     from h3serve.accel.lora import BUFFERS as LORA_BUFFERS
     from h3serve.checkpoint.adapters.read import is_block_adaln

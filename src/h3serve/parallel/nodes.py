@@ -174,9 +174,11 @@ def model_digest(folder: Any) -> str:
     return digest.hexdigest()
 
 
-def identity(folder: Any, profile: Any, task_type: str, step_cache: Any, adapters: tuple, gpus: int) -> dict[str, str]:
+def identity(
+    folder: Any, profile: Any, task_type: str, step_cache: Any, adapters: tuple, gpus: int, library: Any = None
+) -> dict[str, str]:
     """What every node must run alike, as text: the model's digest, the profile (but its device index), the DiTs
-    loaded, the step cache, the adapters, the GPUs per node."""
+    loaded, the step cache, the adapters (merged, and declared for run time), the GPUs per node."""
     values = {k: v for k, v in profile.as_dict().items() if k != "device"}
     return {
         "model": model_digest(folder),
@@ -184,6 +186,9 @@ def identity(folder: Any, profile: Any, task_type: str, step_cache: Any, adapter
         "task_type": str(task_type),
         "step_cache": repr(step_cache),
         "adapters": "; ".join(a.describe() for a in adapters),
+        "run-time adapters": ""
+        if library is None
+        else "; ".join(e.describe() for e in library.catalog.entries.values()),
         "gpus per node": str(gpus),
     }
 

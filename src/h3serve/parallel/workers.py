@@ -52,8 +52,9 @@ import torch.multiprocessing as mp
 from h3serve.accel.profile import Profile
 from h3serve.accel.stepcache import StepCacheConfig
 from h3serve.checkpoint.adapters import Adapter
+from h3serve.checkpoint.adapters.library import AdapterLibrary, Declaration
 from h3serve.checkpoint.folder import ModelFolder
-from h3serve.config import DiTConfig
+from h3serve.config import TINY_DIT, DiTConfig
 from h3serve.parallel.group import Group, GroupStore, free_port
 from h3serve.parallel.messages import (
     Call,
@@ -119,6 +120,7 @@ class WorkerSpec:
     cpu_threads: int | None = None
     placement: Placement = RESIDENT  # what each rank keeps in host memory and streams (its own copy)
     nnodes: int = 1  # hosts the ranks are spread over (`parallel.nodes`), num_gpus on each
+    declaration: Declaration | None = None  # the run-time adapters: each rank opens its own library from it
 
     @property
     def world(self) -> int:
@@ -145,10 +147,13 @@ EngineFactory = Callable[[WorkerSpec, RankPlace], Engine]
 
 
 def load_rank_engine(spec: WorkerSpec, place: RankPlace) -> Engine:
-    """`spec.model` loaded as this rank runs it."""
+    """`spec.model` loaded as this rank runs it (with its own library of the run-time adapters)."""
+    library = None
+    if spec.declaration is not None:
+        library = spec.declaration.open(spec.model.dit if spec.model is not None else TINY_DIT, pin=place.profile.cuda)
     return Engine.load(spec.model, place.profile, task_type=spec.task_type, step_cache=spec.step_cache,
                        adapters=spec.adapters, placement=spec.placement, spread=place.spread,
-                       keep_text_encoder=place.keep_text_encoder)  # fmt: skip
+                       keep_text_encoder=place.keep_text_encoder, library=library)  # fmt: skip
 
 
 def load_engine(
@@ -162,19 +167,20 @@ def load_engine(
     timeout_s: float = 600.0,
     placement: Placement = RESIDENT,
     nodes: NodePlan | None = None,
+    library: AdapterLibrary | None = None,
 ) -> Engine | ParallelEngine:
     """`Engine.load` for one GPU (or the CPU), else a `ParallelEngine` of `num_gpus` workers (on each of `nodes`:
     this is node 0, whose rendezvous the other nodes join)."""
     nnodes = 1 if nodes is None else nodes.nnodes
     if num_gpus * nnodes == 1:
-        return Engine.load(
-            model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters, placement=placement
-        )
+        return Engine.load(model, profile, task_type=task_type, step_cache=step_cache, adapters=adapters,
+                           placement=placement, library=library)  # fmt: skip
     from h3serve.checkpoint.folder import resolve_model_folder
 
     folder = model if model is None or isinstance(model, ModelFolder) else resolve_model_folder(model)
+    declaration = library.declaration if library is not None else None
     spec = WorkerSpec(folder, profile, num_gpus, task_type, step_cache, tuple(adapters), timeout_s, placement=placement,
-                      nnodes=nnodes)  # fmt: skip
+                      nnodes=nnodes, declaration=declaration)  # fmt: skip
     if nodes is None:
         return ParallelEngine(spec)
     from h3serve.parallel.nodes import Rendezvous

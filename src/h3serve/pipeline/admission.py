@@ -118,7 +118,8 @@ class Admission:
     trained_tasks: tuple[str, ...] | None = None  # the only tasks the loaded adapters were trained for (None: any)
     max_rows: int | None = None  # packed rows the device memory admits (`pipeline.placement`; None: the rules')
     ranks: int = 1  # processes one render runs on (H3_NUM_GPUS x H3_NNODES): a split render's shape rules below
-    catalog: Catalog = Catalog()  # the adapters a request may apply at run time (H3_ADAPTERS)
+    # The adapters a request may apply at run time (H3_ADAPTERS).
+    catalog: Catalog = dataclasses.field(default_factory=Catalog)
     merged: tuple = ()  # the merged adapters (H3_LORA), their deltas dropped: their presets come first
 
     @classmethod
@@ -131,7 +132,7 @@ class Admission:
         adapters: Sequence = (),
         max_rows: int | None = None,
         ranks: int = 1,
-        catalog: Catalog = Catalog(),
+        catalog: Catalog | None = None,
     ) -> Admission:
         """What an engine that loads the DiTs of `task_type` (with `adapters` merged, `catalog` declared for run
         time, and a step cache or not) accepts: the one constructor, used by the engine and by the start-up plan
@@ -147,7 +148,7 @@ class Admission:
             trained_tasks=trained_tasks(adapters),
             max_rows=max_rows,
             ranks=ranks,
-            catalog=catalog,
+            catalog=catalog if catalog is not None else Catalog(),
             merged=tuple(dataclasses.replace(a, deltas=()) for a in adapters),
         )
 
@@ -231,7 +232,9 @@ class Admission:
             if scale is None:
                 scale = entry.scale
             elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-                raise RequestError("adapters", f"adapters: {name}'s scale must be a finite number, got {scale!r}", index)
+                raise RequestError(
+                    "adapters", f"adapters: {name}'s scale must be a finite number, got {scale!r}", index
+                )
             elif not 0 < abs(scale) <= MAX_SCALE:
                 raise RequestError("adapters", f"adapters: {name}'s scale must be within -{MAX_SCALE:g}..{MAX_SCALE:g} "
                                    f"and not 0 (leave the adapter out instead), got {scale:g}", index)  # fmt: skip

@@ -98,6 +98,18 @@ def _pinned(adapter: Adapter) -> Adapter:
     return dataclasses.replace(adapter, deltas=deltas)
 
 
+@dataclass(frozen=True)
+class Declaration:
+    """What H3_ADAPTERS and its two companions declare, picklable (each GPU worker opens its own library from it)."""
+
+    adapters: tuple[tuple[str, Path, float], ...]  # (name, file, default scale), in order
+    cache_bytes: int
+    max_active: int
+
+    def open(self, config: DiTConfig, pin: bool = False) -> AdapterLibrary:
+        return AdapterLibrary(self.adapters, config, self.cache_bytes, self.max_active, pin=pin)
+
+
 class AdapterLibrary:
     """The declared adapters (`declared`: (name, path, default scale) in order), read and checked against the DiT of
     `config` now; up to `cache_bytes` of their factors held in host memory (`pin`: page-locked). An adapter larger
@@ -112,6 +124,9 @@ class AdapterLibrary:
         pin: bool = False,
     ):
         self.config = config
+        self.declaration = Declaration(
+            tuple((n, Path(p), float(s)) for n, p, s in declared), int(cache_bytes), max_active
+        )
         self.cache_bytes = int(cache_bytes)
         self.pin = pin
         self._lock = threading.Lock()
@@ -126,8 +141,8 @@ class AdapterLibrary:
             adapter, stamp = self._read(Path(path), scale)
             full = next((d for d in adapter.deltas if d.down is None), None)
             if full is not None:
-                raise AdapterError(adapter.path, f"has a full-rank delta on {full.target}, which only a merge applies: "
-                                   "merge it at load (H3_LORA) instead of applying it per request", key=full.key)  # fmt: skip
+                why = f"has a full-rank delta on {full.target}, which only a merge applies: merge it at load (H3_LORA)"
+                raise AdapterError(adapter.path, why + " instead of applying it per request", key=full.key)
             entry = Entry(name, dataclasses.replace(adapter, deltas=()), _layout(adapter), _nbytes(adapter))
             if entry.nbytes > self.cache_bytes:
                 raise ValueError(
