@@ -1,11 +1,14 @@
-"""Adapters applied at run time (`accel.lora.RuntimeAdapters`, issue 57's engine side): a forward with none active is
-bit for bit the plain DiT's; one active matches diffusers + peft with the adapter fused (the same bound the merge is
-held to); two at once match both merged; switching refills the same buffers; what cannot be applied at run time is
-refused, naming the file and the way that works (merging). CPU, float32, the real diffusers reference."""
+"""Adapters applied at run time (`accel.lora.RuntimeAdapters` over `checkpoint.adapters.library.AdapterLibrary`): a
+forward with none active is bit for bit the plain DiT's; one active matches diffusers + peft with the adapter fused
+(the bound the merge is held to); two at once, and an adapter that changes AdaLN, match them merged; a switch refills
+the same buffers; the host cache holds its bound, gives up the least recently used and reads it again from the file
+checked at start (a changed file is refused); what cannot run per request is refused at declaration, naming the way
+that works (merging). CPU, float32, the real diffusers reference."""
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -15,7 +18,11 @@ from adapter_fixtures import write_adapter
 from dit_fixtures import rel_err
 from h3serve.accel.lora import LoraLinear, RuntimeAdapters
 from h3serve.checkpoint.adapters import AdapterError, merge_into, read_adapter
+from h3serve.checkpoint.adapters.formats import Names
+from h3serve.checkpoint.adapters.library import AdapterLibrary, buffer_ranks
 from h3serve.checkpoint.dit import load_dit
+
+GIB = 2**30
 
 
 @pytest.fixture
@@ -29,16 +36,31 @@ def forward(dit, inputs) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs.run_ours(dit)
 
 
+def files(tmp_path, cfg, *specs):
+    """(name, format, seed) -> name: path, each in its own folder."""
+    out = {}
+    for name, fmt, seed in specs:
+        (tmp_path / name).mkdir()
+        out[name] = write_adapter(tmp_path / name, fmt, cfg, seed=seed)
+    return out
+
+
+def library(cfg, paths, max_active=2, cache_bytes=GIB, scales=None):
+    declared = [(n, p, (scales or {}).get(n, 1.0)) for n, p in paths.items()]
+    return AdapterLibrary(declared, cfg, cache_bytes, max_active)
+
+
 def test_with_no_adapter_active_the_forward_is_the_plain_dits_bit_for_bit(model, tmp_path):
     dit, cfg, inputs = model
     plain = forward(copy.deepcopy(dit), inputs)
-    turbo = read_adapter(write_adapter(tmp_path, "lightx2v-diffusers", cfg), config=cfg)
-    runtime = RuntimeAdapters(dit, {"turbo": turbo}, torch.float32)
+    runtime = RuntimeAdapters(dit, library(cfg, files(tmp_path, cfg, ("turbo", "lightx2v-diffusers", 0))), None,
+                              torch.float32, "cpu")  # fmt: skip
     assert runtime.linears and all(isinstance(m, LoraLinear) for m in runtime.linears.values())
     for got, want in zip(forward(dit, inputs), plain, strict=True):
         assert torch.equal(got, want)
-    runtime.activate([("turbo", 1.0)])
+    assert runtime.activate([("turbo", 1.0)]).switched
     assert not torch.equal(forward(dit, inputs)[0], plain[0])
+    assert not runtime.activate([("turbo", 1.0)]).switched  # the same set: nothing copied
     runtime.activate([])  # back to the plain model
     for got, want in zip(forward(dit, inputs), plain, strict=True):
         assert torch.equal(got, want)
@@ -47,10 +69,9 @@ def test_with_no_adapter_active_the_forward_is_the_plain_dits_bit_for_bit(model,
 @pytest.mark.parametrize("fmt", ["lightx2v-diffusers", "comfyui-fused"])
 def test_one_adapter_at_run_time_matches_diffusers_with_it_fused(model, tmp_path, fmt):
     dit, cfg, inputs = model
-    file = write_adapter(tmp_path, fmt, cfg)
-    runtime = RuntimeAdapters(dit, {"a": read_adapter(file, config=cfg)}, torch.float32)
-    runtime.activate([("a", SCALE)])  # the request's scale on top of the file's alpha / rank
-    ref = diffusers_fused(file, SCALE)
+    paths = files(tmp_path, cfg, ("a", fmt, 0))
+    RuntimeAdapters(dit, library(cfg, paths), None, torch.float32, "cpu").activate([("a", SCALE)])
+    ref = diffusers_fused(paths["a"], SCALE)
     with torch.no_grad():
         expected = ref(**inputs.reference_kwargs(), return_dict=False)
     video, audio = forward(dit, inputs)
@@ -58,30 +79,79 @@ def test_one_adapter_at_run_time_matches_diffusers_with_it_fused(model, tmp_path
     assert max(errors) < 1e-5, errors  # the merge's bound (tests/test_adapters.py)
 
 
-def test_two_adapters_at_once_match_both_merged_and_a_switch_keeps_the_buffers(model, tmp_path):
+def test_two_adapters_and_one_that_changes_adaln_match_them_merged_and_a_switch_keeps_the_buffers(model, tmp_path):
     dit, cfg, inputs = model
-    files = {}
-    for name, fmt, seed in (("turbo", "lightx2v-diffusers", 1), ("style", "comfyui-fused", 2)):
-        (tmp_path / name).mkdir()
-        files[name] = write_adapter(tmp_path / name, fmt, cfg, seed=seed)
-    merged = copy.deepcopy(dit)
-    merge_into(merged, [read_adapter(files["turbo"], 0.5, config=cfg), read_adapter(files["style"], 1.2, config=cfg)])
-    runtime = RuntimeAdapters(dit, {k: read_adapter(f, config=cfg) for k, f in files.items()}, torch.float32)
-    pointers = {t: (m.down.data_ptr(), m.up.data_ptr()) for t, m in runtime.linears.items()}
-    runtime.activate([("style", 1.0)])
-    runtime.activate([("turbo", 0.5), ("style", 1.2)])
-    assert {t: (m.down.data_ptr(), m.up.data_ptr()) for t, m in runtime.linears.items()} == pointers
-    want = forward(merged, inputs)
-    got = forward(dit, inputs)
-    assert max(rel_err(g, w) for g, w in zip(got, want, strict=True)) < 1e-5
-    assert runtime.chosen == (("turbo", 0.5), ("style", 1.2)) and runtime.buffer_bytes > 0
-    with pytest.raises(ValueError, match=r"adapters must be declared ones, each once: turbo, style; got \['other'\]"):
+    paths = files(tmp_path, cfg, ("turbo", "lightx2v-diffusers", 1), ("style", "comfyui-fused", 2),
+                  ("larry", "native", 3))  # fmt: skip
+    runtime = RuntimeAdapters(dit, library(cfg, paths), None, torch.float32, "cpu")
+    assert "larry" in runtime.adaln and runtime.adaln_key([("turbo", 1.0)]) == ()
+    assert runtime.adaln_key([("larry", 0.5)]) == (("larry", 0.5),)  # its tables are its own
+    pointers = {t: (m.lora_down.data_ptr(), m.lora_up.data_ptr()) for t, m in runtime.linears.items()}
+    for chosen in ([("turbo", 0.5), ("style", 1.2)], [("larry", 0.8)], [("style", -0.6), ("larry", 1.5)]):
+        runtime.activate(chosen)
+        assert {t: (m.lora_down.data_ptr(), m.lora_up.data_ptr()) for t, m in runtime.linears.items()} == pointers
+        merged = copy.deepcopy(dit)
+        for name, m in list(merged.named_modules()):  # the plain weights under the wrappers, then merged
+            if isinstance(m, LoraLinear):
+                parent, _, leaf = name.rpartition(".")
+                setattr(merged.get_submodule(parent), leaf, m.base)
+        merge_into(merged, [read_adapter(paths[n], s, config=cfg) for n, s in chosen])
+        got, want = forward(dit, inputs), forward(merged, inputs)
+        assert max(rel_err(g, w) for g, w in zip(got, want, strict=True)) < 1e-5, chosen
+        assert runtime.chosen == tuple(chosen)
+    with pytest.raises(
+        ValueError, match=r"declared ones for this DiT, each once: turbo, style, larry; got \['other'\]"
+    ):
         runtime.activate([("other", 1.0)])
+    with pytest.raises(ValueError, match="at most 2 adapters at once; got 3"):
+        runtime.activate([("turbo", 1.0), ("style", 1.0), ("larry", 1.0)])
 
 
-@pytest.mark.parametrize(("fmt", "why"), [("native", "changes an AdaLN projection"), ("fasth3", "full-rank delta")])
-def test_what_cannot_run_per_request_is_refused_naming_the_merge(model, tmp_path, fmt, why):
-    dit, cfg, _ = model
-    adapter = read_adapter(write_adapter(tmp_path, fmt, cfg), config=cfg)
-    with pytest.raises(AdapterError, match=rf"{why}.*merge it at load \(H3_LORA\)"):
-        RuntimeAdapters(dit, {"x": adapter}, torch.float32)
+def test_buffers_hold_the_largest_choice_and_every_block_of_a_role_alike(tmp_path):
+    from h3serve.model.tiny import TINY_DIT
+
+    paths = files(tmp_path, TINY_DIT, ("a", "lightx2v-diffusers", 0), ("b", "comfyui-fused", 1))
+    lib = library(TINY_DIT, paths, max_active=1)
+    a, b = (lib.catalog.entries[n].ranks for n in "ab")
+    shapes = Names.of(TINY_DIT).shapes
+    ranks = buffer_ranks(lib.catalog, shapes)
+    target = "blocks.0.attn.qkv_proj.weight"
+    assert ranks[target] == max(a[target], b[target])  # one at a time: the larger
+    lib2 = library(TINY_DIT, paths, max_active=2)
+    assert buffer_ranks(lib2.catalog, shapes)[target] == a[target] + b[target]
+    last = f"blocks.{TINY_DIT.num_layers - 1}.attn.qkv_proj.weight"
+    assert ranks[last] == ranks[target]
+
+
+def test_the_host_cache_holds_its_bound_and_reads_a_given_up_adapter_again_from_the_checked_file(tmp_path):
+    from h3serve.model.tiny import TINY_DIT
+
+    paths = files(tmp_path, TINY_DIT, ("a", "lightx2v-diffusers", 0), ("b", "lightx2v-diffusers", 1),
+                  ("c", "lightx2v-diffusers", 2))  # fmt: skip
+    one = library(TINY_DIT, paths).catalog.entries["a"].nbytes
+    lib = library(TINY_DIT, paths, cache_bytes=2 * one)  # two of the three fit
+    assert lib.held == ("b", "c") and lib.held_bytes <= 2 * one and lib.evictions == 1
+    adapter, seconds = lib.get("b")  # held: no read
+    assert seconds == 0.0 and lib.held == ("c", "b")
+    adapter, seconds = lib.get("a")  # given up at start: read again, and "c" (least recently used) goes
+    assert seconds > 0.0 and lib.reads == 1 and lib.held == ("b", "a")
+    again = read_adapter(paths["a"], config=TINY_DIT)
+    assert all(torch.equal(x.up, y.up) and torch.equal(x.down, y.down)
+               for x, y in zip(adapter.deltas, again.deltas, strict=True))  # fmt: skip
+    stat = os.stat(paths["c"])
+    os.utime(paths["c"], ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched since the start
+    with pytest.raises(AdapterError, match="changed since the server checked it at start"):
+        lib.get("c")
+    with pytest.raises(ValueError, match=r"adapter a \(fl2va.safetensors\)|holds .* GiB of factors; the adapter cache"):
+        library(TINY_DIT, paths, cache_bytes=one - 1)
+
+
+def test_a_full_rank_adapter_is_refused_at_declaration_naming_the_merge(tmp_path):
+    from h3serve.model.tiny import TINY_DIT
+
+    paths = files(tmp_path, TINY_DIT, ("fast", "fasth3", 0))
+    with pytest.raises(AdapterError, match=r"full-rank delta .* merge it at load \(H3_LORA\)"):
+        library(TINY_DIT, paths)
+    plain = files(tmp_path, TINY_DIT, ("plain", "lightx2v-diffusers", 0))["plain"]
+    with pytest.raises(ValueError, match="adapter name 'x' is declared twice"):
+        AdapterLibrary([("x", plain, 1.0), ("x", plain, 1.0)], TINY_DIT, GIB, 1)

@@ -202,7 +202,7 @@ class Admission:
             if tasks is not None and task not in tasks:
                 raise RequestError(
                     "adapters",
-                    f"adapters: {name} was trained for {', '.join(tasks)} only; task {task} cannot use it",
+                    f"{name} was trained for {', '.join(tasks)} only; task {task} cannot use it",
                     index,
                 )
 
@@ -225,22 +225,20 @@ class Admission:
             name, scale = item
             entry = self.catalog.entries.get(name) if isinstance(name, str) else None
             if entry is None:
-                raise RequestError("adapters", f"adapters: {shown(name)} is not declared here; declared: {declared}",
+                raise RequestError("adapters", f"{shown(name)} is not declared here; declared: {declared}",
                                    index)  # fmt: skip
             if any(name == n for n, _ in chosen):
-                raise RequestError("adapters", f"adapters: {name} is named twice; name each once", index)
+                raise RequestError("adapters", f"{name} is named twice; name each once", index)
             if scale is None:
                 scale = entry.scale
             elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-                raise RequestError(
-                    "adapters", f"adapters: {name}'s scale must be a finite number, got {scale!r}", index
-                )
+                raise RequestError("adapters", f"{name}'s scale must be a finite number, got {scale!r}", index)
             elif not 0 < abs(scale) <= MAX_SCALE:
-                raise RequestError("adapters", f"adapters: {name}'s scale must be within -{MAX_SCALE:g}..{MAX_SCALE:g} "
+                raise RequestError("adapters", f"{name}'s scale must be within -{MAX_SCALE:g}..{MAX_SCALE:g} "
                                    f"and not 0 (leave the adapter out instead), got {scale:g}", index)  # fmt: skip
             kind = dit_kind(task) if task in tuple(Task) else None
             if entry.dit_kind is not None and kind is not None and entry.dit_kind != kind:
-                raise RequestError("adapters", f"adapters: {name} was trained on the {entry.dit_kind} DiT; task {task} "
+                raise RequestError("adapters", f"{name} was trained on the {entry.dit_kind} DiT; task {task} "
                                    f"runs the {kind} DiT", index)  # fmt: skip
             chosen.append((name, float(scale)))
         return tuple(chosen)
