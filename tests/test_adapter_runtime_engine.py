@@ -76,10 +76,8 @@ def test_adapters_at_run_time_render_as_the_same_adapters_merged(engine, paths, 
     plain = engine.render(engine.validate(fields()))
     frames = np.abs(got.frames.astype(int) - want.frames.astype(int))
     moved = np.abs(plain.frames.astype(int) - want.frames.astype(int))
-    assert frames.max() <= 1 and frames.mean() < 1e-3, (
-        frames.max(),
-        frames.mean(),
-    )  # float32: a rounding here and there
+    # float32: a rounding here and there
+    assert frames.max() <= 1 and frames.mean() < 1e-3, (frames.max(), frames.mean())
     assert moved.mean() > 10 * max(frames.mean(), 1e-4)  # the adapter moved the render far more than that
     assert np.abs(got.audio - want.audio).max() < 1e-5
 
@@ -110,7 +108,7 @@ def test_adaln_tables_are_made_once_per_adapter_set_and_found_again(engine):
     [
         ([("other", None)], 0, r'adapters\[0\] "other" is not declared here; declared: turbo, style, larry'),
         ([("turbo", None), ("turbo", 0.5)], 1, "turbo is named twice"),
-        ([("style", 9.0)], 0, r"style's scale must be within -4..4 and not 0 \(leave the adapter out instead\), got 9"),
+        ([("style", 9.0)], 0, r"style's scale must be within -4..4 and not 0 \(leave the adapter out .*\), got 9"),
         ([("style", 0)], 0, "and not 0"),
         ([("style", float("nan"))], 0, "must be a finite number"),
         (
@@ -137,14 +135,14 @@ def test_the_settings_refuse_a_bad_declaration_before_anything_loads(paths, tmp_
         "turbo": "write NAME=PATH[:SCALE]",
         f"-x={paths['turbo']}": 'adapter name "-x"',
         f"{good},turbo={paths['style']}": '"turbo" is declared twice',
-        f"turbo={paths['turbo']}:0": "scale 0 must be within -4..4 and not 0",
+        f"turbo={paths['turbo']}:0": "scale 0 must be within -4 and 4, and not 0",
         f"turbo={paths['turbo']}:5": "scale 5 must be within",
         f"turbo={tmp_path / 'missing.safetensors'}": "turbo: ",
     }
     for value, message in cases.items():
         with pytest.raises(SettingsError, match=re.escape(message)):
             load_settings(env={"H3_ADAPTERS": value}, check_profile=False)
-    with pytest.raises(SettingsError, match="H3_ADAPTER_MAX_ACTIVE.*given, but H3_ADAPTERS declares no adapters"):
+    with pytest.raises(SettingsError, match=r"H3_ADAPTER_MAX_ACTIVE.*given, but H3_ADAPTERS declares no adapters"):
         load_settings(env={"H3_ADAPTER_MAX_ACTIVE": "3"}, check_profile=False)
     settings = load_settings(env={"H3_ADAPTERS": f"{good}:0.8", "H3_ADAPTER_MAX_ACTIVE": "3"}, check_profile=False)
     declaration = settings.adapter_declaration()

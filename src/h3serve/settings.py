@@ -993,7 +993,7 @@ def parse_adapter_setting(value: str) -> tuple[str, Path, float]:
                          "letter or digit")  # fmt: skip
     path, scale = parse_lora_setting(rest.strip())
     if not 0 < abs(scale) <= MAX_SCALE:
-        raise ValueError(f"adapter {name}: scale {scale:g} must be within -{MAX_SCALE:g}..{MAX_SCALE:g} and not 0")
+        raise ValueError(f"adapter {name}: scale {scale:g} must be within -{MAX_SCALE:g} and {MAX_SCALE:g}, and not 0")
     return name, path, scale
 
 
