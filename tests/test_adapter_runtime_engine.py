@@ -170,3 +170,12 @@ def test_a_split_render_applies_the_adapters_as_one_process_does(declaration):
 def test_a_library_refuses_an_adapter_larger_than_its_cache(paths):
     with pytest.raises(ValueError, match=r"the adapter cache holds 0.00 GiB: raise it"):
         AdapterLibrary([("turbo", paths["turbo"], 1.0)], TINY_DIT, 1024, 1)
+
+
+def test_the_memory_plan_counts_the_buffers_the_engine_makes(engine):
+    from h3serve.pipeline.budget import tiny_budget
+    from h3serve.startup import with_adapters
+
+    budget = with_adapters(tiny_budget(CPU, "fl2va"), engine.library, TINY_DIT, CPU, "fl2va")
+    made = sum(runtime.buffer_bytes for runtime in engine.runtime.values())
+    assert made > 0 and budget.device["adapter buffers"] * 2**30 == pytest.approx(made, rel=1e-12)

@@ -113,7 +113,8 @@ def preflight(launch_plan: LaunchPlan, *, say: Callable[[str], None]) -> LaunchP
     budget, placement = None, None
     tiny_default = settings.offload == Offload.AUTO and settings.device_memory_gib is None
     if launch_plan.folder is not None or not tiny_default:  # the tiny model needs no plan unless one is asked for
-        budget, placement = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type)
+        budget, placement = check_memory(settings, launch_plan.folder, profile=profile, task_type=launch_plan.task_type,
+                                         library=launch_plan.library)  # fmt: skip
         say(f"placement: {placement.describe()}")
     return dataclasses.replace(launch_plan, profile=profile, budget=budget, placement=placement, notes=notes)
 
@@ -254,6 +255,21 @@ def read_library(settings: EngineSettings, folder: ModelFolder | None, task_type
     return library
 
 
+def with_adapters(budget: Budget, library: Any, config: DiTConfig, profile: Profile, task_type: str) -> Budget:
+    """`budget` with the run-time adapters counted: each loaded DiT's device buffers (`accel.lora`), and the host
+    cache's factors (page-locked where the engine runs on a GPU: the kernel cannot evict them)."""
+    from h3serve.checkpoint.adapters.formats import Names
+    from h3serve.checkpoint.adapters.library import buffer_bytes
+    from h3serve.vocab import TASK_TYPES
+
+    element = profile.torch_dtype.itemsize
+    buffers = buffer_bytes(library.catalog, Names.of(config).shapes, element) * len(TASK_TYPES[task_type])
+    cache = min(library.cache_bytes, sum(e.nbytes for e in library.catalog.entries.values()))
+    device = {**budget.device, "adapter buffers": buffers / 2**30}
+    host = {**budget.host, "adapter cache": cache / 2**30} if profile.cuda else budget.host
+    return dataclasses.replace(budget, device=device, host=host)
+
+
 def check_fp8(profile: Profile) -> tuple[Profile, str | None]:
     """The profile with its FP8 GEMM scaling chosen by the start-up self-test on its device (`accel.fp8_check`), and
     the test's line (None when no CUTLASS linear runs on CUDA). Nothing is loaded: the test makes its own operands."""
@@ -312,13 +328,15 @@ def check_memory(
     free: tuple[float, float, bool] | list | None = None,
     profile: Profile | None = None,
     task_type: str | None = None,
+    library: Any = None,
 ) -> tuple[Budget, Placement]:
     """The profile's memory budget for `folder` (None: the built-in tiny model) and the placement of its parts
     (`pipeline.placement`: H3_OFFLOAD within H3_DEVICE_MEMORY_GIB or the free device memory) against the free memory
     (`free`: device GiB, host GiB, shared, or one such tuple per GPU; read from the machine when None). With
     H3_NUM_GPUS > 1 on CUDA every GPU must hold its placement (each rank loads the whole model; the activations are
     counted whole, an upper bound) and the host every rank's host part. `profile`: the one that will run (the FP8
-    self-test's choice made); None: the settings'. `task_type`: the DiTs that load (None: the settings'). Returns
+    self-test's choice made); None: the settings'. `task_type`: the DiTs that load (None: the settings').
+    `library`: the run-time adapters (their device buffers per DiT, their page-locked host cache). Returns
     both; StartupError naming what does not fit, and where, or SettingError("device_memory_gib") where what is free
     would hold it and H3_DEVICE_MEMORY_GIB does not."""
     import torch
@@ -338,6 +356,8 @@ def check_memory(
         budget = tiny_budget(profile, task_type, shared=shared)
     else:
         budget = plan_budget(folder, profile, RELEASED_RULES, task_type=task_type, shared=shared)
+    if library is not None:
+        budget = with_adapters(budget, library, folder.dit if folder is not None else TINY_DIT, profile, task_type)
     planned = settings.device_memory_gib
     device_free = min(device for device, _, _ in frees)
     if planned is not None and planned > device_free:

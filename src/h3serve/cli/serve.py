@@ -81,7 +81,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     budget = plan.budget
     if budget is None:  # the tiny model at its defaults: serve plans nothing for it; check shows what it would hold
         try:
-            budget, placement = startup.check_memory(settings, None, profile=plan.profile, task_type=plan.task_type)
+            budget, placement = startup.check_memory(settings, None, profile=plan.profile, task_type=plan.task_type,
+                                                     library=plan.library)  # fmt: skip
             print(f"placement: {placement.describe()}")
         except startup.StartupError as err:  # not a refusal: serve does not plan it, so does not refuse it either
             print(f"note: the built-in tiny model's memory plan: {err}")

@@ -1,5 +1,6 @@
 """The startup warmup: one short render at the production shape, encoded to MP4 in memory and checked as a client
-would check it, before the server reports ready.
+would check it, before the server reports ready (with run-time adapters declared, once more with the first of them
+applied, so that its compiled variant is made now, and once more plain).
 
 It runs on the scheduler's GPU worker before the first request, so it finds what a first request would: a CUDA
 context to create, kernels to compile or load, the default schedule's AdaLN tables to make, an encoder to start. A
@@ -19,7 +20,7 @@ from h3serve.media.encoding import Encoding
 from h3serve.media.mp4 import DEFAULT_ENCODING, encode_mp4, verify_mp4
 from h3serve.pipeline.engine import RenderEngine
 from h3serve.pipeline.request import RenderRequest, RequestFields
-from h3serve.vocab import SMOKE_REQUEST, Task
+from h3serve.vocab import SMOKE_REQUEST, Task, dit_kind
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,9 @@ class WarmupResult:
     error: str | None = None
 
 
-def warmup_request(engine: RenderEngine) -> RenderRequest:
+def warmup_request(engine: RenderEngine, adapters: tuple[tuple[str, None], ...] = ()) -> RenderRequest:
     """The production shape (768x448, 56 frames for the released model; the tiny model's own default): T2VA, or
-    with only the Ref2VA DiT loaded, ref2va with one generated image reference."""
+    with only the Ref2VA DiT loaded, ref2va with one generated image reference; `adapters` applied at run time."""
     size = engine.rules.warmup_size
     task = Task.T2VA if Task.T2VA in engine.tasks else Task.REF2VA
     extra = {"references": [("warmup.png", _reference_png())]} if task == Task.REF2VA else {}
@@ -51,6 +52,7 @@ def warmup_request(engine: RenderEngine) -> RenderRequest:
             num_frames=engine.rules.warmup_frames,
             steps=WARMUP_STEPS,
             seed=0,
+            adapters=adapters,
             **extra,
         )
     )
@@ -92,10 +94,25 @@ def run_warmup(engine: RenderEngine, encoding: Encoding = DEFAULT_ENCODING) -> W
         encode_mp4(buffer, result.frames, result.audio, **media)
         buffer.seek(0)
         verify_mp4(buffer, width=request.width, height=request.height, num_frames=request.num_frames)
+        first = _first_adapter(engine, request.task)
+        if first:  # the forward with adapters applied compiles its own variant: now, not in a user's request
+            applied = engine.render(warmup_request(engine, first))
+            log.info("warmup with adapter %s: %.2f s (switch %.3f s)", first[0][0], applied.timings["total"],
+                     applied.timings.get("adapters", 0.0))  # fmt: skip
+            engine.render(request)  # and back to the plain weights, as a request without adapters finds them
     except Exception as err:  # every failure is reported instead of raised: the server stays up and not ready
         log.exception("warmup failed")
         return WarmupResult(False, time.perf_counter() - start, shape, f"{type(err).__name__}: {err}")
     return WarmupResult(True, time.perf_counter() - start, shape)
+
+
+def _first_adapter(engine: RenderEngine, task: str) -> tuple[tuple[str, None], ...]:
+    """The first declared run-time adapter the warmup's task may apply, at its declared scale (none: ())."""
+    kind = dit_kind(task)
+    for name, entry in engine.admission.catalog.entries.items():
+        if entry.dit_kind in (None, kind):
+            return ((name, None),)
+    return ()
 
 
 def _reference_png() -> bytes:
