@@ -45,7 +45,7 @@ PROFILES = (
 )
 
 
-def write_lightx2v(path: Path, cfg, rank: int) -> None:
+def write_lightx2v(path: Path, cfg, rank: int, seed: int = 0) -> None:
     """A synthetic adapter as LightX2V publishes theirs: diffusers module names (q, k, v apart) with the `.default.`
     infix, rank `rank` on every block and refiner linear, bf16 factors whose product has a weight's scale, metadata
     key_format and alpha = rank."""
@@ -54,7 +54,7 @@ def write_lightx2v(path: Path, cfg, rank: int) -> None:
               "ff.net.0.proj": (h, 2 * ffn), "ff.net.2": (ffn, h)}  # fmt: skip
     blocks = [f"transformer_blocks.{i}" for i in range(cfg.num_layers)]
     blocks += [f"token_refiner.refiner_blocks.{i}" for i in range(cfg.token_refiner_num_layers)]
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     tensors = {}
     for block in blocks:
         for module, (fan_in, fan_out) in widths.items():

@@ -179,3 +179,14 @@ def test_the_memory_plan_counts_the_buffers_the_engine_makes(engine):
     budget = with_adapters(tiny_budget(CPU, "fl2va"), engine.library, TINY_DIT, CPU, "fl2va")
     made = sum(runtime.buffer_bytes for runtime in engine.runtime.values())
     assert made > 0 and budget.device["adapter buffers"] * 2**30 == pytest.approx(made, rel=1e-12)
+
+
+def test_streamed_blocks_carry_their_adapters_and_render_as_resident_ones(engine, declaration):
+    from h3serve.pipeline.placement import Placement
+
+    placement = Placement(dit_streamed=(0, 1), dit_blocks=2, slots=1)  # every block streams through one slot
+    streamed = Engine.load(None, CPU, placement=placement, library=declaration.open(TINY_DIT))
+    for chosen in ([("larry", 1.0), ("turbo", 0.5)], [], [("style", 2.0)]):
+        want = engine.render(engine.validate(fields(adapters=chosen)))
+        got = streamed.render(streamed.validate(fields(adapters=chosen)))
+        assert np.array_equal(got.frames, want.frames) and np.array_equal(got.audio, want.audio), chosen

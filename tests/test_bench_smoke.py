@@ -30,7 +30,7 @@ from oracle import oracle
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 # The scripts this file runs, and those with a CPU setting it leaves to others (the docstring says why).
-RUN_HERE = ("dit_step", "event_streams", "load", "plot_scaling", "serve_accept", "split", "stepcache",
+RUN_HERE = ("dit_step", "event_streams", "load", "lora_runtime", "plot_scaling", "serve_accept", "split", "stepcache",
             "vae_decode_memory")  # fmt: skip
 ELSEWHERE = ("start", "host_memory")
 
@@ -182,6 +182,23 @@ def test_encode_measures_every_setting_against_the_writer_before(tmp_path):
     record = json.loads(out.read_text())
     encode_checks(record, {"veryfast"})
     assert record["conversion"]["swscale_one_thread_ms"] > 0
+
+
+def lora_runtime_checks(record: dict) -> None:
+    """What `bench/lora_runtime.py` must show on any device: no adapter applied is the plain forward bit for bit,
+    an adapter applied changes it (its error against the merged exact reference is small but not zero), the same
+    adapter again gives the same bits, and a switch from the host cache reads nothing from disk."""
+    no_errors(record)
+    assert record["none_bitwise_plain"] == {"reference": True, "default": True}
+    assert all(0 < e < 0.05 for pair in record["runtime_error_vs_exact"].values() for e in pair)
+    assert record["a_again_bitwise"] and record["first_use_from_disk_s"] > 0
+    assert all(s["from_disk_s"] == 0 for s in record["switches"]) and record["library"]["reads"] == 0
+
+
+def test_lora_runtime_tiny_applies_adapters_at_run_time_against_merged(tmp_path):
+    out = tmp_path / "lora_runtime.json"
+    script("lora_runtime", "--tiny", "--rank", "4", "--warmup", "0", "--iters", "1", "--out", str(out))
+    lora_runtime_checks(json.loads(out.read_text()))
 
 
 def test_a_full_size_build_that_cannot_fit_is_refused_at_once_naming_the_memory():

@@ -161,6 +161,13 @@ def lora(r: dict) -> None:
     assert len(r["runs"]) == 1 and entry["forwards"] == 4 and entry["identical_to_first"], entry
 
 
+def lora_runtime(r: dict) -> None:
+    from test_bench_smoke import lora_runtime_checks
+
+    lora_runtime_checks(r)
+    assert r["alternating"]["recompiles_after"] == r["alternating"]["recompiles_before"], r["alternating"]
+
+
 def one_box(r: dict) -> None:
     no_errors(r)
     assert set(r["runs"]) == {"BF16"} and {"reference", "default"} <= set(r["runs"]["BF16"])
@@ -274,6 +281,7 @@ SMOKES: dict[str, Smoke] = {
     ),
     "load": Smoke(cli(f"--device cuda --blocks 1 --hidden 256 {OUT}"), load, 180),
     "lora": Smoke(cli(f"--blocks 1 --rank 4 {OUT} --profiles", "eager BF16", "--runs", LORA_RUN), lora, 300),
+    "lora_runtime": Smoke(cli(f"--blocks 1 --rank 4 --warmup 0 --iters 1 {OUT}"), lora_runtime, 300),
     "offload": Smoke(
         skip="each cap's child builds every component at full size on the GPU before placing it (more than one 80 GB "
         "card), and its placements are planned for the released DiT: no smaller setting"

@@ -48,7 +48,7 @@ BENCHES = (
     "dit-step", "render", "serve-accept", "warm-restart", "cuda-profile-check", "full-size-smoke", "gpu-check",
     "humming-check", "adaln-tables", "stepcache", "ref2va-smoke", "fused-passes", "text-encoder-fp8",
     "vae-decode-memory", "lora", "split", "one-box", "load", "start", "plot-scaling", "fa4-check", "offload", "decode",
-    "host-memory", "decode-batch", "event-streams", "encode",
+    "host-memory", "decode-batch", "event-streams", "encode", "lora-runtime",
 )  # fmt: skip
 
 
