@@ -232,6 +232,8 @@ BAD = {
     "short_edge": FORM_OR_JSON([0, 768, 127, 129]) | st.sampled_from(["x"]),
     "quality": st.sampled_from(["ultra", "", "high"]) | st.integers(),  # high: this server has no step cache
     "lora": st.sampled_from([{"name": "x"}, "{}", "[]", {"path": ""}, {"scale": 1}, 5]),
+    "lora_name": st.sampled_from(["x", "", "   "]) | st.integers(),  # this server declares no adapter
+    "lora_strength": FORM_OR_JSON([0.5, 1]) | st.sampled_from(["x", "nan"]),  # without lora_name
     "preview_every": FORM_OR_JSON([-1, 1, 3, 100]) | st.sampled_from(["x", "1.5"]),  # 1: under this server's least
     "extra_params": st.sampled_from(["{not json", "[1]", [1], 5, "null"]),
     "extra_params.task": st.sampled_from(["t3va", "", "REF2VA", 5, []]),

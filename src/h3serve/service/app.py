@@ -4,9 +4,11 @@
     GET    /ready                     200 once the startup warmup has passed, else 503 (HEAD too)
     GET    /openapi.json              the API's OpenAPI schema (unless H3_API_SCHEMA is off)
     GET    /metrics                   Prometheus text
-    GET    /v1/models                 the served model: the tasks served (H3_TASK_TYPE), adapters, request limits
+    GET    /v1/models                 the served model: the tasks served (H3_TASK_TYPE), adapters (merged, and those a
+                                      request may apply: `runtime_adapters`), request limits
     POST   /v1/videos/sync            render and return the MP4 bytes (bounded by the sync timeout); step caching in
-                                      the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`)
+                                      the X-H3-Step-Cache / X-H3-Cached-Steps headers (`step_cache_headers`), run-time
+                                      adapters in X-H3-Adapters (`adapter_headers`)
     POST   /v1/videos                 queue an async job; returns its record at once
     GET    /v1/videos                 jobs, newest first (limit, after, order); a record the store cannot read is
                                       listed with status `damaged` (store.DamagedRecord), the rest are served
@@ -314,6 +316,7 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "profile": engine.profile.__dict__,
         "tasks": list(engine.tasks),
         "adapters": adapter_entries(engine),
+        "runtime_adapters": runtime_adapters(engine),
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
         "num_gpus": engine.num_gpus,
@@ -379,6 +382,7 @@ def models(settings: SettingsDep, engine: EngineDep) -> dict[str, Any]:
         "owned_by": "h3serve",
         "tasks": list(engine.tasks),
         "adapters": adapter_entries(engine),
+        "runtime_adapters": runtime_adapters(engine),
         "limits": request_limits(engine, settings.max_prompt_chars, settings.max_upload_mb),
     }
     return {"object": "list", "data": [entry]}
@@ -496,6 +500,7 @@ async def create_sync(
         "x-flow-shift": f"{render_request.video_shift:g}",
         "x-audio-flow-shift": f"{render_request.audio_shift:g}",
         **step_cache_headers(result.step_cache, render_request.quality),
+        **adapter_headers(render_request),
     }
     return Response(mp4, media_type="video/mp4", headers=headers)
 
@@ -750,23 +755,54 @@ def shown_record(job: VideoJob | DamagedRecord, live: dict[str, dict[str, Any]])
     return {**job.model_dump(), "live": live.get(job.id) if job.status in ACTIVE else None}
 
 
+def trained_sampler(preset) -> dict[str, Any] | None:
+    """The sampler an adapter's preset gives (`checkpoint.adapters.Preset`), as /health and /v1/models list it; None
+    where the file says none."""
+    if preset is None:
+        return None
+    return {
+        "num_inference_steps": preset.points,
+        "flow_shift": preset.video_shift,
+        "audio_flow_shift": preset.audio_shift,
+        "sigma_positions": list(preset.sigmas) if preset.sigmas else None,
+        "tasks": list(preset.tasks) if preset.tasks else None,
+    }
+
+
 def adapter_entries(engine: RenderEngine) -> list[dict[str, Any]]:
     """The merged adapters as /health and /v1/models list them: file, format, scale, and the sampler it was trained
     for where known."""
-    out = []
-    for adapter in engine.adapters:
-        preset = adapter.preset
-        trained = None
-        if preset is not None:
-            trained = {
-                "num_inference_steps": preset.points,
-                "flow_shift": preset.video_shift,
-                "audio_flow_shift": preset.audio_shift,
-                "sigma_positions": list(preset.sigmas) if preset.sigmas else None,
-                "tasks": list(preset.tasks) if preset.tasks else None,
+    return [
+        {"file": a.path.name, "format": a.format, "scale": a.scale, "trained": trained_sampler(a.preset)}
+        for a in engine.adapters
+    ]
+
+
+def runtime_adapters(engine: RenderEngine) -> dict[str, Any]:
+    """The adapters a request may apply at run time (H3_ADAPTERS), as /health and /v1/models list them: how many one
+    request may apply at once, and each by the name a request gives, its file, format, default scale, distinct ranks,
+    the DiT it was trained for and the sampler its preset gives (where the file says), its factors' GiB, and whether
+    the host cache holds it now (null where the engine's processes each hold their own: a split render's)."""
+    catalog = engine.admission.catalog
+    library = getattr(engine, "library", None)  # `parallel.workers.ParallelEngine`'s workers hold theirs
+    held = set(library.held) if library is not None else None
+    return {
+        "max_active": catalog.max_active,
+        "adapters": [
+            {
+                "name": entry.name,
+                "file": entry.path.name,
+                "format": entry.adapter.format,
+                "scale": entry.scale,
+                "ranks": list(entry.adapter.ranks),
+                "dit_kind": entry.dit_kind,
+                "trained": trained_sampler(entry.preset),
+                "gib": round(entry.nbytes / 2**30, 6),
+                "held": None if held is None else entry.name in held,
             }
-        out.append({"file": adapter.path.name, "format": adapter.format, "scale": adapter.scale, "trained": trained})
-    return out
+            for entry in catalog.entries.values()
+        ],
+    }
 
 
 def step_cache_headers(report, quality: str | None) -> dict[str, str]:
@@ -780,3 +816,12 @@ def step_cache_headers(report, quality: str | None) -> dict[str, str]:
     if report is not None:
         headers["X-H3-DiT-Forwards"] = str(report.forwards)
     return headers
+
+
+def adapter_headers(request: RenderRequest) -> dict[str, str]:
+    """A sync render's run-time adapters: `X-H3-Adapters` names each as NAME:SCALE in the request's order
+    (`turbo:1,style:0.5`); absent when the render applied none. Declared names are header-safe (letters, digits, '.',
+    '_', '-': `settings.parse_adapter_setting`)."""
+    if not request.adapters:
+        return {}
+    return {"X-H3-Adapters": ",".join(f"{name}:{scale:g}" for name, scale in request.adapters)}

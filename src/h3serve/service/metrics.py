@@ -8,6 +8,9 @@ from prometheus_client.core import GaugeMetricFamily
 from h3serve.pipeline.engine import STAGES, RenderResult
 
 RENDER_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 2400, 4800, 9600)
+# An adapter switch copies factors into the device buffers (and reads a file the host cache gave up): milliseconds to
+# seconds.
+SWITCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
@@ -32,6 +35,21 @@ class Metrics:
         self.dit_forwards_cached = Counter(
             "h3serve_dit_forwards_cached", "DiT forwards that reused cached blocks (step cache)", registry=self.registry
         )
+        # Run-time adapters (H3_ADAPTERS), on a server that declares them: completed renders by adapter (names the
+        # operator declared, so the labels are bounded), the seconds each render's switch took, and the renders whose
+        # switch read an adapter from disk again (the host cache, H3_ADAPTER_CACHE_GIB, had given it up).
+        self.adapter_renders = Counter(
+            "h3serve_adapter_renders", "Completed renders that applied each run-time adapter", ["adapter"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.adapter_switch_seconds = Histogram(
+            "h3serve_adapter_switch_seconds", "Time completed renders took to switch run-time adapters",
+            buckets=SWITCH_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.adapter_reads = Counter(
+            "h3serve_adapter_reads", "Completed renders that read a run-time adapter from disk again",
+            registry=self.registry,
+        )  # fmt: skip
         self.queue_depth = Gauge("h3serve_queue_depth", "Renders waiting for the GPU", registry=self.registry)
         self.ready = Gauge("h3serve_ready", "1 once the startup warmup has passed", registry=self.registry)
         self._job_counts = None
@@ -59,6 +77,12 @@ class Metrics:
             if result.step_cache is not None:
                 self.dit_forwards.inc(result.step_cache.forwards)
                 self.dit_forwards_cached.inc(result.step_cache.num_cached)
+            for name, _ in result.request.adapters:
+                self.adapter_renders.labels(name).inc()
+            if "adapters" in result.timings:  # a server that declares adapters (a render without any switches too)
+                self.adapter_switch_seconds.observe(result.timings["adapters"])
+            if "adapter_reads" in result.timings:
+                self.adapter_reads.inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

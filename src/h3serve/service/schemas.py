@@ -10,6 +10,12 @@ than ignored: a setting the server would not honour must not look accepted. The 
 `quality` (step caching for the request: `lossless` runs without the step cache, `high` the conservative profile) goes
 to the engine, which refuses `high` on a server started without a step cache.
 
+Adapters a request applies at run time (`H3_ADAPTERS`: declared by the operator, by name) come as vLLM-Omni's `lora`,
+one object or a list of them (`name` or `lora_name`, `scale`; a JSON string in a form), or as LightX2V's top-level
+`lora_name` and `lora_strength`; they become `RequestFields.adapters`, which the engine's admission checks (declared,
+each once, how many at once, the DiT). A request never names a file: a `path` (`local_path`) is taken only where it is
+the merged adapter's (`H3_LORA`), as is an object naming the merged adapter at its scale; both change nothing.
+
 Files (multipart file parts, or base64 strings / data: URLs in a JSON body) mean one of two things:
 
 * keyframes, unless `extra_params.task` is `ref2va` (as before): one or two images, first and last frame,
@@ -31,13 +37,24 @@ import enum
 import math
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from h3serve.checkpoint.adapters.library import MAX_SCALE
 from h3serve.config import FPS
+from h3serve.errors import label
 from h3serve.pipeline.admission import Admission
 from h3serve.pipeline.request import RenderRequest, RequestFields
 from h3serve.pipeline.rules import (
@@ -61,12 +78,15 @@ if TYPE_CHECKING:
 FIELDS = (
     "prompt", "model", "seconds", "size", "input_reference", "input_references", "user", "width", "height",
     "num_frames", "fps", "num_inference_steps", "flow_shift", "seed", "extra_params", "aspect_ratio", "short_edge",
-    "quality", "lora", "preview_every",
+    "quality", "lora", "lora_name", "lora_strength", "preview_every",
 )  # fmt: skip
 # vLLM-Omni's per-request adapter object: its name, its path on the server, its scale.
 LORA_KEYS = ("name", "lora_name", "path", "local_path", "scale")
+LORA_PATHS = ("path", "local_path")  # a file: only the merged adapter's (a no-op); nothing a client names is opened
+LORA_NAMES = ("name", "lora_name")
 EXTRA_PARAMS = ("task", "duration", "audio_flow_shift", "frame_indices", "mute_references")
-TEXT_FIELDS = ("prompt", "model", "size", "user", "aspect_ratio", "quality")  # strings, whatever the body's form
+# Strings, whatever the body's form.
+TEXT_FIELDS = ("prompt", "model", "size", "user", "aspect_ratio", "quality", "lora_name")
 MAX_USER_CHARS = 256
 # Fields other servers take that H3 has no use for: refused with the reason, not silently dropped.
 NOT_USED = {
@@ -234,38 +254,101 @@ def _mute_references(task: str, value: Any, uploads: list[Upload]) -> list[int]:
     return value
 
 
-def _check_lora(value: Any, adapters: Sequence) -> dict[str, Any]:
-    """vLLM-Omni's per-request `lora` ({name, path, scale}; a JSON string in a form). The adapters are merged into
-    the weights at load, so a request may name only what the server merged (by its path, or its file name as `name`
-    or `path`, at its scale): that is a no-op, and the object is returned; anything else is refused, saying how to
-    serve it."""
-    if isinstance(value, str):
-        value = load_json(value, "lora")
+@dataclass(frozen=True)
+class AdapterAsk:
+    """A run-time adapter a request names (`RequestFields.adapters`): a name for the engine's admission to check
+    against the declared ones, its scale (None: its declared one), and the API fields that named them, so that a
+    refusal names what the client sent (`lora`, `lora[1]` or `lora_name`; `lora.scale`, `lora[1].scale` or
+    `lora_strength`)."""
+
+    param: str
+    scale_param: str
+    name: str
+    scale: float | None
+
+
+def _check_scale(param: str, scale: float) -> float:
+    """A run-time adapter's scale. The engine's admission owns the rule and checks it again; it is checked here too
+    because the engine's refusal names the adapter (`RequestError("adapters", index)`), not which of its fields is
+    wrong, and a client is told the field it sent (`lora_strength`, `lora[1].scale`)."""
+    if not 0 < abs(scale) <= MAX_SCALE:
+        allowed = f"within -{MAX_SCALE:g}..{MAX_SCALE:g} and not 0 (leave the adapter out instead)"
+        raise bad_request(param, f"{param} must be {allowed}, got {scale:g}")
+    return scale
+
+
+def _not_served(param: str, asked: str, terms: ServerTerms) -> ApiError:
+    """An adapter this server cannot apply for a request: a file that is not the merged adapter's (the API opens no
+    file a client names), or any adapter on a server that declares none for requests; the message says what the
+    server has and how to serve the adapter."""
+    catalog = terms.admission.catalog
+    if catalog:  # only a file gets here: a name goes to the engine, which says what is declared
+        declared = ", ".join(catalog.names)
+        message = f"{param} names the file {shown(asked)}, but a request names an adapter by its declared name, never"
+        return bad_request(param, f"{message} a file; declared here: {declared}")
+    serve = f"adapters are merged into the weights at load: start a server with H3_LORA={named(asked)}"
+    declare = f"or declare adapters that requests name with {label('adapters')}"
+    if not terms.adapters:
+        return bad_request(param, f"this server runs no adapter; {serve} (--lora), {declare}")
+    loaded = ", ".join(f"{a.path.name}:{a.scale:g}" for a in terms.adapters)
+    message = f"{param} names {shown(asked)}, but this server merged {loaded} and a request cannot switch adapters"
+    return bad_request(param, f"{message}; {serve}[:SCALE], {declare}")
+
+
+def _adapter_ask(
+    param: str, scale_param: str, paths: list[str], names: list[str], scale: float | None, terms: ServerTerms
+) -> AdapterAsk | None:
+    """One adapter a request names by file (`paths`) or name (`names`, each the same), at `scale` (None: its own).
+    The merged adapter (by its path, file name or stem, at its scale) changes nothing: None. Otherwise a declared
+    name, for the engine to check (declared, each once, how many at once, its DiT); a file, or any adapter on a server
+    that declares none, is refused here."""
+    for adapter in terms.adapters:
+        if all(n in (str(adapter.path), adapter.path.name, adapter.path.stem) for n in (*paths, *names)):
+            if scale is not None and scale != adapter.scale:
+                merged = f"the server merged {adapter.path.name} at {adapter.scale:g}"
+                serve = f"start a server with H3_LORA={named([*paths, *names][0])}:{scale:g}"
+                message = f"{scale_param} {scale:g}: {merged}; adapters are merged into the weights at load: {serve}"
+                raise bad_request(scale_param, message)
+            return None
+    if paths:
+        raise _not_served(param, paths[0], terms)
+    if any(n != names[0] for n in names):
+        raise bad_request(param, f"{param}: name {shown(names[0])} and lora_name {shown(names[1])} differ; give one")
+    if not terms.admission.catalog:
+        raise _not_served(param, names[0], terms)
+    return AdapterAsk(param, scale_param, names[0], None if scale is None else _check_scale(scale_param, scale))
+
+
+def _lora_object(param: str, value: Any, terms: ServerTerms) -> AdapterAsk | None:
+    """One object of vLLM-Omni's `lora`: {name or lora_name, scale}, or the merged adapter by path."""
     if not isinstance(value, dict):
-        raise bad_request("lora", f"lora must be a JSON object with name, path and scale, got {shown(value)}")
+        raise bad_request(param, f"{param} must be a JSON object with name and scale, got {shown(value)}")
     for key in value:
         if key not in LORA_KEYS:
-            raise bad_request(
-                f"lora.{named(key)}", f"lora.{named(key)} is not accepted; allowed: {', '.join(LORA_KEYS)}"
-            )
-    names = [value[k] for k in ("path", "local_path", "name", "lora_name") if value.get(k) is not None]
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise bad_request(
-            "lora", f"lora must name the adapter by path or name (a non-empty string), got {shown(value)}"
-        )
-    scale = _float("lora.scale", value["scale"]) if "scale" in value else None
-    serve = f"adapters are merged into the weights at load: start a server with H3_LORA={named(names[0])}"
-    if not adapters:
-        raise bad_request("lora", f"this server runs no adapter; {serve} (--lora)")
-    loaded = ", ".join(f"{a.path.name}:{a.scale:g}" for a in adapters)
-    for adapter in adapters:
-        if all(n in (str(adapter.path), adapter.path.name, adapter.path.stem) for n in names):
-            if scale is not None and scale != adapter.scale:
-                raise bad_request("lora.scale", f"lora.scale {scale:g}: the server merged {adapter.path.name} at "
-                                                f"{adapter.scale:g}; {serve}:{scale:g}")  # fmt: skip
-            return value
-    raise bad_request("lora", f"lora names {shown(names[0])}, but this server merged {loaded} and a request cannot "
-                              f"switch adapters; {serve}[:SCALE]")  # fmt: skip
+            where = f"{param}.{named(key)}"
+            raise bad_request(where, f"{where} is not accepted; allowed: {', '.join(LORA_KEYS)}")
+    paths = [value[k] for k in LORA_PATHS if value.get(k) is not None]
+    names = [value[k] for k in LORA_NAMES if value.get(k) is not None]
+    if not (paths or names) or not all(isinstance(n, str) and n for n in (*paths, *names)):
+        what = f"{param} must name the adapter by path or name (a non-empty string)"
+        raise bad_request(param, f"{what}, got {shown(value)}")
+    scale_param = f"{param}.scale"
+    scale = _float(scale_param, value["scale"]) if "scale" in value else None
+    return _adapter_ask(param, scale_param, paths, names, scale, terms)
+
+
+def _check_lora(value: Any, terms: ServerTerms) -> tuple[AdapterAsk, ...]:
+    """vLLM-Omni's per-request `lora`: one object or a list of them (a JSON string in a form). The run-time adapters
+    it names, in its order; the merged adapter's objects (no-ops) are left out."""
+    if isinstance(value, str):
+        value = load_json(value, "lora")
+    if isinstance(value, list):
+        if not value:
+            raise bad_request("lora", "lora is an empty list; leave it out to apply no adapter")
+        objects = [(f"lora[{i}]", item) for i, item in enumerate(value)]
+    else:
+        objects = [("lora", value)]
+    return tuple(ask for param, item in objects if (ask := _lora_object(param, item, terms)) is not None)
 
 
 def _preview_refusal(every: int, steps: int, rule: PreviewRule) -> ApiError:
@@ -382,7 +465,9 @@ class VideoCreateRequest(_ApiModel):
     prompt: str = Field(None, validate_default=True, description="what to render; required")
     model: str | None = Field(None, description="the served model's id, if given")
     extra_params: ExtraParams = Field(default_factory=ExtraParams)
-    lora: dict[str, Any] | None = Field(None, description="an adapter by name/path and scale: only the merged one")
+    lora: Any = Field(None, description="adapters by name and scale: an object, or a list of them")
+    lora_name: str | None = Field(None, description="one adapter by name, instead of lora (LightX2V's)")
+    lora_strength: float | None = Field(None, description="lora_name's scale; left out: its declared one")
     width: int | None = None
     height: int | None = None
     size: tuple[int, int] | None = Field(None, description="WIDTHxHEIGHT, instead of width and height")
@@ -396,6 +481,8 @@ class VideoCreateRequest(_ApiModel):
     preview_every: int | None = Field(None, description="a preview after every this many forwards; 0: none")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="left out: drawn from the whole range")
     video_shift: float | None = Field(None, alias="flow_shift", description="the video schedule's shift")
+    # The run-time adapters named by lora, or by lora_name and lora_strength (`_adapter_asks`), for the engine.
+    _adapters: tuple[AdapterAsk, ...] = PrivateAttr(default=())
 
     @classmethod
     def parse(cls, fields: dict[str, Any], terms: ServerTerms) -> VideoCreateRequest:
@@ -449,8 +536,36 @@ class VideoCreateRequest(_ApiModel):
 
     @field_validator("lora", mode="before")
     @classmethod
-    def _lora(cls, value: Any, info: ValidationInfo) -> dict[str, Any]:
-        return _check_lora(value, info.context.adapters)
+    def _lora(cls, value: Any, info: ValidationInfo) -> tuple[AdapterAsk, ...]:
+        return _check_lora(value, info.context)
+
+    @field_validator("lora_name", mode="before")
+    @classmethod
+    def _lora_name(cls, value: str, info: ValidationInfo) -> str:
+        if info.data.get("lora") is not None:
+            message = "lora_name and lora both name adapters; give one (lora, as a list, for several)"
+            raise bad_request("lora_name", message)
+        if not value.strip():
+            raise bad_request("lora_name", "lora_name must name an adapter, got an empty string")
+        return value
+
+    @field_validator("lora_strength", mode="before")
+    @classmethod
+    def _lora_strength(cls, value: Any, info: ValidationInfo) -> float:
+        if info.data.get("lora_name") is None:
+            message = "lora_strength is the scale of the adapter lora_name names: give lora_name too"
+            raise bad_request("lora_strength", f"{message} (or lora, with its scale)")
+        return _float("lora_strength", value)
+
+    @model_validator(mode="after")
+    def _adapter_asks(self, info: ValidationInfo) -> VideoCreateRequest:
+        """The run-time adapters the request names, from `lora` or from `lora_name` and `lora_strength`."""
+        if self.lora_name is not None:
+            ask = _adapter_ask("lora_name", "lora_strength", [], [self.lora_name], self.lora_strength, info.context)
+            self._adapters = () if ask is None else (ask,)
+        elif self.lora is not None:
+            self._adapters = self.lora
+        return self
 
     @field_validator("size", mode="before")
     @classmethod
@@ -573,7 +688,8 @@ class VideoCreateRequest(_ApiModel):
         return RequestFields(
             prompt=self.prompt, task=task, width=width, height=height, num_frames=num_frames, steps=self.steps,
             seed=seed, video_shift=self.video_shift, audio_shift=self.extra_params.audio_shift, mute_references=mute,
-            quality=self.quality, preview_every=self._previews(terms), **files,
+            quality=self.quality, preview_every=self._previews(terms),
+            adapters=tuple((a.name, a.scale) for a in self._adapters), **files,
         )  # fmt: skip
 
     def api_name(self, field: str, files: str) -> str:
@@ -586,6 +702,8 @@ class VideoCreateRequest(_ApiModel):
             return self._length_source()
         if field in ("keyframes", "references"):
             return files
+        if field == "adapters":
+            return "lora_name" if self.lora_name is not None else "lora"
         for model in (type(self), ExtraParams):
             if field in model.model_fields:
                 return model.param(field)
@@ -598,6 +716,9 @@ class VideoCreateRequest(_ApiModel):
         (which names the engine's field)."""
         if err.field == "preview_every":  # the engine knows 1 as the least; this server's least is its minimum
             return _preview_refusal(self._previews(terms), self._steps(terms), terms.previews)
+        if err.field == "adapters":  # one adapter (`lora[1]`, `lora_name`) by its index, else the field that named them
+            param = self.api_name("adapters", "") if err.index is None else self._adapters[err.index].param
+            return bad_request(param, f"{param}: {err.message}")
         _, ordered = _task_and_order(self.extra_params.task, self.extra_params.frame_indices, uploads)
         default = "input_references" if err.of == "references" else "input_reference"
         files = ordered[0].field if ordered else default
@@ -716,6 +837,8 @@ class VideoJob(BaseModel):
     cached_steps: list[int] | None = None
     # Previews: after every this many forwards (0: none); while it renders, GET .../events and .../preview.
     preview_every: int = 0
+    # The run-time adapters the render applies, each {"name", "scale"} in the request's order; [] for none.
+    adapters: list[dict[str, Any]] = Field(default_factory=list)
 
 
 def step_cache_mode(report, quality: str | None) -> str:
@@ -724,3 +847,8 @@ def step_cache_mode(report, quality: str | None) -> str:
     if report is None or not report.enabled:
         return "off"
     return "high" if quality == "high" else "server"
+
+
+def adapter_uses(request: RenderRequest) -> list[dict[str, Any]]:
+    """A job record's `adapters`: the run-time adapters the validated request applies, with the scales that run."""
+    return [{"name": name, "scale": scale} for name, scale in request.adapters]

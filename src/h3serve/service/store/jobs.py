@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from h3serve.config import FPS
 from h3serve.pipeline.request import RenderRequest
-from h3serve.service.schemas import JobError, JobStatus, VideoJob
+from h3serve.service.schemas import JobError, JobStatus, VideoJob, adapter_uses
 from h3serve.service.store.check import StoreUnavailable, refuse_damage
 from h3serve.service.store.lock import SERVER, FolderLock
 from h3serve.service.store.rows import (
@@ -95,6 +95,7 @@ def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
         flow_shift=request.video_shift,
         audio_flow_shift=request.audio_shift,
         preview_every=request.preview_every,
+        adapters=adapter_uses(request),
     )
 
 
