@@ -18,6 +18,7 @@ three; a second library that holds two of them times the third's first use, a re
 `--tiny` runs the plumbing on the CPU (the tiny DiT, eager, BF16): a dry run, not a benchmark.
 
     PYTHONPATH=src python bench/lora_runtime.py --blocks 20 --out bench/results/lora_runtime.json
+    # --max-active 2: buffers at two adapters' rank (the server's default), one applied; --linear BF16
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from h3serve.checkpoint.adapters import merge_into, read_adapter
 from h3serve.checkpoint.adapters.library import AdapterLibrary
 
 ATTENTION = "CUDNN_ATTN"  # TORCH_SDPA on a CPU dry run
-SWITCHES = (["a"], ["b"], ["a", "b"], [], ["c"], ["a"])
+SWITCHES = (["a"], ["b"], ["a", "b"], [], ["c"], ["a"])  # two at once only where --max-active allows
 ALTERNATING = (["a"], ["b"], ["c"], [], ["a"], ["b"], ["c"], [], ["a"], [])
 
 
@@ -84,6 +85,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=20, help="DiT main blocks (of the released 50)")
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--linear", default="CUTLASS", choices=("CUTLASS", "BF16"))
+    parser.add_argument(
+        "--max-active", type=int, default=1, help="adapters at once the buffers hold (1: the rank of one)"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run of the plumbing (tiny DiT, eager BF16)")
@@ -93,6 +97,7 @@ def main() -> None:
     linear = "BF16" if args.tiny else args.linear
     attention = "TORCH_SDPA" if args.tiny else ATTENTION
     rec = Record(args.out, {**run_header(dev), "blocks": args.blocks, "rank": args.rank, "linear": linear,
+                            "max_active": args.max_active,
                             "execution": execution, "attention": attention})  # fmt: skip
     torch.manual_seed(0)
     dit = models.tiny_dit() if args.tiny else models.build_dit(torch.device("cuda"), args.blocks)
@@ -112,7 +117,9 @@ def main() -> None:
     one = paths["a"].stat().st_size
     start = time.perf_counter()
     declared = [(n, p, 1.0) for n, p in paths.items()]
-    library = AdapterLibrary(declared, cfg, 4 * one, 2, pin=dev == "cuda")  # a file is no smaller than its factors
+    library = AdapterLibrary(
+        declared, cfg, 4 * one, args.max_active, pin=dev == "cuda"
+    )  # a file is no smaller than its factors
     rec.data["declare_s"] = round(time.perf_counter() - start, 2)
     rec.data["adapter_gib"] = round(library.catalog.entries["a"].nbytes / 2**30, 3)
     rec.data["held_at_start"] = list(library.held)
@@ -170,11 +177,13 @@ def main() -> None:
 
     switches = []
     for names in SWITCHES:
+        if len(names) > args.max_active:
+            continue
         done = runtime.activate([(n, 1.0) for n in names])
         switches.append({"to": names, "s": round(done.seconds, 4), "from_disk_s": round(done.read_seconds, 4)})
     rec.data["switches"] = switches
     factors = library.catalog.entries["a"].nbytes
-    small = AdapterLibrary(declared, cfg, int(2.5 * factors), 2, pin=dev == "cuda")  # holds b and c
+    small = AdapterLibrary(declared, cfg, int(2.5 * factors), 1, pin=dev == "cuda")  # holds b and c
     _, seconds = small.get("a")
     rec.data["first_use_from_disk_s"] = round(seconds, 6)
     del small

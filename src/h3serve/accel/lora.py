@@ -28,17 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from h3serve.accel.linear import FP8, Fp8Linear, quantize_weight
 from h3serve.checkpoint.adapters.formats import Names
 from h3serve.checkpoint.adapters.library import AdapterLibrary, Catalog, buffer_ranks
 from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.model.dit import is_fp32_name
 
-BUFFERS = ("lora_down", "lora_up")  # a wrapper's buffers: resident on the compute device, never streamed
+# A wrapper's buffers: resident on the compute device, never streamed.
+BUFFERS = ("lora_down", "lora_up", "lora_down_q", "lora_down_scale")
 
 
 class LoraLinear(nn.Module):
     """A linear with an adapter slot beside it: `lora_down` (rank, in) and `lora_up` (out, rank); the delta is added
-    only while `active`."""
+    only while `active`, by the up projection's GEMM accumulating into the base's output (one pass over it, no
+    delta tensor). Over an FP8 base (`accel.linear.Fp8Linear`) the down projection runs in FP8 too, on the rows the
+    fused pass quantized for the base (`lora_down_q`, `lora_down_scale`: the down factor quantized per rank row,
+    made at each switch), so the delta adds no pass over the input."""
 
     def __init__(self, base: nn.Module, rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -48,24 +53,41 @@ class LoraLinear(nn.Module):
                              persistent=False)  # fmt: skip
         self.register_buffer("lora_up", torch.zeros(self.out_features, rank, dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
+        self.fp8 = isinstance(base, Fp8Linear)
+        if self.fp8:
+            self.register_buffer("lora_down_q", torch.zeros(rank, self.in_features, dtype=FP8, device=device),
+                                 persistent=False)  # fmt: skip
+            self.register_buffer("lora_down_scale", torch.ones(1, rank, dtype=torch.float32, device=device),
+                                 persistent=False)  # fmt: skip
         self.active = False
 
-    def _delta(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(x, self.lora_down), self.lora_up)
+    def quantize_down(self) -> None:
+        """The FP8 copy of `lora_down` (a switch wrote it); nothing over another base."""
+        if self.fp8:
+            q, scale = quantize_weight(self.lora_down)
+            self.lora_down_q.copy_(q)
+            self.lora_down_scale.copy_(scale)
+
+    def _add_delta(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """y + h @ up.T, the GEMM accumulating into y's rows."""
+        rows = y.reshape(-1, self.out_features)
+        return torch.addmm(rows, h.reshape(-1, h.shape[-1]).to(rows.dtype), self.lora_up.t()).reshape(y.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.active:
             return y
-        return y + self._delta(x.to(self.lora_down.dtype)).to(y.dtype)
+        h = F.linear(x.to(self.lora_down.dtype), self.lora_down)
+        return self._add_delta(y, h)
 
     def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An FP8 base on rows its pass already quantized (`accel.fused`); the delta reads them dequantized."""
+        """An FP8 base on rows its pass already quantized (`accel.fused`); the down projection reads the same rows."""
         y = self.base.matmul_rows(q, scale, dtype)
         if not self.active:
             return y
-        x = (q.to(torch.float32) * scale).to(self.lora_down.dtype)
-        return y + self._delta(x).to(y.dtype)
+        h = torch._scaled_mm(q, self.lora_down_q.t(), scale_a=scale, scale_b=self.lora_down_scale,
+                             out_dtype=self.lora_up.dtype, use_fast_accum=True)  # fmt: skip
+        return self._add_delta(y, h)
 
 
 @dataclass(frozen=True)
@@ -137,6 +159,7 @@ class RuntimeAdapters:
                 linear.lora_up[d.row : d.row + up.shape[0], cols].copy_(up)
                 filled[d.target] = first + d.rank
         for linear in self.linears.values():
+            linear.quantize_down()
             linear.active = bool(chosen)
         if self.linears and next(iter(self.linears.values())).lora_up.is_cuda:
             torch.cuda.synchronize(next(iter(self.linears.values())).lora_up.device)
@@ -146,4 +169,4 @@ class RuntimeAdapters:
     @property
     def buffer_bytes(self) -> int:
         """Device memory the adapters' buffers take."""
-        return sum(t.numel() * t.element_size() for m in self.linears.values() for t in (m.lora_down, m.lora_up))
+        return sum(t.numel() * t.element_size() for m in self.linears.values() for t in m.buffers(recurse=False))
