@@ -190,3 +190,20 @@ def test_streamed_blocks_carry_their_adapters_and_render_as_resident_ones(engine
         want = engine.render(engine.validate(fields(adapters=chosen)))
         got = streamed.render(streamed.validate(fields(adapters=chosen)))
         assert np.array_equal(got.frames, want.frames) and np.array_equal(got.audio, want.audio), chosen
+
+
+def test_the_cli_applies_a_declared_adapter_and_names_a_refused_one_by_its_flag(paths, tmp_path):
+    import subprocess
+    import sys
+
+    env = {"H3_ADAPTERS": f"turbo={paths['turbo']},style={paths['style']}:0.5", "PATH": "/usr/bin:/bin"}
+    base = [sys.executable, "-m", "h3serve.cli", "render", PROMPT, "--steps", "3", "--no-progress"]
+    done = subprocess.run([*base, "-o", str(tmp_path / "a.mp4"), "--apply", "style", "--apply", "turbo:0.25"],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "adapter at run time: style at scale 0.5" in done.stderr
+    assert "adapters style:0.5, turbo:0.25 applied in" in done.stdout + done.stderr
+    refused = subprocess.run([*base, "-o", str(tmp_path / "b.mp4"), "--apply", "other"], env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode != 0 and '--apply other: "other" is not declared here' in refused.stderr
+    assert not (tmp_path / "b.mp4").exists()

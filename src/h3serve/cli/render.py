@@ -68,6 +68,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--video-shift", type=decimal_arg, help=f"video schedule shift ({VIDEO_SHIFT:g}{trained})")
     p.add_argument("--audio-shift", type=decimal_arg, help=f"audio schedule shift ({AUDIO_SHIFT:g}{trained})")
     p.add_argument("--seed", type=whole_arg, default=0, help="request seed: same seed, same render (0)")
+    p.add_argument(
+        "--apply",
+        action="append",
+        default=[],
+        metavar="NAME[:SCALE]",
+        help="apply a declared adapter (--adapters NAME=PATH) at run time, at SCALE or its declared one; repeat for "
+        "several",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--preview-dir",
@@ -185,6 +193,21 @@ FLAGGED_FIELDS = ("steps", "video_shift", "audio_shift", "seed", "preview_every"
 PREVIEW_EVERY = 5  # --preview-every's default
 
 
+def _applied(values: list[str]) -> list[tuple[str, float | None]]:
+    """`--apply NAME[:SCALE]` values as the request's adapters (the engine checks the names and scales)."""
+    out: list[tuple[str, float | None]] = []
+    for value in values:
+        name, colon, scale = value.partition(":")
+        if not colon:
+            out.append((name, None))
+            continue
+        try:
+            out.append((name, decimal_arg(scale)))
+        except (ValueError, argparse.ArgumentTypeError) as err:
+            raise CliError(f"--apply {value}: SCALE must be a number ({err})") from err
+    return out
+
+
 def _request_error(err: ValueError, args: argparse.Namespace) -> str:
     """A request error in the command's terms: the flag the user typed and its value, and the file the user gave
     for a reference."""
@@ -193,6 +216,8 @@ def _request_error(err: ValueError, args: argparse.Namespace) -> str:
         return f"--ref {args.ref[index]}: {err}"
     if field == "mute_references":
         return err.describe({"mute_references": "--mute-ref"})
+    if field == "adapters":
+        return f"--apply {args.apply[index]}: {err.message}" if index is not None else f"--apply: {err.message}"
     if field in ("width", "height"):
         given = " ".join(f"--{name} {getattr(args, name)}" for name in ("width", "height") if getattr(args, name))
         return f"{given}: {err}" if given else str(err)
@@ -288,6 +313,7 @@ def _admitted(args: argparse.Namespace):
             references=references,
             mute_references=args.mute_ref,
             preview_every=preview_every,
+            adapters=_applied(args.apply),
         )
         request = plan.admission.validate(fields)
     except ValueError as err:
@@ -309,6 +335,9 @@ def _announce(settings, plan, request) -> None:
     model_name = settings.model if plan.folder else "built-in tiny model (random weights: the output is noise)"
     for adapter in plan.adapters:
         print(f"adapter: {adapter.describe()}", file=sys.stderr)
+    for name, scale in request.adapters:
+        entry = plan.library.catalog.entries[name]
+        print(f"adapter at run time: {name} at scale {scale:g} ({entry.adapter.describe()})", file=sys.stderr)
     shifts = f"shifts {request.video_shift:g}/{request.audio_shift:g}"
     print(
         f"h3serve: {request.task} {request.width}x{request.height} {request.num_frames} frames, {request.grid}, "
@@ -362,6 +391,9 @@ def _report(args: argparse.Namespace, request, result, writer, load_s: float, en
     stages = " ".join(f"{name} {result.timings[name]:.2f}s" for name in STAGES)
     if "previews" in result.timings:
         stages += f" (previews {result.timings['previews']:.2f}s of the denoise)"
+    if result.request.adapters:
+        applied = ", ".join(f"{name}:{scale:g}" for name, scale in result.request.adapters)
+        stages += f" (adapters {applied} applied in {result.timings['adapters']:.2f}s of the tables)"
     cache_note = ""
     if result.step_cache is not None and result.step_cache.enabled:
         cached = result.step_cache.cached
