@@ -116,7 +116,7 @@ def test_buffers_hold_the_largest_choice_and_every_block_of_a_role_alike(tmp_pat
     shapes = Names.of(TINY_DIT).shapes
     ranks = buffer_ranks(lib.catalog, shapes)
     target = "blocks.0.attn.qkv_proj.weight"
-    padded = lambda rank: -(-rank // 16) * 16  # noqa: E731  (an FP8 GEMM's dimensions are multiples of 16)
+    padded = lambda rank: -(-rank // 16) * 16  # noqa: E731  (buffer ranks are padded to 16)
     assert ranks[target] == padded(max(a[target], b[target]))  # one at a time: the larger
     lib2 = library(TINY_DIT, paths, max_active=2)
     assert buffer_ranks(lib2.catalog, shapes)[target] == padded(a[target] + b[target])

@@ -258,16 +258,12 @@ def read_library(settings: EngineSettings, folder: ModelFolder | None, task_type
 def with_adapters(budget: Budget, library: Any, config: DiTConfig, profile: Profile, task_type: str) -> Budget:
     """`budget` with the run-time adapters counted: each loaded DiT's device buffers (`accel.lora`), and the host
     cache's factors (page-locked where the engine runs on a GPU: the kernel cannot evict them)."""
-    from h3serve.accel.linear import QUANTIZED
-    from h3serve.accel.profile import Linear
     from h3serve.checkpoint.adapters.formats import Names
     from h3serve.checkpoint.adapters.library import buffer_bytes
     from h3serve.vocab import TASK_TYPES
 
     element = profile.torch_dtype.itemsize
-    quantized = profile.linear == Linear.CUTLASS  # its block linears get the down factor's FP8 copy too
-    fp8 = lambda t: quantized and t.startswith("blocks.") and t.removesuffix(".weight").endswith(QUANTIZED)  # noqa: E731
-    buffers = buffer_bytes(library.catalog, Names.of(config).shapes, element, fp8) * len(TASK_TYPES[task_type])
+    buffers = buffer_bytes(library.catalog, Names.of(config).shapes, element) * len(TASK_TYPES[task_type])
     cache = min(library.cache_bytes, sum(e.nbytes for e in library.catalog.entries.values()))
     device = {**budget.device, "adapter buffers": buffers / 2**30}
     host = {**budget.host, "adapter cache": cache / 2**30} if profile.cuda else budget.host

@@ -3,8 +3,9 @@ low-rank delta added beside it, `y = base(x) + (x @ down.T) @ up.T`, from device
 declared adapters need (`checkpoint.adapters.library.buffer_ranks`: the `max_active` largest ranks at each target,
 padded to the largest of its role so every block is alike). A switch copies factors into them and changes no shape,
 so a compiled graph stays as it is. The base may be any linear (BF16, CUTLASS FP8, HUMMING): the delta is its own
-product in the compute dtype (float32 for the fp32 heads). An FP8 base's fused passes hand it quantized rows
-(`matmul_rows`): the delta reads them dequantized, the input a merged FP8 weight would have read.
+product in the compute dtype (float32 for the fp32 heads), its second GEMM accumulating into the base's output. An
+FP8 base's fused passes hand it quantized rows (`matmul_rows`): the delta reads them dequantized, the input a merged
+FP8 weight would have read.
 
 `activate` packs the chosen adapters' factors side by side along the rank (their up factors times the file's
 alpha / rank and the request's scale, made in float32, rounded once), zeroes the rest, and turns every wrapper on or
@@ -28,22 +29,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3serve.accel.linear import FP8, Fp8Linear, quantize_weight
 from h3serve.checkpoint.adapters.formats import Names
 from h3serve.checkpoint.adapters.library import AdapterLibrary, Catalog, buffer_ranks
 from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.model.dit import is_fp32_name
 
 # A wrapper's buffers: resident on the compute device, never streamed.
-BUFFERS = ("lora_down", "lora_up", "lora_down_q", "lora_down_scale")
+BUFFERS = ("lora_down", "lora_up")
 
 
 class LoraLinear(nn.Module):
     """A linear with an adapter slot beside it: `lora_down` (rank, in) and `lora_up` (out, rank); the delta is added
-    only while `active`, by the up projection's GEMM accumulating into the base's output (one pass over it, no
-    delta tensor). Over an FP8 base (`accel.linear.Fp8Linear`) the down projection runs in FP8 too, on the rows the
-    fused pass quantized for the base (`lora_down_q`, `lora_down_scale`: the down factor quantized per rank row,
-    made at each switch), so the delta adds no pass over the input."""
+    only while `active`, by the up projection's GEMM accumulating into the base's output (`addmm`: no delta tensor and
+    no separate add pass over it)."""
 
     def __init__(self, base: nn.Module, rank: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -53,41 +51,24 @@ class LoraLinear(nn.Module):
                              persistent=False)  # fmt: skip
         self.register_buffer("lora_up", torch.zeros(self.out_features, rank, dtype=dtype, device=device),
                              persistent=False)  # fmt: skip
-        self.fp8 = isinstance(base, Fp8Linear)
-        if self.fp8:
-            self.register_buffer("lora_down_q", torch.zeros(rank, self.in_features, dtype=FP8, device=device),
-                                 persistent=False)  # fmt: skip
-            self.register_buffer("lora_down_scale", torch.ones(1, rank, dtype=torch.float32, device=device),
-                                 persistent=False)  # fmt: skip
         self.active = False
 
-    def quantize_down(self) -> None:
-        """The FP8 copy of `lora_down` (a switch wrote it); nothing over another base."""
-        if self.fp8:
-            q, scale = quantize_weight(self.lora_down)
-            self.lora_down_q.copy_(q)
-            self.lora_down_scale.copy_(scale)
-
-    def _add_delta(self, y: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """y + h @ up.T, the GEMM accumulating into y's rows."""
+    def _add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y + (x @ down.T) @ up.T, the second GEMM accumulating into y's rows."""
         rows = y.reshape(-1, self.out_features)
-        return torch.addmm(rows, h.reshape(-1, h.shape[-1]).to(rows.dtype), self.lora_up.t()).reshape(y.shape)
+        h = F.linear(x.reshape(-1, self.in_features).to(self.lora_down.dtype), self.lora_down)
+        return torch.addmm(rows, h.to(rows.dtype), self.lora_up.t().to(rows.dtype)).reshape(y.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if not self.active:
-            return y
-        h = F.linear(x.to(self.lora_down.dtype), self.lora_down)
-        return self._add_delta(y, h)
+        return self._add_delta(y, x) if self.active else y
 
     def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An FP8 base on rows its pass already quantized (`accel.fused`); the down projection reads the same rows."""
+        """An FP8 base on rows its pass already quantized (`accel.fused`); the delta reads them dequantized."""
         y = self.base.matmul_rows(q, scale, dtype)
         if not self.active:
             return y
-        h = torch._scaled_mm(q, self.lora_down_q.t(), scale_a=scale, scale_b=self.lora_down_scale,
-                             out_dtype=self.lora_up.dtype, use_fast_accum=True)  # fmt: skip
-        return self._add_delta(y, h)
+        return self._add_delta(y, (q.to(torch.float32) * scale).to(self.lora_down.dtype))
 
 
 @dataclass(frozen=True)
@@ -159,7 +140,6 @@ class RuntimeAdapters:
                 linear.lora_up[d.row : d.row + up.shape[0], cols].copy_(up)
                 filled[d.target] = first + d.rank
         for linear in self.linears.values():
-            linear.quantize_down()
             linear.active = bool(chosen)
         if self.linears and next(iter(self.linears.values())).lora_up.is_cuda:
             torch.cuda.synchronize(next(iter(self.linears.values())).lora_up.device)

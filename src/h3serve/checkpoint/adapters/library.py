@@ -24,7 +24,7 @@ from h3serve.checkpoint.adapters.read import Adapter, read_adapter
 from h3serve.config import DiTConfig
 
 _BLOCK_INDEX = re.compile(r"^(blocks|token_refiner\.blocks)\.\d+\.")
-RANK_MULTIPLE = 16  # run-time buffers' ranks are padded to this (an FP8 GEMM's dimensions are multiples of 16)
+RANK_MULTIPLE = 16  # run-time buffers' ranks are padded to this (GEMM dimensions of 16: tensor-core friendly)
 MAX_SCALE = 4.0  # |scale| a request may give an adapter: past it a low-rank delta swamps the weights it sits on
 
 
@@ -217,7 +217,7 @@ def buffer_ranks(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]]) -> dic
     """Per weight of the DiT (`shapes`: every tensor's, `Names.of(config).shapes`), the rank its run-time buffers
     need: the sum of the `max_active` largest ranks any declared adapter adds there (any choice of that many adapters
     fits), then the largest of its role's, so every block's linears of one kind are alike (one compiled graph for
-    all blocks, one layout for streamed ones), rounded up to a multiple of 16 (an FP8 GEMM's operands). Weights no
+    all blocks, one layout for streamed ones), rounded up to a multiple of 16. Weights no
     adapter touches in any block get none."""
     per: dict[str, list[int]] = {}
     for entry in catalog.entries.values():
@@ -230,11 +230,7 @@ def buffer_ranks(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]]) -> dic
     return {t: -(-roles[role(t)] // RANK_MULTIPLE) * RANK_MULTIPLE for t in shapes if role(t) in roles}
 
 
-def buffer_bytes(
-    catalog: Catalog, shapes: Mapping[str, tuple[int, ...]], element_size: int = 2, fp8=lambda target: False
-) -> int:
-    """Device bytes of one DiT's run-time buffers: down (rank, in) and up (out, rank) per wrapped linear, and where
-    `fp8(target)` (an FP8 base) the down factor's e4m3 copy and its float32 scales."""
+def buffer_bytes(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]], element_size: int = 2) -> int:
+    """Device bytes of one DiT's run-time buffers: down (rank, in) and up (out, rank) per wrapped linear."""
     ranks = buffer_ranks(catalog, shapes)
-    total = sum(r * (shapes[t][0] + shapes[t][1]) * element_size for t, r in ranks.items())
-    return total + sum(r * (shapes[t][1] + 4) for t, r in ranks.items() if fp8(t))
+    return sum(r * (shapes[t][0] + shapes[t][1]) * element_size for t, r in ranks.items())
