@@ -27,6 +27,7 @@ import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -446,6 +447,12 @@ class Settings(EngineSettings):
     )
     # Jobs and limits -------------------------------------------------------------------------------------------
     output_dir: Path = Field(Path("output"), description="folder for the job database and the async jobs' MP4s")
+    store: str | None = Field(
+        None,
+        description="where the job records are: unset, SQLite in the output folder (jobs.sqlite3); a postgresql:// URL "
+        "(postgresql://USER@HOST:PORT/DATABASE), PostgreSQL, through psycopg (pip install 'h3serve[fleet]'); a "
+        "password is best left to PGPASSWORD or ~/.pgpass, never a command line; messages show the URL without it",
+    )
     max_queue: int = Field(8, ge=1, le=1024, description="renders that may wait; more are answered 429")
     max_prompt_chars: int = Field(7000, ge=1, le=100_000, description="longest prompt accepted, in characters")
     preview_every: int = Field(
@@ -502,6 +509,8 @@ class Settings(EngineSettings):
         for secret in ("api_key", "node_key"):
             if values[secret] is not None:
                 values[secret] = REDACTED
+        if self.store is not None:
+            values["store"] = shown_url(self.store)
         values["api_auth"] = self.api_key is not None or self.api_key_file is not None
         values["model_id"] = self.model_id
         if not resolve_device and self.device is None:
@@ -661,7 +670,7 @@ def load_settings(
             field = str(e["loc"][0]) if e["loc"] else ""
             failed.add(field)
             got = raw.get(field)
-            echo = REDACTED if field in ("api_key", "node_key") else shown(got)
+            echo = REDACTED if field in ("api_key", "node_key", "store") else shown(got)
             violations.append(refusal(field, f"{e['msg']}, got {echo} (from {source.get(field, 'default')})"))
     settings = schema.model_validate({k: v for k, v in raw.items() if k not in failed})
     violations += _engine_rules(settings, failed, env, check_profile)
@@ -820,8 +829,9 @@ def _file_rules(s: EngineSettings, ok: Callable[..., bool], env: Mapping[str, st
                     pass
             except FileRefused as err:
                 out.append(refusal("adapters", f"{name}: {err}"))
-    for companion in ("adapter_cache_gib", "adapter_max_active"):
-        if ok("adapters", companion) and s.adapters is None and companion in s.model_fields_set:
+    for companion in ("adapter_cache_gib", "adapter_max_active"):  # set to other than its default, for nothing
+        default = type(s).model_fields[companion].default
+        if ok("adapters", companion) and s.adapters is None and getattr(s, companion) != default:
             out.append(refusal(companion, "given, but H3_ADAPTERS declares no adapters; declare some or remove it"))
     # The kernel caches: a folder that can be created and written, and no conflicting cache variable.
     if ok("cache_dir") and s.cache_dir is not None:
@@ -1047,6 +1057,8 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
                 out.append(
                     refusal("bind_host", f"a remote bind ({shown(s.bind_host)}) requires H3_API_KEY or H3_API_KEY_FILE")
                 )
+    if ok("store") and s.store is not None:
+        out += _store_rules(s.store)
     if ok("served_model_name") and s.served_model_name is not None:
         name = s.served_model_name
         if name != name.strip() or not name.isprintable():  # a blank name is all surrounding space
@@ -1076,3 +1088,61 @@ def _read_key_file(path: Path, setting: str) -> str:
         message = f"the key file {shown_path(path)} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it"
         raise SettingError(setting, message)
     return text.strip()
+
+
+def _store_rules(url: str) -> list[str]:
+    """H3_STORE: a postgresql:// URL (`url_problem`), and psycopg installed to reach it. The URL is never echoed
+    with its password."""
+    import importlib.util
+
+    problem = url_problem(url)
+    if problem is not None:
+        return [refusal("store", problem)]
+    if importlib.util.find_spec("psycopg") is None:
+        return [refusal("store", "a postgresql:// store needs psycopg 3: pip install 'h3serve[fleet]'")]
+    return []
+
+
+# ---- H3_STORE: the job store's URL, what it may be and how a message shows it (never its password) ---------------
+STORE_SCHEMES = ("postgresql", "postgres")  # libpq's two spellings
+STORE_ALLOWED = "a postgresql:// URL (postgresql://USER@HOST:PORT/DATABASE); unset: SQLite in the output folder"
+URL_HIDDEN = "***"
+
+
+def _split_url(url: str) -> SplitResult | None:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port that is no number raises here)
+    except ValueError:
+        return None
+    return parts
+
+
+def shown_url(url: str) -> str:
+    """The URL as a message or the resolved settings show it: the password replaced by ***, and the query (which may
+    hold one, `?password=`) by *** too. A URL that does not parse is shown by its scheme alone."""
+    parts = _split_url(url)
+    if parts is None or not parts.scheme:
+        return f"<{len(url)} characters>"
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    user = parts.username
+    login = "" if user is None else f"{user}{':' + URL_HIDDEN if parts.password is not None else ''}@"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return urlunsplit((parts.scheme, f"{login}{host}{port}", parts.path, URL_HIDDEN if parts.query else "", ""))
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with an H3_STORE value (None: nothing), in words that never hold the password."""
+    if not url.isprintable() or any(ch.isspace() for ch in url):
+        return f"must be {STORE_ALLOWED}, without spaces or control characters"
+    parts = _split_url(url)
+    if parts is None:
+        return f"is not a URL that can be read (a port that is no number?); must be {STORE_ALLOWED}"
+    if parts.scheme not in STORE_SCHEMES:
+        got = f"a {parts.scheme}:// URL" if parts.scheme else "no URL"
+        return f"must be {STORE_ALLOWED}; got {got}"
+    if parts.fragment:
+        return f"must be {STORE_ALLOWED}, without a #fragment"
+    return None

@@ -48,6 +48,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from h3serve.service.store import inspect_store
 
     settings = read_settings(args, check_profile=False)  # the store is the output folder's: no hardware asked
+    _refuse_postgres(settings)
     report = inspect_store(settings.output_dir)
     for line in report.lines():
         print(line)
@@ -58,6 +59,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     from h3serve.service.store import REBUILD, FolderBusy, FolderLock, JobStore, inspect_store, rebuild_store
 
     settings = read_settings(args, check_profile=False)
+    _refuse_postgres(settings)
     output_dir = settings.output_dir
     if not output_dir.is_dir():
         raise CliError(f"{output_dir}: no such folder (H3_OUTPUT_DIR, --output-dir): nothing to rebuild")
@@ -93,3 +95,14 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
             raise CliError(f"the rebuilt store is refused too: {err}") from err
     print(f"{before.path}: rebuilt; `h3serve store check` reports it")
     return 0
+
+
+def _refuse_postgres(settings) -> None:
+    """`store check` and `store rebuild` are the SQLite store's (its file, the records beside the MP4s); with H3_STORE
+    a PostgreSQL database holds the records, checked at each start and restored from its own backups."""
+    if settings.store is not None:
+        raise CliError(
+            "H3_STORE (--store) names a PostgreSQL store: `h3serve store check` and `store rebuild` work on the SQLite "
+            "store in the output folder only (not yet on PostgreSQL). `h3serve check --preflight` checks the "
+            "database's table and rows as a start does; restore a damaged database from its backups"
+        )

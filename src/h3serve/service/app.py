@@ -87,10 +87,12 @@ from h3serve.service.store import (
     ACTIVE,
     DamagedRecord,
     FolderLock,
-    JobStore,
+    JobRecords,
     RecordDamaged,
+    ValueRefused,
     job_record,
     new_job_id,
+    open_store,
 )
 from h3serve.settings import Settings
 
@@ -107,7 +109,7 @@ def create_app(
     settings: Settings, engine: RenderEngine, page: WebPage | None = None, *, folder_lock: FolderLock | None = None
 ) -> FastAPI:
     page = page or WebPage.load()  # before the store opens: nothing to give back if the install lacks the page
-    store = JobStore(settings.output_dir, lock=folder_lock)
+    store = open_store(settings.output_dir, settings.store, lock=folder_lock)
     metrics = Metrics()
     try:
         scheduler = Scheduler(
@@ -145,6 +147,7 @@ def create_app(
     app.state.page = page
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RecordDamaged, _damaged_record)
+    app.add_exception_handler(ValueRefused, _value_refused)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -177,7 +180,7 @@ async def _engine(request: Request) -> RenderEngine:
     return request.app.state.engine
 
 
-async def _store(request: Request) -> JobStore:
+async def _store(request: Request) -> JobRecords:
     return request.app.state.store
 
 
@@ -191,7 +194,7 @@ async def _metrics(request: Request) -> Metrics:
 
 SettingsDep = Annotated[Settings, Depends(_settings)]
 EngineDep = Annotated[RenderEngine, Depends(_engine)]
-StoreDep = Annotated[JobStore, Depends(_store)]
+StoreDep = Annotated[JobRecords, Depends(_store)]
 SchedulerDep = Annotated[Scheduler, Depends(_scheduler)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 
@@ -206,6 +209,13 @@ async def _damaged_record(request: Request, err: RecordDamaged) -> JSONResponse:
     delete): 409, which a retry does not change; the list and the job's own record show it as `damaged`."""
     message = f"the record of job {shown(err.record.id)} is damaged in the server's store (h3serve store check)"
     return await _api_error(request, ApiError(409, "damaged_record", message, "video_id"))
+
+
+async def _value_refused(request: Request, err: ValueRefused) -> JSONResponse:
+    """A request value the job store cannot hold (H3_STORE's PostgreSQL and a NUL character): refused before it was
+    queued, naming the parameter."""
+    message = f"{err.field}: the server's job store cannot hold this value ({err.why})"
+    return await _api_error(request, bad_request(err.field, message))
 
 
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -536,7 +546,7 @@ def list_jobs(
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
 
-def _find(store: JobStore, video_id: str) -> VideoJob:
+def _find(store: JobRecords, video_id: str) -> VideoJob:
     job = store.get(video_id)
     if job is None:
         raise ApiError(404, "not_found", f"no video job {shown(video_id)}", "video_id")

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from h3serve.errors import SettingError
-from h3serve.service.store import check_store
+from h3serve.service.store import FolderBusy, check_job_store
 from h3serve.settings import Settings
 from h3serve.startup import check_port
 
@@ -19,7 +19,7 @@ def check_service(settings: Settings) -> None:
     """What a service needs of this machine beyond the engine's preflight: the output folder, its job store and the
     port, each refused as its setting's SettingError. Node 0's only: another node serves nothing."""
     check_output_dir(settings.output_dir)
-    _check_job_store(settings.output_dir)
+    _check_job_store(settings.output_dir, settings.store)
     check_port(settings.bind_host, settings.api_port)
 
 
@@ -36,15 +36,17 @@ def check_output_dir(path: Path) -> None:
         raise SettingError("output_dir", describe_folders(problems, folders))
 
 
-def _check_job_store(path: Path) -> None:
+def _check_job_store(path: Path, url: str | None = None) -> None:
     """The job store in the output folder, checked before any weight loads: the folder not in use by another h3serve
     process (its lock, which a server holds while it runs), the store opened read-only and checked (integrity, its
     table, every record, jobs the folder holds that the store lacks), and SQLite's write lock free. Each refusal is
-    H3_OUTPUT_DIR's, naming the file and what is wrong."""
+    H3_OUTPUT_DIR's, naming the file and what is wrong. With H3_STORE (PostgreSQL): the database answers, no other
+    server holds it, its table and rows are sound (`store.postgres.check_postgres_store`), H3_STORE's refusal."""
     try:
-        check_store(path)
-    except ValueError as err:  # store.FolderBusy, StoreDamaged, StoreUnavailable: each text starts with its file
-        raise SettingError("output_dir", str(err)) from err
+        check_job_store(path, url)
+    except ValueError as err:  # FolderBusy, StoreDamaged, StoreUnavailable, PostgresStoreError: each text names it
+        setting = "store" if url is not None and not isinstance(err, FolderBusy) else "output_dir"
+        raise SettingError(setting, str(err)) from err
 
 
 def service_folders(output_dir: Path) -> dict[str, Path]:

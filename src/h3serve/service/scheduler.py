@@ -54,7 +54,7 @@ from h3serve.service.folders import describe_folders, folder_problems
 from h3serve.service.jobs import Hand, JobState, check_transition, holds
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, VideoJob, step_cache_mode
-from h3serve.service.store import JobStore
+from h3serve.service.store import JobRecords
 from h3serve.service.warmup import WarmupResult, run_warmup
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class Scheduler:
     def __init__(
         self,
         engine: RenderEngine,
-        store: JobStore,
+        store: JobRecords,
         *,
         max_queue: int,
         warmup: bool,

@@ -9,16 +9,19 @@ client sends becomes a path). One module for each part of the work:
     check      the check before a store is opened (inspect_store, check_store) and the report `store check` prints
     rebuild    rebuild_store: a new store from the folder, the old one moved aside
     lock       FolderLock: one h3serve process per output folder
+    postgres   PostgresJobStore: the same records in PostgreSQL (H3_STORE=postgresql://...), psycopg imported only then
+    interface  JobRecords, what the service asks of either store; open_store and check_job_store choose by H3_STORE
 
 The modules import each other in that order from the bottom (rows, lock, sidecars, check, jobs, rebuild); this file
 names what the rest of h3serve uses.
 """
 
 from h3serve.service.store.check import StoreDamaged, StoreReport, StoreUnavailable, check_store, inspect_store
+from h3serve.service.store.interface import JobRecords, check_job_store, open_store
 from h3serve.service.store.jobs import ACTIVE, DamagedRecord, JobStore, RecordDamaged, job_record
 from h3serve.service.store.lock import REBUILD, SERVER, FolderBusy, FolderLock
 from h3serve.service.store.rebuild import Rebuilt, rebuild_store
-from h3serve.service.store.rows import COLUMNS, FIELDS, PLAIN_ID, STORE_FILE, new_job_id
+from h3serve.service.store.rows import COLUMNS, FIELDS, PLAIN_ID, STORE_FILE, ValueRefused, new_job_id
 
 __all__ = [
     "ACTIVE",
@@ -31,15 +34,19 @@ __all__ = [
     "DamagedRecord",
     "FolderBusy",
     "FolderLock",
+    "JobRecords",
     "JobStore",
     "Rebuilt",
     "RecordDamaged",
     "StoreDamaged",
     "StoreReport",
     "StoreUnavailable",
+    "ValueRefused",
+    "check_job_store",
     "check_store",
     "inspect_store",
     "job_record",
     "new_job_id",
+    "open_store",
     "rebuild_store",
 ]

@@ -129,6 +129,15 @@ def encode(field: str, value: Any) -> list[tuple[Column, Any]]:
     return pairs
 
 
+class ValueRefused(ValueError):
+    """A record's value the store cannot hold (PostgreSQL's text and the NUL character): `field`, the VideoJob field
+    (a request's parameter of the same name, for the API's 400), its `column`, and `why`. Nothing was written."""
+
+    def __init__(self, field: str, column: str, why: str):
+        self.field, self.column, self.why = field, column, why
+        super().__init__(f"{column}: {why}")
+
+
 class NotText(bytes):
     """A TEXT value that is not UTF-8. The connection's text factory returns it instead of raising, so that one such
     value is its row's damage (`decode_row` refuses it) rather than the failure of the whole query."""
@@ -189,13 +198,14 @@ def row_id(rowid: int, raw: Any) -> str:
     return raw if isinstance(raw, str) else f"<row {rowid}>"  # the key itself unreadable: the row's number
 
 
-def assignments(changes: dict[str, Any]) -> tuple[str, list[Any]]:
-    """`col=?, ...` and its values for changes named by VideoJob field; an unknown name is refused, never written."""
+def assignments(changes: dict[str, Any], mark: str = "?") -> tuple[str, list[Any]]:
+    """`col=?, ...` and its values for changes named by VideoJob field; an unknown name is refused, never written.
+    `mark`: the driver's placeholder (SQLite's `?`, psycopg's `%s`)."""
     unknown = sorted(set(changes) - set(FIELDS))
     if unknown or KEY in changes:
         raise ValueError(f"cannot set {', '.join(unknown) or KEY} of a job record (fields: {', '.join(FIELDS)})")
     pairs = [pair for field, value in changes.items() for pair in encode(field, value)]
-    return ", ".join(f"{c.name}=?" for c, _ in pairs), [v for _, v in pairs]
+    return ", ".join(f"{c.name}={mark}" for c, _ in pairs), [v for _, v in pairs]
 
 
 def new_job_id() -> str:
