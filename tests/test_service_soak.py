@@ -65,7 +65,10 @@ class Ledger:
         self.lock = threading.Lock()
         self.accepted: list[str] = []
         self.deleted: set[str] = set()
-        self.unsure: set[str] = set()  # a DELETE the server may have done before it was killed, unanswered
+        self.unsure: set[str] = set()  # a DELETE under way: the server may have done it
+        # A DELETE left unanswered (the server killed under it): it may have been done, whatever a later one answers
+        # (a 404 then is that deletion, not a lost job).
+        self.unanswered: set[str] = set()
         self.broken: list[str] = []
         self.generation = 0  # bumped around each kill and restart: a transfer cut across one is no fault
         self.counts: dict[str, int] = {}
@@ -142,6 +145,9 @@ def _client(url: str, ledger: Ledger, stop: threading.Event, seed: int) -> None:
                         ledger.broken.append(f"{action}: {r.status_code} {r.text[:200]}")
             except httpx.TransportError:  # the server is down (killed) or restarting: try again
                 ledger.note(f"{action} down", job_id)
+                if action == "delete" and job_id is not None:
+                    with ledger.lock:
+                        ledger.unanswered.add(job_id)
                 time.sleep(0.2)
 
 
@@ -199,7 +205,7 @@ def test_killed_twice_under_random_clients_nothing_is_lost_and_nothing_dangles(t
 
     assert ledger.broken == [], ledger.broken[:10]
     assert len(ledger.accepted) - CLIENTS <= JOBS and len(ledger.accepted) >= 20, ledger.counts  # the soak did soak
-    kept = set(ledger.accepted) - ledger.deleted - ledger.unsure
+    kept = set(ledger.accepted) - ledger.deleted - ledger.unsure - ledger.unanswered
     lost = sorted(kept - set(listed))
     assert not lost, f"accepted, never deleted, not listed: {[(i, ledger.history.get(i)) for i in lost[:3]]}"
     assert not (ledger.deleted & set(listed)), "a job whose DELETE answered `deleted` is listed again"
