@@ -12,13 +12,16 @@ three; a second library that holds two of them times the third's first use, a re
 2. plain: the same weights without the adapter, compiled: the forwards, and its outputs;
 3. run time: the plain weights wrapped (`accel.lora.RuntimeAdapters`): with no adapter applied, bit for bit the
    plain outputs; with `a` applied, the forwards and their error against the exact reference beside the merged
-   profile's; then every switch between the adapters (host cache, and the first use from disk) and the graphs
-   compiled and recompiled over 10 requests alternating a, b, c and none.
+   profile's, for each variant (the width one adapter needs or the buffers' full; over FP8 bases the delta in the
+   base's own GEMM, or an addmm beside it with the down projection in FP8 or on dequantized rows), the engine's own
+   last; then every switch between the adapters (host
+   cache, and the first use from disk) and the graphs compiled and recompiled over 10 requests alternating a, b, c
+   and none.
 
 `--tiny` runs the plumbing on the CPU (the tiny DiT, eager, BF16): a dry run, not a benchmark.
 
     PYTHONPATH=src python bench/lora_runtime.py --blocks 20 --out bench/results/lora_runtime.json
-    # --max-active 2: buffers at two adapters' rank (the server's default), one applied; --linear BF16
+    # --max-active 2 (the server's default): buffers at two adapters' rank, one applied; --linear BF16
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--linear", default="CUTLASS", choices=("CUTLASS", "BF16"))
     parser.add_argument(
-        "--max-active", type=int, default=1, help="adapters at once the buffers hold (1: the rank of one)"
+        "--max-active", type=int, default=2, help="adapters at once the buffers hold (the server's default: 2)"
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
@@ -156,7 +159,7 @@ def main() -> None:
     print("plain", rec.data["plain"], flush=True)
 
     # 3. run time: wrapped once, then applied
-    runtime = RuntimeAdapters(dit, library, "fl2va", torch.bfloat16, torch.device(dev))
+    runtime = RuntimeAdapters(dit, library, "fl2va", torch.bfloat16, torch.device(dev), keep_factors=True)
     rec.data["buffer_gib"] = round(runtime.buffer_bytes / 2**30, 3)
     none_out = outputs(dit, xs)
     rec.data["none_bitwise_plain"] = {
@@ -165,15 +168,34 @@ def main() -> None:
     rec.data["runtime_none"] = timed_shapes(dit, xs, args.warmup, args.iters)
     del none_out, plain_out
     runtime.activate([("a", 1.0)])
-    got = outputs(dit, xs)
-    rec.data["runtime_a"] = timed_shapes(dit, xs, args.warmup, args.iters)
-    rec.data["runtime_error_vs_exact"] = errors({k: tuple(t.float().cpu() for t in v) for k, v in got.items()}, exact)
-    rec.data["runtime_over_merged"] = {
-        name: round(rec.data["runtime_a"][name]["ms"] / rec.data["merged"][name]["ms"], 4) for name in xs
-    }
+    # The variants, each compiled in turn, the engine's own (first) last so the rest runs it: `width` one adapter's
+    # rank or the buffers' full (two adapters' at --max-active 2); over FP8 bases the delta in the base's own GEMM
+    # (wide: resident blocks), or the up projection accumulating into the base's output with the down projection in
+    # FP8 on the fused rows (streamed blocks) or on the rows dequantized.
+    fp8_bases = any(hasattr(m, "lora_down_q") for m in runtime.linears.values())
+    ways = ("wide", "addmm, down fp8", "addmm, down dequantized") if fp8_bases else ("addmm",)
+    variants = [(way, "one") for way in ways] + ([(ways[0], "full")] if args.max_active > 1 else [])
+    variants.append(variants[0])
+    applied = {target: m.width for target, m in runtime.linears.items()}
+    rec.data["runtime_variants"] = {}
+    for n, (way, width) in enumerate(variants):
+        for target, m in runtime.linears.items():
+            m.width = applied[target] if width == "one" else m.lora_down.shape[0]
+            m.use_wide = way == "wide" and hasattr(m, "wide")
+            m.down_fp8 = way == "addmm, down fp8" and hasattr(m, "lora_down_q")
+        name = "engine" if n == len(variants) - 1 else f"{way}, width {width}"
+        got = outputs(dit, xs)
+        mine = {k: tuple(t.float().cpu() for t in v) for k, v in got.items()}
+        row = {"forward": timed_shapes(dit, xs, args.warmup, args.iters), "error_vs_exact": errors(mine, exact)}
+        row["over_merged"] = {k: round(row["forward"][k]["ms"] / rec.data["merged"][k]["ms"], 4) for k in xs}
+        rec.data["runtime_variants"][name] = row
+        rec.save()
+        print("runtime", name, row, flush=True)
+    del got
+    engine = rec.data["runtime_variants"]["engine"]
+    rec.data["runtime_a"], rec.data["runtime_error_vs_exact"] = engine["forward"], engine["error_vs_exact"]
+    rec.data["runtime_over_merged"] = engine["over_merged"]
     rec.save()
-    print("runtime", rec.data["runtime_a"], rec.data["runtime_over_merged"], rec.data["runtime_error_vs_exact"],
-          flush=True)  # fmt: skip
 
     switches = []
     for names in SWITCHES:

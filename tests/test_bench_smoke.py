@@ -191,6 +191,9 @@ def lora_runtime_checks(record: dict) -> None:
     no_errors(record)
     assert record["none_bitwise_plain"] == {"reference": True, "default": True}
     assert all(0 < e < 0.05 for pair in record["runtime_error_vs_exact"].values() for e in pair)
+    variants = record["runtime_variants"]
+    assert "engine" in variants and len(variants) >= 2  # width one adapter's and the full one at least
+    assert all(0 < e < 0.05 for v in variants.values() for pair in v["error_vs_exact"].values() for e in pair)
     assert record["a_again_bitwise"] and record["first_use_from_disk_s"] > 0
     assert all(s["from_disk_s"] == 0 for s in record["switches"]) and record["library"]["reads"] == 0
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from h3serve.accel.profile import Offload
+from h3serve.accel.profile import Linear, Offload
 from h3serve.config import TINY_DIT, DiTConfig
 from h3serve.errors import SettingError, shown_path
 from h3serve.parallel.plan import check_heads
@@ -263,7 +263,8 @@ def with_adapters(budget: Budget, library: Any, config: DiTConfig, profile: Prof
     from h3serve.vocab import TASK_TYPES
 
     element = profile.torch_dtype.itemsize
-    buffers = buffer_bytes(library.catalog, Names.of(config).shapes, element) * len(TASK_TYPES[task_type])
+    fp8 = profile.linear == Linear.CUTLASS  # Fp8Linear bases: the down factor's FP8 copy too (accel.lora)
+    buffers = buffer_bytes(library.catalog, Names.of(config).shapes, element, fp8) * len(TASK_TYPES[task_type])
     cache = min(library.cache_bytes, sum(e.nbytes for e in library.catalog.entries.values()))
     device = {**budget.device, "adapter buffers": buffers / 2**30}
     host = {**budget.host, "adapter cache": cache / 2**30} if profile.cuda else budget.host

@@ -122,19 +122,24 @@ class Fp8Linear(nn.Module):
         q, scale = quantize_rows(rows)
         return self.matmul_rows(q, scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def matmul_rows(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def matmul_rows(
+        self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The GEMM on activations already quantized as `quantize_rows` does ((M, K) e4m3, (M, 1) float32 scales), so
-        that a fused pass can quantize them where it makes them (`h3serve.accel.fused`). Returns (M, N)."""
+        that a fused pass can quantize them where it makes them (`h3serve.accel.fused`). Returns (M, N). `weight`:
+        (N, K') e4m3 in place of the layer's own, under the same column scales (a run-time adapter's wide GEMM,
+        `accel.lora.LoraLinear`, whose rows carry K' - K more columns)."""
+        weight = self.weight if weight is None else weight
         if self._scaling is Fp8Scaling.EPILOGUE:
             unit = self.unit_scale
             y = torch._scaled_mm(
-                q, self.weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32, use_fast_accum=self.fast_accum
+                q, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32, use_fast_accum=self.fast_accum
             )  # (M, N) float32, unscaled
             y = (y * scale * self.scale).to(out_dtype)  # (M, 1) row scales, (1, N) column scales
         else:
             y = torch._scaled_mm(
                 q,
-                self.weight.t(),
+                weight.t(),
                 scale_a=scale,
                 scale_b=self.scale,
                 out_dtype=out_dtype,

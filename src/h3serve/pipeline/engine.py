@@ -179,7 +179,8 @@ class Engine:
         if library is not None:
             check_declared_kinds(library.catalog, components.task_type)
         self.runtime = {
-            kind: RuntimeAdapters(dit, library, kind, profile.torch_dtype, profile.torch_device)
+            kind: RuntimeAdapters(dit, library, kind, profile.torch_dtype, profile.torch_device,
+                                  wide=not placement.dit_streamed)
             for kind, dit in components.dits.items()
         } if library is not None else {}  # fmt: skip
         # What waits in host memory and streams in when it runs (`pipeline.placement`, `accel.offload`): after every

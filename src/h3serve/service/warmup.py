@@ -1,6 +1,6 @@
 """The startup warmup: one short render at the production shape, encoded to MP4 in memory and checked as a client
-would check it, before the server reports ready (with run-time adapters declared, once more with the first of them
-applied, so that its compiled variant is made now, and once more plain).
+would check it, before the server reports ready (with run-time adapters declared, once more per number of adapters a
+request may apply, with the first ones applied, so that each compiled variant is made now, and once more plain).
 
 It runs on the scheduler's GPU worker before the first request, so it finds what a first request would: a CUDA
 context to create, kernels to compile or load, the default schedule's AdaLN tables to make, an encoder to start. A
@@ -94,11 +94,12 @@ def run_warmup(engine: RenderEngine, encoding: Encoding = DEFAULT_ENCODING) -> W
         encode_mp4(buffer, result.frames, result.audio, **media)
         buffer.seek(0)
         verify_mp4(buffer, width=request.width, height=request.height, num_frames=request.num_frames)
-        first = _first_adapter(engine, request.task)
-        if first:  # the forward with adapters applied compiles its own variant: now, not in a user's request
-            applied = engine.render(warmup_request(engine, first))
-            log.info("warmup with adapter %s: %.2f s (switch %.3f s)", first[0][0], applied.timings["total"],
-                     applied.timings.get("adapters", 0.0))  # fmt: skip
+        sets = _adapter_sets(engine, request.task)
+        for chosen in sets:  # each number of adapters applied compiles its own variant: now, not in a user's request
+            applied = engine.render(warmup_request(engine, chosen))
+            log.info("warmup with adapters %s: %.2f s (switch %.3f s)", ", ".join(n for n, _ in chosen),
+                     applied.timings["total"], applied.timings.get("adapters", 0.0))  # fmt: skip
+        if sets:
             engine.render(request)  # and back to the plain weights, as a request without adapters finds them
     except Exception as err:  # every failure is reported instead of raised: the server stays up and not ready
         log.exception("warmup failed")
@@ -106,13 +107,14 @@ def run_warmup(engine: RenderEngine, encoding: Encoding = DEFAULT_ENCODING) -> W
     return WarmupResult(True, time.perf_counter() - start, shape)
 
 
-def _first_adapter(engine: RenderEngine, task: str) -> tuple[tuple[str, None], ...]:
-    """The first declared run-time adapter the warmup's task may apply, at its declared scale (none: ())."""
+def _adapter_sets(engine: RenderEngine, task: str) -> list[tuple[tuple[str, None], ...]]:
+    """One set of declared run-time adapters per number a request of the warmup's task may apply (1 up to
+    H3_ADAPTER_MAX_ACTIVE, as many as are declared for its DiT), the first ones at their declared scales: each
+    number computes over its own rank (`accel.lora`), so each is a compiled variant of its own."""
     kind = dit_kind(task)
-    for name, entry in engine.admission.catalog.entries.items():
-        if entry.dit_kind in (None, kind):
-            return ((name, None),)
-    return ()
+    catalog = engine.admission.catalog
+    names = [name for name, entry in catalog.entries.items() if entry.dit_kind in (None, kind)]
+    return [tuple((name, None) for name in names[:k]) for k in range(1, min(catalog.max_active, len(names)) + 1)]
 
 
 def _reference_png() -> bytes:

@@ -213,24 +213,30 @@ def role(target: str) -> str:
     return _BLOCK_INDEX.sub(r"\1.*.", target, count=1)
 
 
-def buffer_ranks(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
+def buffer_ranks(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]], applied: int | None = None) -> dict[str, int]:
     """Per weight of the DiT (`shapes`: every tensor's, `Names.of(config).shapes`), the rank its run-time buffers
-    need: the sum of the `max_active` largest ranks any declared adapter adds there (any choice of that many adapters
-    fits), then the largest of its role's, so every block's linears of one kind are alike (one compiled graph for
-    all blocks, one layout for streamed ones), rounded up to a multiple of 16. Weights no
-    adapter touches in any block get none."""
+    need for `applied` adapters at once (default: the catalog's `max_active`): the sum of that many largest ranks any
+    declared adapter adds there (any choice of that many adapters fits), then the largest of its role's, so every
+    block's linears of one kind are alike (one compiled graph for all blocks, one layout for streamed ones), rounded
+    up to a multiple of 16. Weights no adapter touches in any block get none."""
     per: dict[str, list[int]] = {}
     for entry in catalog.entries.values():
         for target, rank in entry.ranks.items():
             per.setdefault(target, []).append(rank)
     roles: dict[str, int] = {}
     for target, ranks in per.items():
-        need = sum(sorted(ranks, reverse=True)[: catalog.max_active])
+        need = sum(sorted(ranks, reverse=True)[: applied or catalog.max_active])
         roles[role(target)] = max(roles.get(role(target), 0), need)
     return {t: -(-roles[role(t)] // RANK_MULTIPLE) * RANK_MULTIPLE for t in shapes if role(t) in roles}
 
 
-def buffer_bytes(catalog: Catalog, shapes: Mapping[str, tuple[int, ...]], element_size: int = 2) -> int:
-    """Device bytes of one DiT's run-time buffers: down (rank, in) and up (out, rank) per wrapped linear."""
+def buffer_bytes(
+    catalog: Catalog, shapes: Mapping[str, tuple[int, ...]], element_size: int = 2, fp8_copies: bool = False
+) -> int:
+    """Device bytes of one DiT's run-time buffers: down (rank, in) and up (out, rank) per wrapped linear, and with
+    `fp8_copies` (CUTLASS linears) the down factor's FP8 copy and its scales. For CUTLASS an upper bound: counted at
+    every target (the AdaLN projections are no FP8 GEMMs), and a resident FP8 base holds its factors in FP8 only
+    (`accel.lora.LoraLinear`'s wide buffer), fewer bytes than the compute-dtype factors counted."""
     ranks = buffer_ranks(catalog, shapes)
-    return sum(r * (shapes[t][0] + shapes[t][1]) * element_size for t, r in ranks.items())
+    factors = sum(r * (shapes[t][0] + shapes[t][1]) * element_size for t, r in ranks.items())
+    return factors + (sum(r * (shapes[t][1] + 4) for t, r in ranks.items()) if fp8_copies else 0)
