@@ -1,8 +1,8 @@
 """Run-time adapters on a GPU (tiny model): compiled with CUTLASS FP8 linears (the wrappers take the fused passes'
-quantized rows) or BF16 ones, and over HUMMING's eager linears: a request without one is bit for bit the server
-without adapters declared; with one, close to the adapter merged before quantization; alternating adapters and none
-after the warmup's variants (one per number of adapters applied) compiles nothing more; blocks streamed from page-locked memory render as resident
-ones."""
+quantized rows, the delta in the base's own wide GEMM) or BF16 ones, and over HUMMING's eager linears: a request
+without one is bit for bit the server without adapters declared; with one, close to the adapter merged before
+quantization; alternating adapters and none after the warmup's variants (one per number of adapters applied)
+compiles nothing more; blocks streamed from page-locked memory render as resident ones."""
 
 from __future__ import annotations
 

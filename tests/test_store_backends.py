@@ -1,6 +1,7 @@
 """The job store's contract (`store.interface.JobRecords`), the same tests against both stores: SQLite in the output
 folder (the default) and PostgreSQL (H3_STORE), the latter on a real server (tests/pg_fixtures.py). Then what only the
-PostgreSQL store does: one server per database, its URL's password never shown, what it refuses."""
+PostgreSQL store does: servers sharing a database under names of their own, its URL's password never shown, what it
+refuses. The fleet's claims on it: tests/test_fleet_claims.py."""
 
 from __future__ import annotations
 
@@ -213,20 +214,34 @@ def test_a_service_keeps_its_jobs_in_the_store_across_a_restart(backend, tmp_pat
 
 
 # ---- the PostgreSQL store alone -------------------------------------------------------------------------------------
-def test_one_server_per_database_the_second_is_refused_until_the_first_closes(pg_url, tmp_path):
+def test_servers_share_a_database_and_a_second_running_server_of_the_same_name_is_refused(pg_url, tmp_path):
+    """A fleet: two stores on one database, each with its own name; a second running store of a taken name (an
+    H3_SERVER_ID set twice) is refused, at the start's check too, until the first closes."""
     from h3serve.service.store.postgres import PostgresJobStore, PostgresStoreError
 
-    first = PostgresJobStore(pg_url, tmp_path / "one")
+    first = PostgresJobStore(pg_url, tmp_path / "one", server_id="alpha")
+    second = PostgresJobStore(pg_url, tmp_path / "two")  # a generated name
     try:
-        with pytest.raises(PostgresStoreError, match="another h3serve server uses this database") as busy:
-            PostgresJobStore(pg_url, tmp_path / "two")
+        assert second.server_id != "alpha" and second.server_id.count("-") >= 1
+        first.insert(record("video_gen_shared"))
+        assert second.get("video_gen_shared") == first.get("video_gen_shared")
+        with pytest.raises(PostgresStoreError, match="is named 'alpha' \\(H3_SERVER_ID\\)") as busy:
+            PostgresJobStore(pg_url, tmp_path / "three", server_id="alpha")
         assert busy.value.busy
-        with pytest.raises(PostgresStoreError, match="another h3serve server"):
-            check_job_store(tmp_path / "two", pg_url)
+        with pytest.raises(PostgresStoreError, match="is named 'alpha'"):
+            check_job_store(tmp_path / "three", pg_url, "alpha")
+        check_job_store(tmp_path / "three", pg_url, "beta")
+        from h3serve.errors import SettingError
+        from h3serve.service.folders import _check_job_store
+
+        with pytest.raises(SettingError, match="is named 'alpha'") as named:  # the service's start, before weights
+            _check_job_store(tmp_path / "three", pg_url, "alpha")
+        assert named.value.setting == "server_id"
     finally:
         first.close()
-    check_job_store(tmp_path / "two", pg_url)
-    PostgresJobStore(pg_url, tmp_path / "two").close()
+        second.close()
+    check_job_store(tmp_path / "three", pg_url, "alpha")
+    PostgresJobStore(pg_url, tmp_path / "three", server_id="alpha").close()
 
 
 def test_the_table_is_the_record_fields_with_postgresql_types(pg_url, tmp_path):

@@ -447,13 +447,58 @@ class Settings(EngineSettings):
     )
     # Jobs and limits -------------------------------------------------------------------------------------------
     output_dir: Path = Field(Path("output"), description="folder for the job database and the async jobs' MP4s")
+    output_url: str | None = Field(
+        None,
+        description="where the async jobs' MP4s are kept: unset, videos/ in the output folder; s3://BUCKET[/PREFIX], "
+        "that bucket on S3 or an S3-compatible server (H3_S3_ENDPOINT), through boto3 (pip install 'h3serve[fleet]'), "
+        "with the credentials and region of the standard AWS_* variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_REGION), AWS_PROFILE or an instance role; checked at start: the bucket must answer and take an upload",
+    )
+    s3_endpoint: str | None = Field(
+        None,
+        description="with H3_OUTPUT_URL: the S3-compatible server's URL, http(s)://HOST[:PORT] (path-style requests); "
+        "unset: AWS's own endpoint (or AWS_ENDPOINT_URL)",
+    )
+    s3_presign: int = Field(
+        0,
+        ge=0,
+        le=3600,
+        description="with H3_OUTPUT_URL: GET /v1/videos/{id}/content answers 307 to the object's URL signed for this "
+        "many seconds (at most 3600) instead of streaming it through the server; 0: streamed",
+    )
     store: str | None = Field(
         None,
         description="where the job records are: unset, SQLite in the output folder (jobs.sqlite3); a postgresql:// URL "
         "(postgresql://USER@HOST:PORT/DATABASE), PostgreSQL, through psycopg (pip install 'h3serve[fleet]'); a "
         "password is best left to PGPASSWORD or ~/.pgpass, never a command line; messages show the URL without it",
     )
-    max_queue: int = Field(8, ge=1, le=1024, description="renders that may wait; more are answered 429")
+    server_id: str | None = Field(
+        None,
+        description="this server's name in a fleet that shares one H3_STORE database: the claims and leases of the "
+        "jobs it renders carry it, and /health shows it; 1 to 64 of [A-Za-z0-9._-]; two running servers may not "
+        "share one; unset: a new one at each start (host name and random digits), so a restarted server's claims wait "
+        "for their leases to run out instead of being taken back at once",
+    )
+    lease_s: float | None = Field(
+        None,
+        ge=2,
+        le=3600,
+        description="with a postgresql:// H3_STORE: seconds a server's claim on a job lasts without a heartbeat; a "
+        "job whose server stopped renewing it is claimed again by another server after this; unset: 30",
+    )
+    heartbeat_s: float | None = Field(
+        None,
+        ge=0.2,
+        le=1800,
+        description="with a postgresql:// H3_STORE: seconds between a server's renewals of its leases (at most half "
+        "of H3_LEASE_S, so one late renewal loses nothing); unset: a third of H3_LEASE_S",
+    )
+    max_queue: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="renders that may wait (with a postgresql:// H3_STORE, the fleet's); more are answered 429",
+    )
     max_prompt_chars: int = Field(7000, ge=1, le=100_000, description="longest prompt accepted, in characters")
     preview_every: int = Field(
         0,
@@ -493,6 +538,16 @@ class Settings(EngineSettings):
         if self.api_key_file is not None:
             return _read_key_file(self.api_key_file, "api_key_file")
         return None
+
+    @property
+    def lease(self) -> float:
+        """Seconds a claim lasts without a heartbeat (H3_LEASE_S, or its default)."""
+        return self.lease_s if self.lease_s is not None else DEFAULT_LEASE_S
+
+    @property
+    def heartbeat(self) -> float:
+        """Seconds between lease renewals (H3_HEARTBEAT_S, or a third of the lease)."""
+        return self.heartbeat_s if self.heartbeat_s is not None else self.lease / 3
 
     @property
     def model_id(self) -> str:
@@ -1059,6 +1114,8 @@ def _service_rules(s: Settings, failed: set[str]) -> list[str]:
                 )
     if ok("store") and s.store is not None:
         out += _store_rules(s.store)
+    out += _fleet_rules(s, ok)
+    out += _output_rules(s, ok)
     if ok("served_model_name") and s.served_model_name is not None:
         name = s.served_model_name
         if name != name.strip() or not name.isprintable():  # a blank name is all surrounding space
@@ -1088,6 +1145,32 @@ def _read_key_file(path: Path, setting: str) -> str:
         message = f"the key file {shown_path(path)} is readable by others (mode {stat.S_IMODE(mode):o}); chmod 600 it"
         raise SettingError(setting, message)
     return text.strip()
+
+
+SERVER_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+DEFAULT_LEASE_S = 30.0
+
+
+def _fleet_rules(s: Settings, ok: Callable[..., bool]) -> list[str]:
+    """A server's name and its leases: a plain name; the lease and heartbeat only where there is a fleet to lease in
+    (a postgresql:// H3_STORE), and the heartbeat at most half the lease."""
+    out: list[str] = []
+    if ok("server_id") and s.server_id is not None and not SERVER_ID.fullmatch(s.server_id):
+        out.append(refusal("server_id", f"must be 1 to 64 of [A-Za-z0-9._-], got {shown(s.server_id)}"))
+    for name in ("lease_s", "heartbeat_s"):
+        if ok(name, "store") and getattr(s, name) is not None and s.store is None:
+            out.append(
+                refusal(name, "given, but there is no fleet to lease in: set a postgresql:// H3_STORE or remove it")
+            )
+    if ok("lease_s", "heartbeat_s") and s.heartbeat_s is not None and s.heartbeat_s > s.lease / 2:
+        out.append(
+            refusal(
+                "heartbeat_s",
+                f"must be at most half of H3_LEASE_S ({s.lease:g} s), so that one late renewal loses no lease; got "
+                f"{s.heartbeat_s:g}",
+            )
+        )
+    return out
 
 
 def _store_rules(url: str) -> list[str]:
@@ -1146,3 +1229,65 @@ def url_problem(url: str) -> str | None:
     if parts.fragment:
         return f"must be {STORE_ALLOWED}, without a #fragment"
     return None
+
+
+# ---- H3_OUTPUT_URL: where the MP4s are kept (service/store/objects.py) ----------------------------------------------
+OUTPUT_ALLOWED = "s3://BUCKET or s3://BUCKET/PREFIX; unset: videos/ in the output folder"
+BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")  # S3's rule for a bucket's name
+
+
+def split_output_url(url: str) -> tuple[str, str]:
+    """`s3://BUCKET/PRE/FIX` -> ("BUCKET", "PRE/FIX/") (the prefix "" or ending in "/"); ValueError saying what is
+    wrong, in words that name the allowed form."""
+    if not url.isprintable() or any(ch.isspace() or ch == "\\" for ch in url):
+        raise ValueError(f"must be {OUTPUT_ALLOWED}, without spaces, backslashes or control characters")
+    parts = _split_url(url)
+    if parts is None or parts.scheme != "s3":
+        raise ValueError(
+            f"must be {OUTPUT_ALLOWED}; got {f'a {parts.scheme}:// URL' if parts and parts.scheme else 'no URL'}"
+        )
+    if parts.query or parts.fragment or "@" in parts.netloc or parts.port is not None:
+        raise ValueError(
+            f"must be {OUTPUT_ALLOWED}: no user, port, ?query or #fragment (the endpoint is H3_S3_ENDPOINT)"
+        )
+    if not BUCKET_NAME.fullmatch(parts.netloc) or ".." in parts.netloc:
+        raise ValueError(f"the bucket {shown(parts.netloc)} is no S3 bucket name (3-63 of a-z, 0-9, '.' and '-')")
+    segments = [p for p in parts.path.split("/") if p]
+    if any(p in (".", "..") for p in segments) or "//" in parts.path.strip("/"):
+        raise ValueError("the prefix may not hold '.', '..' or an empty segment ('//')")
+    return parts.netloc, "".join(f"{p}/" for p in segments)
+
+
+def endpoint_problem(url: str) -> str | None:
+    """What is wrong with an H3_S3_ENDPOINT value (None: nothing)."""
+    parts = _split_url(url) if url.isprintable() and not any(ch.isspace() for ch in url) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        return (
+            f"must be an http:// or https:// URL of the S3-compatible server (http(s)://HOST[:PORT]), got {shown(url)}"
+        )
+    if parts.username is not None or parts.query or parts.fragment:
+        return "must be http(s)://HOST[:PORT]: no user, ?query or #fragment (credentials come from the AWS_* variables)"
+    return None
+
+
+def _output_rules(s: Settings, ok: Callable[..., bool]) -> list[str]:
+    """H3_OUTPUT_URL: an s3:// URL and boto3 installed; H3_S3_ENDPOINT an http(s) URL; both H3_S3_* only with it.
+    Whether the bucket answers is the start's check (`service.store.objects.check_outputs`)."""
+    import importlib.util
+
+    out: list[str] = []
+    if ok("output_url") and s.output_url is not None:
+        try:
+            split_output_url(s.output_url)
+        except ValueError as err:
+            out.append(refusal("output_url", str(err)))
+        else:
+            if importlib.util.find_spec("boto3") is None:
+                out.append(refusal("output_url", "an s3:// output needs boto3: pip install 'h3serve[fleet]'"))
+    if ok("s3_endpoint") and s.s3_endpoint is not None and (problem := endpoint_problem(s.s3_endpoint)):
+        out.append(refusal("s3_endpoint", problem))
+    for name in ("s3_endpoint", "s3_presign"):
+        if ok(name, "output_url") and getattr(s, name) and s.output_url is None:
+            out.append(refusal(name, f"only with {label('output_url')} (an s3:// output); the output folder's MP4s are "
+                                     "served by the server itself"))  # fmt: skip
+    return out

@@ -49,7 +49,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     settings = read_settings(args, check_profile=False)  # the store is the output folder's: no hardware asked
     _refuse_postgres(settings)
-    report = inspect_store(settings.output_dir)
+    report = inspect_store(settings.output_dir, outputs=_bucket(settings))
     for line in report.lines():
         print(line)
     return EXIT_ERROR if report.refusals() else 0
@@ -60,7 +60,7 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
 
     settings = read_settings(args, check_profile=False)
     _refuse_postgres(settings)
-    output_dir = settings.output_dir
+    output_dir, bucket = settings.output_dir, _bucket(settings)
     if not output_dir.is_dir():
         raise CliError(f"{output_dir}: no such folder (H3_OUTPUT_DIR, --output-dir): nothing to rebuild")
     # The folder's lock, for the whole command: a server finishing or deleting jobs beside a rebuild would have them
@@ -70,14 +70,14 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
     except FolderBusy as err:
         raise CliError(f"{err}. Nothing was changed: a rebuild never runs beside a server (--force or not)") from err
     with lock:
-        before = inspect_store(output_dir)
+        before = inspect_store(output_dir, outputs=bucket)
         if not before.refusals() and not args.force:
             print(f"{before.path}: sound, {before.rows} job(s); nothing rebuilt (--force rebuilds it anyway)")
             return 0
         for line in before.lines():
             print(line)
         try:
-            rebuilt = rebuild_store(output_dir, lock=lock)
+            rebuilt = rebuild_store(output_dir, lock=lock, outputs=bucket)
         except ValueError as err:  # files.FileRefused: videos/ is no folder; checked before anything changed
             raise CliError(f"{err}. Nothing was changed") from err
         for line in rebuilt.lines(before.path):
@@ -95,6 +95,15 @@ def cmd_rebuild(args: argparse.Namespace) -> int:
             raise CliError(f"the rebuilt store is refused too: {err}") from err
     print(f"{before.path}: rebuilt; `h3serve store check` reports it")
     return 0
+
+
+def _bucket(settings):
+    """H3_OUTPUT_URL's bucket (`store.objects.S3Outputs`), where the MP4s are listed, or None (videos/)."""
+    if settings.output_url is None:
+        return None
+    from h3serve.service.store.objects import S3Outputs
+
+    return S3Outputs.of(settings)
 
 
 def _refuse_postgres(settings) -> None:

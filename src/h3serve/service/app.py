@@ -13,7 +13,8 @@
     GET    /v1/videos                 jobs, newest first (limit, after, order); a record the store cannot read is
                                       listed with status `damaged` (store.DamagedRecord), the rest are served
     GET    /v1/videos/{id}            one job record (with `live`: an unfinished job's stage and step)
-    GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept)
+    GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept), from videos/ or the bucket
+                                      (H3_OUTPUT_URL); a Range header's byte range (206, 416); H3_S3_PRESIGN: a 307
     DELETE /v1/videos/{id}            cancel a queued or running job (answers once it has stopped; 202 if it has not
                                       within CANCEL_WAIT_S); delete a finished one and its MP4
     GET    /, /web/{name}             the web page (page.py, docs/web.md; HEAD / too): static files, no key, not in
@@ -41,14 +42,11 @@ import errno
 import functools
 import json
 import logging
-import os
 import re
-import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Literal
+from typing import Annotated, Any, Literal, NoReturn
 from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -86,6 +84,7 @@ from h3serve.service.security import BearerKey, require_key
 from h3serve.service.store import (
     ACTIVE,
     DamagedRecord,
+    Fleet,
     FolderLock,
     JobRecords,
     RecordDamaged,
@@ -94,6 +93,7 @@ from h3serve.service.store import (
     new_job_id,
     open_store,
 )
+from h3serve.service.store.objects import Body, ObjectGone, ObjectsUnavailable, open_outputs
 from h3serve.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ def create_app(
     settings: Settings, engine: RenderEngine, page: WebPage | None = None, *, folder_lock: FolderLock | None = None
 ) -> FastAPI:
     page = page or WebPage.load()  # before the store opens: nothing to give back if the install lacks the page
-    store = open_store(settings.output_dir, settings.store, lock=folder_lock)
+    store = open_store(settings.output_dir, settings.store, lock=folder_lock, server_id=settings.server_id)
     metrics = Metrics()
     try:
+        fleet = Fleet.of(store, settings, engine)  # a PostgreSQL store's claims (issue 58); None with SQLite
         scheduler = Scheduler(
             engine,
             store,
@@ -120,6 +121,8 @@ def create_app(
             encoding=settings.encoding,
             metrics=metrics,
             folders=service_folders(settings.output_dir),
+            outputs=open_outputs(settings, store.videos),
+            fleet=fleet,
         )
     except BaseException:
         store.close()  # (and the output folder's lock with it, unless the caller holds it)
@@ -329,6 +332,8 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "runtime_adapters": runtime_adapters(engine),
         "sampler": engine.admission.sampler.describe(),
         "queue_depth": scheduler.depth,
+        # A fleet on one PostgreSQL store: this server's name (H3_SERVER_ID), its lease and heartbeat; null alone.
+        "fleet": scheduler.fleet.describe() if scheduler.fleet is not None else None,
         "num_gpus": engine.num_gpus,
         # Several hosts: each node, its ranks, whether it has joined (and why it was lost); null on one host.
         "nodes": engine.nodes,
@@ -562,66 +567,129 @@ def get_job(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str
 
 
 @routes.get("/v1/videos/{video_id}/content")
-def content(store: StoreDep, video_id: str, variant: str = "video") -> Response:
-    """The MP4, from a file opened here: an open file survives a DELETE that unlinks it (POSIX), so a download that
-    has been answered 200 always sends its whole Content-Length. Starlette's FileResponse would check the path here and
-    open it later, after a racing DELETE (a 500, or a 200 header and no body)."""
+def content(
+    request: Request,
+    store: StoreDep,
+    scheduler: SchedulerDep,
+    settings: SettingsDep,
+    video_id: str,
+    variant: str = "video",
+) -> Response:
+    """The MP4, from where it is kept (`store.objects`: videos/, or H3_OUTPUT_URL's bucket): whole (200), or the one
+    byte range a `Range: bytes=...` header asks for (206 with Content-Range; 416 for a range past its end; If-Range
+    honoured); with H3_S3_PRESIGN, a 307 to the object's URL signed for that many seconds.
+
+    It is opened before the answer starts: a file is streamed from a descriptor opened here, which survives a DELETE
+    that unlinks it (POSIX), so a download answered 200 always sends its whole Content-Length (Starlette's FileResponse
+    would check the path here and open it later, after a racing DELETE: a 500, or a 200 header and no body); an object
+    is read from a GET begun here, so one deleted before is a 410, never a 200 without its body."""
     if variant != "video":
         raise bad_request(
             "variant", f"variant {shown(variant)} is not kept here: a job has only its MP4 (variant=video)"
         )
     job = _find(store, video_id)
-    path = store.path(job)
-    if job.status != JobStatus.COMPLETED or path is None:
+    if job.status != JobStatus.COMPLETED or not job.file_name:
         raise ApiError(409, "not_completed", f"job {video_id} is {job.status}; only a completed job has content")
+    outputs, name = scheduler.outputs, job.file_name
     try:
-        fh = open_mp4(path)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        _find(store, video_id)  # deleted since it was read (a DELETE drops the record, then the file): a 404
-        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
+        opened = outputs.open(name)
+    except (ObjectGone, FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        _gone(store, video_id)
+    except ObjectsUnavailable as err:
+        raise _unavailable(video_id, "read", err) from None
     except OSError as err:
         if err.errno not in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
             raise  # out of descriptors, a permission: the server's trouble (a 500), not a file gone for good
         # A link, a FIFO, a device where the MP4 was: nothing the server wrote.
-        log.warning("job %s: %s is not a regular file; not served", video_id, path)
-        raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer on disk", "video_id") from None
-    return OpenFileResponse(fh, job.file_name or path.name)
-
-
-def open_mp4(path: Path):
-    """`path` opened for reading if it is a regular file the server could have written: never through a symbolic
-    link (something put at `videos/<id>.mp4` by hand must not make `/content` serve a file outside the folder), and
-    never blocking on a FIFO. OSError otherwise (ELOOP for a link, EINVAL for anything else not regular)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        log.warning("job %s: %s in %s is not a regular file; not served", video_id, name, outputs.where)
+        _gone(store, video_id)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")  # the response closes it: when sent, or when dropped unsent
+        if outputs.remote and settings.s3_presign:
+            url = outputs.presign(name, settings.s3_presign)  # signed: never the bucket's bare URL
+            return Response(status_code=307, headers={"location": url, "cache-control": "no-store"})
+        span = byte_range(request.headers.get("range"), request.headers.get("if-range"), opened.size, opened.etag)
+        start, length = span if span is not None else (0, opened.size)
+        body = opened.body(start, length)
+    except ObjectGone:
+        opened.close()
+        _gone(store, video_id)
+    except ObjectsUnavailable as err:
+        opened.close()
+        raise _unavailable(video_id, "read", err) from None
     except BaseException:
-        os.close(fd)
+        opened.close()
         raise
+    return MP4Response(body, name, opened.size, opened.etag, span)
 
 
-class OpenFileResponse(Response):
-    """An already open file, streamed in chunks off the event loop; its length is the open file's (fstat), which no
-    later unlink changes. The file is closed when the response ends, however it ends."""
+def _gone(store: JobRecords, video_id: str) -> NoReturn:
+    """A completed job's MP4 that is not there: 404 if its record went too (a DELETE drops the MP4 and the record),
+    else 410."""
+    _find(store, video_id)
+    raise ApiError(410, "gone", f"the MP4 of job {video_id} is no longer stored", "video_id") from None
+
+
+def _unavailable(video_id: str, doing: str, err: ObjectsUnavailable, outcome: str = "") -> ApiError:
+    """A 503 for an MP4 the output bucket (H3_OUTPUT_URL) would not let be `doing` (read, removed) now."""
+    log.error("job %s: the output bucket did not let its MP4 be %s: %s", video_id, doing, err.reason)
+    message = f"the MP4 of job {video_id} could not be {doing} in the output bucket ({err.reason}){outcome}; retry"
+    return ApiError(503, "storage_unavailable", message, None, {"Retry-After": RETRY_AFTER_S})
+
+
+BYTE_RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})")  # one range; 19 digits hold any size there is
+
+
+def byte_range(header: str | None, if_range: str | None, size: int, etag: str) -> tuple[int, int] | None:
+    """(start, length) of the one byte range a Range header asks for, cut at the MP4's end; None to send it whole: no
+    header, an If-Range naming another version than `etag`, several ranges, another unit or a malformed one (RFC 9110
+    lets a server ignore those). ApiError 416 (Content-Range: bytes */SIZE) for a range that starts past the end."""
+    if not header or (if_range is not None and if_range.strip() != etag):
+        return None
+    found = BYTE_RANGE.fullmatch(header.strip())
+    if found is None or found.groups() == ("", ""):
+        return None
+    first, last = found.groups()
+    if not first:  # bytes=-N: the last N bytes
+        start, end = max(0, size - int(last)), size - 1
+        if int(last) == 0 or size == 0:
+            raise _unsatisfiable(header, size)
+    else:
+        start, end = int(first), min(int(last) if last else size - 1, size - 1)
+        if last and int(last) < start:
+            return None  # malformed: ignored
+        if start >= size:
+            raise _unsatisfiable(header, size)
+    return start, end - start + 1
+
+
+def _unsatisfiable(header: str, size: int) -> ApiError:
+    message = f"Range {shown(header)} lies past the MP4's end ({size} bytes)"
+    return ApiError(416, "range_not_satisfiable", message, "Range", {"content-range": f"bytes */{size}"})
+
+
+class MP4Response(Response):
+    """A stored MP4 (`Opened.body`), whole or one byte range of it (`span`: (start, length), a 206), streamed in chunks
+    off the event loop; its length is fixed before the first byte goes. The body is closed when the response ends,
+    however it ends."""
 
     chunk_size = 1 << 20
     media_type = "video/mp4"
 
-    def __init__(self, fh: BinaryIO, filename: str):
-        self.fh = fh
-        size = os.fstat(fh.fileno()).st_size
-        super().__init__(
-            content=None,
-            media_type=self.media_type,
-            headers={
-                "content-length": str(size),
-                "content-disposition": f'attachment; filename="{filename}"',  # a server-chosen name: <id>.mp4
-            },
-        )
-        self.size = size
+    def __init__(self, body: Body, filename: str, size: int, etag: str, span: tuple[int, int] | None = None):
+        self.fh = body
+        start, length = span if span is not None else (0, size)
+        headers = {
+            "content-length": str(length),
+            "content-disposition": f'attachment; filename="{filename}"',  # a server-chosen name: <id>.mp4
+            "accept-ranges": "bytes",
+        }
+        if etag:
+            headers["etag"] = etag
+        if span is not None:
+            headers["content-range"] = f"bytes {start}-{start + length - 1}/{size}"
+        super().__init__(content=None, status_code=206 if span is not None else 200, media_type=self.media_type,
+                         headers=headers)  # fmt: skip
+        self.size = length
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -630,16 +698,18 @@ class OpenFileResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
             left = self.size
+            if left == 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             while left > 0:
                 chunk = await asyncio.to_thread(self.fh.read, min(self.chunk_size, left))
-                if not chunk:  # the file shrank under an open fd: only a truncation in place does that
+                if not chunk:  # a file truncated in place under an open fd, an object's GET cut short
                     raise OSError(f"the MP4 ended {left} bytes short of its length")
                 left -= len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": left > 0})
         finally:
             self.fh.close()
 
-    def __del__(self) -> None:  # a response built and never sent (an exception in between): its file still closes
+    def __del__(self) -> None:  # a response built and never sent (an exception in between): its body still closes
         fh = getattr(self, "fh", None)
         if fh is not None:
             fh.close()
@@ -741,7 +811,8 @@ def preview(store: StoreDep, scheduler: SchedulerDep, video_id: str, forward: in
 
 @routes.delete("/v1/videos/{video_id}", responses={202: {"description": "cancel requested; the job has not stopped"}})
 def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
-    """A finished job: its record and MP4 go (200, `video.deleted`). An unfinished one is cancelled, and the answer
+    """A finished job: its record and MP4 go (200, `video.deleted`; with H3_OUTPUT_URL the object first, and a bucket
+    that does not answer is a 503 with nothing deleted). An unfinished one is cancelled, and the answer
     waits until it has stopped (a render stops within one denoise step or decode window, an encode before its next
     frame): 200 with the record, now `cancelled`. Only a job still not stopped after CANCEL_WAIT_S (a GPU worker that
     does not answer) is a 202 with the record as it is then; its cancel stands, and a later GET shows the end."""
@@ -753,6 +824,14 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
             return JSONResponse(shown_record(job, scheduler.live()), status_code=202)
         if job.status == JobStatus.CANCELLED:
             return JSONResponse(shown_record(job, scheduler.live()))
+    if scheduler.outputs.remote:
+        # The object first, then the record: a DELETE stopped between them (or refused by the bucket: a 503, nothing
+        # deleted) can be sent again, where the record gone first would leave an object nothing names. The job's own
+        # key whatever its record says: a job failed after its upload completed (a stop in between) has one too.
+        try:
+            scheduler.outputs.delete(f"{job.id}.mp4")
+        except ObjectsUnavailable as err:
+            raise _unavailable(video_id, "removed", err, "; nothing was deleted") from None
     store.delete(video_id)
     scheduler.events.forget(video_id)
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})

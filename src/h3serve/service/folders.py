@@ -9,6 +9,7 @@ from pathlib import Path
 
 from h3serve.errors import SettingError
 from h3serve.service.store import FolderBusy, check_job_store
+from h3serve.service.store.objects import check_outputs
 from h3serve.settings import Settings
 from h3serve.startup import check_port
 
@@ -17,9 +18,11 @@ PROBE_PREFIX = ".h3serve-probe-"
 
 def check_service(settings: Settings) -> None:
     """What a service needs of this machine beyond the engine's preflight: the output folder, its job store and the
-    port, each refused as its setting's SettingError. Node 0's only: another node serves nothing."""
+    port, and H3_OUTPUT_URL's bucket, each refused as its setting's SettingError. Node 0's only: another node serves
+    nothing."""
     check_output_dir(settings.output_dir)
-    _check_job_store(settings.output_dir, settings.store)
+    _check_job_store(settings.output_dir, settings.store, settings.server_id)
+    check_outputs(settings)  # H3_OUTPUT_URL's bucket answers and takes an upload (`store.objects`)
     check_port(settings.bind_host, settings.api_port)
 
 
@@ -36,16 +39,19 @@ def check_output_dir(path: Path) -> None:
         raise SettingError("output_dir", describe_folders(problems, folders))
 
 
-def _check_job_store(path: Path, url: str | None = None) -> None:
+def _check_job_store(path: Path, url: str | None = None, server_id: str | None = None) -> None:
     """The job store in the output folder, checked before any weight loads: the folder not in use by another h3serve
     process (its lock, which a server holds while it runs), the store opened read-only and checked (integrity, its
     table, every record, jobs the folder holds that the store lacks), and SQLite's write lock free. Each refusal is
     H3_OUTPUT_DIR's, naming the file and what is wrong. With H3_STORE (PostgreSQL): the database answers, no other
-    server holds it, its table and rows are sound (`store.postgres.check_postgres_store`), H3_STORE's refusal."""
+    running server has this H3_SERVER_ID, its tables and rows are sound (`store.postgres.check_postgres_store`),
+    H3_STORE's refusal (H3_SERVER_ID's for a name in use)."""
     try:
-        check_job_store(path, url)
+        check_job_store(path, url, server_id)
     except ValueError as err:  # FolderBusy, StoreDamaged, StoreUnavailable, PostgresStoreError: each text names it
         setting = "store" if url is not None and not isinstance(err, FolderBusy) else "output_dir"
+        if server_id is not None and getattr(err, "busy", False) and url is not None:
+            setting = "server_id"  # another running server of the fleet has this name
         raise SettingError(setting, str(err)) from err
 
 

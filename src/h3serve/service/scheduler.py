@@ -11,6 +11,13 @@ worker a rendering one, the encoder an encoding one, whoever comes first a waiti
 only writer of its record, its events and its result; its progress goes through `_progressed`, which publishes
 nothing once the job has ended.
 
+In a fleet (several servers on one PostgreSQL store, `fleet`: `store.claims`, docs/fleet.md) an async job waits in the
+store's queue instead, with its request; each server's worker claims the oldest job it can render with a lease, which
+a heartbeat thread renews while the job renders and encodes. Every write of a claimed job's record is conditional on
+the claim (`_write_record`): a server whose lease ran out and whose job another server claimed again writes nothing
+more. A shutdown gives its claimed jobs back to the queue. Sync renders stay this server's, in its own line, placed
+among the fleet's jobs by the time they came.
+
 Sync and async renders share the queue and the worker, so one render uses the GPU at a time. A render's frames go to
 the encoder as each decode window's are final (`RenderContext.frames_to`): the job is handed off when its first
 frames are ready, so its encode overlaps its own decode and then the next render. The GPU never waits on the encoder:
@@ -25,7 +32,9 @@ failed, code `interrupted` (as a crash leaves them once the store reopens).
 
 An MP4 that cannot be written (a full disk, a file-size limit, a folder made read-only or replaced by a file) fails
 its job with code `write_failed` and the OS's reason; the write is atomic, so no partial MP4 is left and the record
-names no file. Readiness covers the folders the service writes (`service.folders.service_folders`): a server that cannot
+names no file. With H3_OUTPUT_URL the MP4 goes to the bucket by a multipart upload once encoded (`store.objects`); one
+the bucket refuses fails its job with code `upload_failed` and S3's reason, the upload aborted, no object kept.
+Readiness covers the folders the service writes (`service.folders.service_folders`): a server that cannot
 write them is not ready.
 """
 
@@ -37,6 +46,7 @@ import contextlib
 import enum
 import io
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -54,7 +64,9 @@ from h3serve.service.folders import describe_folders, folder_problems
 from h3serve.service.jobs import Hand, JobState, check_transition, holds
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, VideoJob, step_cache_mode
-from h3serve.service.store import JobRecords
+from h3serve.service.store import Fleet, JobRecords, LeaseLost, QueueLimit
+from h3serve.service.store.claims import Claim
+from h3serve.service.store.objects import LocalOutputs, OutputObjects, UploadFailed
 from h3serve.service.warmup import WarmupResult, run_warmup
 
 log = logging.getLogger(__name__)
@@ -63,6 +75,7 @@ log = logging.getLogger(__name__)
 # so the worker waits when one is already waiting: at most the one encoding, one waiting and the worker's own.
 ENCODE_BACKLOG = 1
 RECOVERY_POLL_S = 0.5  # how often a queued job looks whether the GPU workers are back
+CLAIM_POLL_S = 0.5  # how often an idle worker of a fleet looks for a job to claim (a job submitted here wakes it)
 
 
 def progress_percent(p: Progress, finished: set[str]) -> int:
@@ -128,6 +141,8 @@ class Work:
     stream: FrameStream | None = None  # its frames as they are decoded (`_Frames`), for the encoder
     sink: _Frames | None = None  # its render's `frames_to`
     media: tuple[Any, int, int] | None = None  # (audio, sample rate, fps) of a streamed render
+    claim: Claim | None = None  # a fleet's job: this server's claim on it, which every write of its record checks
+    queued_at: float = field(default_factory=time.time)  # a sync render's place among the fleet's queued jobs
 
 
 class _RenderFailed(Exception):
@@ -192,11 +207,17 @@ class Scheduler:
         encoding: Encoding,
         metrics: Metrics,
         folders: dict[str, Path] | None = None,
+        outputs: OutputObjects | None = None,
+        fleet: Fleet | None = None,
     ):
         self.engine = engine
+        # Several servers on one PostgreSQL store (`store.claims`): async jobs wait in the store's queue, the worker
+        # claims them with a lease that `_beat` renews; None: one server, the queue here (SQLite, and tests).
+        self.fleet = fleet
         self.folders = folders or {}  # name -> folder the service writes (`folders.service_folders`), checked for ready
         self._folder_problems: dict[str, str] = {}  # the last check's, to log a change once
         self.store = store
+        self.outputs = outputs or LocalOutputs(store.videos)  # where the async jobs' MP4s go (`store.objects`)
         self.max_queue = max_queue
         self.encoding = encoding  # the MP4's video encode (`media.encoding`)
         self.metrics = metrics
@@ -214,11 +235,15 @@ class Scheduler:
         self.events = Events(store.output_dir / PREVIEWS)
         self._worker = threading.Thread(target=self._work, name="h3serve-worker", daemon=True)
         self._encoder = threading.Thread(target=self._encode_loop, name="h3serve-encoder", daemon=True)
+        self._beating = threading.Event()  # set by `stop`: the heartbeat ends
+        self._heart = threading.Thread(target=self._beat, name="h3serve-heartbeat", daemon=True)
 
     # ---- control --------------------------------------------------------------------------------------------
     def start(self) -> None:
         self._worker.start()
         self._encoder.start()
+        if self.fleet is not None:
+            self._heart.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """End every job not finished (their records say the server stopped) and join the threads."""
@@ -236,6 +261,9 @@ class Scheduler:
         for thread in (self._worker, self._encoder):
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+        self._beating.set()  # after the jobs: a job still ending keeps its lease until its record is written
+        if self._heart.is_alive():
+            self._heart.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def ready(self) -> bool:
@@ -264,9 +292,15 @@ class Scheduler:
 
     @property
     def depth(self) -> int:
-        """Renders waiting for the GPU."""
+        """Renders waiting for the GPU: here, and in a fleet the fleet's queued jobs too."""
+        queued = self.fleet.queued() if self.fleet is not None else 0
         with self._cond:
-            return len(self._queue)
+            return len(self._queue) + queued
+
+    @property
+    def server_id(self) -> str | None:
+        """This server's name in its fleet (H3_SERVER_ID, or the one made at start); None without a fleet."""
+        return self.fleet.server_id if self.fleet is not None else None
 
     def live(self) -> dict[str, dict[str, Any]]:
         """Where each unfinished job is now, by id, for its record (`live`; not stored, so a job the scheduler no
@@ -274,9 +308,14 @@ class Scheduler:
         units `done` of `total` (denoise steps, decode windows), or `encode` once rendered; `elapsed_s` since the
         worker took it."""
         now = time.monotonic()
+        fleet_queue = self.fleet.queue() if self.fleet is not None else []
         with self._cond:
             busy = int(self._rendering is not None)  # the render on the GPU is ahead of every queued one
             out = {w.id: _live("queued", 0, 0, None, ahead) for ahead, w in enumerate(self._queue, start=busy)}
+            # The fleet's queue, in claim order: `takers` counts the live servers that can render each (0: none can,
+            # it waits for one that can).
+            for ahead, (job_id, takers) in enumerate(fleet_queue):
+                out[job_id] = {**_live("queued", 0, 0, None, ahead), "takers": takers}
             for work in (*self._encodes, self._encoding, self._rendering):
                 if work is None or work.state.ended:  # ended: its thread lets go of it next
                     continue
@@ -291,9 +330,23 @@ class Scheduler:
             return out
 
     def submit(self, work: Work, record: VideoJob | None = None) -> None:
-        """Queue a render (and insert its record first, so it is never lost); QueueFull when the queue is full."""
+        """Queue a render (and insert its record first, so it is never lost); QueueFull when the queue is full. In a
+        fleet an async job goes to the store's queue (its record, its stored request), for whichever server claims it
+        first; its `work` is not used further (the claiming server makes its own). The limit then counts the fleet's
+        queued jobs with this server's waiting sync renders."""
+        if self.fleet is not None and work.persist:
+            with self._cond:
+                waiting = len(self._queue)
+            try:
+                self.fleet.enqueue(record, work.request, work.queued_at, self.max_queue, waiting)
+            except QueueLimit:
+                raise QueueFull from None
+            with self._cond:
+                self._cond.notify_all()  # this server's worker, if idle, claims it now rather than at its next look
+            return
+        queued = self.fleet.queued() if self.fleet is not None else 0
         with self._cond:
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + queued >= self.max_queue:
                 raise QueueFull
             self._transition(work, JobState.QUEUED, Hand.CLIENT, record=record)
 
@@ -303,7 +356,7 @@ class Scheduler:
             held = (*self._queue, *self._encodes, self._rendering, self._encoding)
             work = next((w for w in held if w is not None and w.id == job_id), None)
             if work is None:
-                return False
+                return self._cancel_elsewhere(job_id, reason, wait)
             if work in (self._rendering, self._encoding):  # on a thread (a streamed job can wait and render at once)
                 work.ctx.cancel(reason)  # it stops at its next check; a worker waiting to hand it off wakes
                 self._cond.notify_all()
@@ -313,6 +366,23 @@ class Scheduler:
         with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
             work.future.exception(timeout=wait)  # its thread ends it
         return True
+
+    def _cancel_elsewhere(self, job_id: str, reason: str, wait: float) -> bool:
+        """A fleet's job this server does not hold: a queued one is cancelled in the store at once; one another server
+        renders is asked to stop (its heartbeat sees it) and waited for, up to `wait`. False: no such active job."""
+        if self.fleet is None:
+            return False
+        changes = {"status": JobState.CANCELLED.status, "completed_at": int(time.time()),
+                   "error": JobError(code="cancelled", message=reason or "cancelled")}  # fmt: skip
+        outcome = self.fleet.cancel(job_id, changes, reason)
+        if outcome == "held":
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                job = self.store.get(job_id)
+                if job is None or job.status not in (JobState.QUEUED.status, JobState.RENDERING.status):
+                    break
+                time.sleep(RECOVERY_POLL_S / 5)
+        return outcome is not None
 
     # ---- the GPU worker -------------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -337,6 +407,8 @@ class Scheduler:
             self.readiness = Readiness.FAILED
 
     def _next_render(self) -> Work | None:
+        if self.fleet is not None:
+            return self._next_fleet_render(self.fleet)
         with self._cond:
             while True:
                 # While the GPU workers restart (a node awaited), a queued job waits for them rather than failing.
@@ -349,6 +421,65 @@ class Scheduler:
                     self._transition(work, JobState.RENDERING, Hand.WORKER)
                     self._rendering = work
                     return work
+
+    def _next_fleet_render(self, fleet: Fleet) -> Work | None:
+        """The next render of a fleet's server: the oldest job it can claim from the store's queue, or this server's
+        oldest waiting sync render where that was submitted first; None once stopping. A claimed job becomes a local
+        job here (queued, then rendering at once), its record already `in_progress` by the claim."""
+        while True:
+            with self._cond:
+                while self.engine.recovering and not self._stopping:
+                    self._cond.wait(RECOVERY_POLL_S)
+                if self._stopping:
+                    return None
+                head = self._queue[0] if self._queue else None
+            claim = None
+            try:
+                # A server that cannot render now (its warmup failed, a GPU worker or a folder lost) claims nothing:
+                # the fleet's other servers take the queue.
+                if self.standing().ready:
+                    claim = fleet.claim(head.queued_at if head is not None else math.inf)
+            except Exception:  # the store did not answer: this server renders what it has, and looks again
+                log.exception("the fleet's queue could not be read; looking again in %.1f s", CLAIM_POLL_S)
+            with self._cond:
+                if claim is not None:
+                    if self._stopping:
+                        fleet.release(claim)
+                        return None
+                    work = Work(claim.job_id, claim.request, persist=True, claim=claim)
+                    self._transition(work, JobState.QUEUED, Hand.CLIENT)
+                    head = work
+                if head is None or head not in self._queue:  # (a sync render cancelled meanwhile)
+                    if not self._queue:
+                        self._cond.wait(CLAIM_POLL_S)  # a submit here wakes it
+                    continue
+                with self._guard(head, Hand.WORKER):
+                    self._transition(head, JobState.RENDERING, Hand.WORKER)
+                    self._rendering = head
+                    return head
+
+    def _beat(self) -> None:
+        """A fleet's heartbeat, every H3_HEARTBEAT_S until `stop`: this server seen, the leases of the jobs it holds
+        (rendering, waiting for the encoder, encoding) renewed. A job whose claim is gone (its lease ran out and
+        another server claimed it again, or it was deleted) stops here, and its record is not written by this server
+        again; a cancel another server's DELETE asked for is made here."""
+        fleet = self.fleet
+        while not self._beating.wait(fleet.heartbeat_s):
+            with self._cond:
+                held = {w.id: w for w in (self._rendering, self._encoding, *self._encodes)
+                        if w is not None and w.claim is not None and not w.state.ended}  # fmt: skip
+            try:
+                renewal = fleet.renew([w.claim for w in held.values()])
+            except Exception:  # the store did not answer: the next beat tries again, before the lease runs out
+                log.exception("the fleet's leases could not be renewed; trying again in %.1f s", fleet.heartbeat_s)
+                continue
+            for job_id in renewal.lost:
+                log.warning("job %s: this server no longer holds its claim; its render stops", job_id)
+                held[job_id].ctx.cancel("this server's claim on the job is gone (its lease ran out, or it was deleted)")
+                with self._cond:
+                    self._cond.notify_all()  # a worker waiting to hand it off wakes
+            for job_id, reason in renewal.cancels.items():
+                self.cancel(job_id, reason or "cancelled", wait=0)
 
     def _render(self, work: Work) -> None:
         """Render one job. Its frames come back whole (it is handed to the encoder now) or stream to the encoder as
@@ -418,7 +549,11 @@ class Scheduler:
             if not work.persist:
                 return
             if percent is not None:
-                self.store.update(work.id, progress=percent)
+                try:
+                    self._write_record(work, progress=percent)
+                except LeaseLost:  # another server has the job now: this render stops (`_beat` says so too)
+                    work.ctx.cancel("this server's lease on the job ran out and another server claimed it")
+                    return
             for name, data in events:
                 self.events.publish(work.id, name, data)
 
@@ -488,6 +623,10 @@ class Scheduler:
         except _RenderFailed as err:  # the render streaming the frames failed (logged there): no file was kept
             self._end_failed(work, err.error, "render", Hand.ENCODER, logged=True)
             return
+        except UploadFailed as err:  # H3_OUTPUT_URL's bucket refused it or did not answer: the upload was aborted
+            work.ctx.cancel("the MP4 could not be stored")
+            self._end_unstored(work, err)
+            return
         except OSError as err:  # the encode's own errors are ValueErrors; an OSError is the disk's or the folder's
             work.ctx.cancel("the MP4 could not be written")  # a render still decoding stops
             self._end_unwritten(work, err)
@@ -498,10 +637,18 @@ class Scheduler:
             return
         if work.ctx.cancelled:  # cancelled while encoding: the encode has finished, its file goes
             if work.persist:
-                (self.store.videos / payload).unlink(missing_ok=True)
+                self._discard(payload)
             self._end_cancelled(work, work.ctx.reason, Hand.ENCODER)
             return
         self._transition(work, JobState.COMPLETED, Hand.ENCODER, payload=payload)
+
+    def _discard(self, name: str) -> None:
+        """The MP4 of a job cancelled once it was written goes; a bucket that refuses is logged (the MP4 has no
+        record naming it; `h3serve store check` lists it), never the job's failure."""
+        try:
+            self.outputs.delete(name)
+        except Exception as err:
+            log.warning("%s in %s could not be removed after its job was cancelled: %s", name, self.outputs.where, err)
 
     def _write(self, work: Work) -> str | bytes:
         """The MP4 of a job: an async job's file (its name returned) or a sync render's bytes."""
@@ -517,9 +664,10 @@ class Scheduler:
             "check": work.ctx.check,  # a cancel stops the encode before the next frame
         }
         if work.persist:
-            path = self.store.videos / f"{work.id}.mp4"  # the server's name: nothing a client sent
-            write_mp4(path, frames, audio, **settings)  # atomic: a failed write leaves no file
-            return path.name
+            name = f"{work.id}.mp4"  # the server's name: nothing a client sent
+            # Whole or not at all: a file renamed into place, or an upload completed (`store.objects`).
+            self.outputs.write(name, lambda path: write_mp4(path, frames, audio, **settings), work.ctx.check)
+            return name
         buffer = io.BytesIO()
         encode_mp4(buffer, frames, audio, **settings)
         return buffer.getvalue()
@@ -553,7 +701,7 @@ class Scheduler:
         nothing, so a job is never queued without its record nor further on than its record says."""
         if to is JobState.QUEUED and record is not None:
             self.store.insert(record)
-        elif to is JobState.RENDERING and work.persist:
+        elif to is JobState.RENDERING and work.persist and work.claim is None:  # (a claim wrote in_progress)
             self.store.update(work.id, status=to.status)
         self._move(work, to)
         if to is JobState.RENDERING:
@@ -584,6 +732,8 @@ class Scheduler:
         self._move(work, to)
         try:
             self._record_end(work, to, payload, error, raised)
+        except LeaseLost as err:  # logged by `_record_end`: another server has the job; nothing was written
+            raised = err
         except Exception as err:
             log.exception("job %s: the scheduler could not finish it", work.id)
             raised = err
@@ -608,10 +758,16 @@ class Scheduler:
             self.metrics.render_finished("cancelled" if cancelled else to.value, result)
         if not work.persist or (cancelled and self.store.get(work.id) is None):
             return
+        if work.claim is not None and self._stopping and error is not None and error.code == "interrupted":
+            # A fleet's job this server stops during: back to the queue, for another server (or this one's next
+            # start) to render again from its stored request, rather than failed.
+            if self.fleet.release(work.claim):
+                log.info("job %s: queued again for the fleet (this server is stopping)", work.id)
+            return
         status, now = to.status, int(time.time())
         if to is JobState.COMPLETED:
-            self.store.update(
-                work.id,
+            self._write_record(
+                work,
                 status=status,
                 progress=100,
                 completed_at=now,
@@ -625,8 +781,27 @@ class Scheduler:
             )
             self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
         else:
-            self.store.update(work.id, status=status, completed_at=now, error=error)
+            self._write_record(work, status=status, completed_at=now, error=error)
             self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
+
+    def _write_record(self, work: Work, **changes: Any) -> None:
+        """Write a job's record: a fleet's job only while this server holds its claim (`Fleet.write`: LeaseLost
+        otherwise, nothing written, so a job another server has claimed again is never finished twice), and the MP4 of
+        a completion so refused is discarded where it is this server's own file."""
+        if work.claim is None:
+            self.store.update(work.id, **changes)
+            return
+        ending = changes.get("status") in (JobState.COMPLETED.status, JobState.FAILED.status, JobState.CANCELLED.status)
+        try:
+            self.fleet.write(work.claim, ending, **changes)
+        except LeaseLost:
+            log.warning("job %s: not written (%s): another server claimed it again after this server's lease ran "
+                        "out", work.id, ", ".join(changes))  # fmt: skip
+            name = changes.get("file_name")
+            # A shared bucket's key is the new holder's too (the same bytes): only this server's own file goes.
+            if name and isinstance(self.outputs, LocalOutputs):
+                self._discard(name)
+            raise
 
     def _release(self, work: Work, keep_result: bool = False) -> None:
         """An ended job lets go of its video: the rendered frames (with the result, unless `keep_result`: a sync
@@ -670,6 +845,17 @@ class Scheduler:
         log.error("job %s: the MP4 could not be written: %s", work.id, err)
         message = write_failure(err, work.id)
         error = JobError(code="write_failed", message=message)
+        self._transition(work, JobState.FAILED, Hand.ENCODER, error=error, raised=WriteFailed(message))
+
+    def _end_unstored(self, work: Work, err: UploadFailed) -> None:
+        """An MP4 H3_OUTPUT_URL's bucket did not take (its upload aborted, no object kept): failed with code
+        upload_failed and S3's reason (no endpoint, no key)."""
+        log.error("job %s: the MP4 could not be stored in %s: %s", work.id, self.outputs.where, err.reason)
+        message = (
+            f"the MP4 could not be stored in the output bucket ({err.reason}); no object was kept. See the server log, "
+            f"request id {work.id}"
+        )
+        error = JobError(code="upload_failed", message=message)
         self._transition(work, JobState.FAILED, Hand.ENCODER, error=error, raised=WriteFailed(message))
 
     def _end_cancelled(self, work: Work, reason: str, hand: Hand) -> None:

@@ -9,6 +9,8 @@ client sends becomes a path). One module for each part of the work:
     check      the check before a store is opened (inspect_store, check_store) and the report `store check` prints
     rebuild    rebuild_store: a new store from the folder, the old one moved aside
     lock       FolderLock: one h3serve process per output folder
+    base       RecordStore: what both stores share (reads, the list, counts, the start's recovery)
+    claims     the fleet's claims on a PostgreSQL store: a job's needs, a server's capabilities, the stored request
     postgres   PostgresJobStore: the same records in PostgreSQL (H3_STORE=postgresql://...), psycopg imported only then
     interface  JobRecords, what the service asks of either store; open_store and check_job_store choose by H3_STORE
 
@@ -17,6 +19,7 @@ names what the rest of h3serve uses.
 """
 
 from h3serve.service.store.check import StoreDamaged, StoreReport, StoreUnavailable, check_store, inspect_store
+from h3serve.service.store.claims import Fleet, LeaseLost, QueueLimit, new_server_id
 from h3serve.service.store.interface import JobRecords, check_job_store, open_store
 from h3serve.service.store.jobs import ACTIVE, DamagedRecord, JobStore, RecordDamaged, job_record
 from h3serve.service.store.lock import REBUILD, SERVER, FolderBusy, FolderLock
@@ -32,10 +35,13 @@ __all__ = [
     "SERVER",
     "STORE_FILE",
     "DamagedRecord",
+    "Fleet",
     "FolderBusy",
     "FolderLock",
     "JobRecords",
     "JobStore",
+    "LeaseLost",
+    "QueueLimit",
     "Rebuilt",
     "RecordDamaged",
     "StoreDamaged",
@@ -47,6 +53,7 @@ __all__ = [
     "inspect_store",
     "job_record",
     "new_job_id",
+    "new_server_id",
     "open_store",
     "rebuild_store",
 ]

@@ -3,6 +3,12 @@ columns, every row decoded) and a damaged one is refused (`StoreDamaged`), as is
 holds (an empty store beside MP4s). The same report is what `h3serve store check` prints.
 
 A `.json` in videos/ whose name is not a job id is no job's record: listed, never read.
+
+With H3_OUTPUT_URL (`objects.S3Outputs`) the MP4s are in the bucket, and `store check` lists it: a completed record
+whose object is missing, an object no record names (left in the bucket) and the uploads never completed (a server
+stopped mid-upload) are reported; a bucket that cannot be listed fails the check. The records beside the MP4s
+(videos/<id>.json) stay in the output folder either way. The start's check does not list the bucket (a start checks
+that it answers and takes an upload: `objects.check_outputs`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from pathlib import Path
 from h3serve.errors import shown
 from h3serve.service.schemas import JobStatus, VideoJob
 from h3serve.service.store.lock import START_CHECK, FolderLock, os_reason
+from h3serve.service.store.objects import ObjectsUnavailable, S3Outputs
 from h3serve.service.store.rows import COLUMNS, JOB_ID, KEY, MP4, STORE_FILE, decode_row, decode_text, row_id
 from h3serve.service.store.sidecars import SIDECAR
 
@@ -62,11 +69,20 @@ class StoreReport:
     mp4s: list[str] = field(default_factory=list)  # ids of videos/<id>.mp4
     sidecars: list[str] = field(default_factory=list)  # ids of videos/<id>.json, named by a job id (JOB_ID)
     ignored: list[str] = field(default_factory=list)  # names of the other videos/*.json: no job's record, never read
-    missing_mp4s: list[str] = field(default_factory=list)  # completed records whose MP4 is not on disk
+    missing_mp4s: list[str] = field(default_factory=list)  # completed records whose MP4 is not on disk (or in bucket)
+    bucket: str | None = None  # H3_OUTPUT_URL's s3://BUCKET/PREFIX/, where the MP4s are (None: videos/)
+    objects: list[str] = field(default_factory=list)  # ids of the MP4s in the bucket
+    objects_problem: str | None = None  # why the bucket could not be listed
+    incomplete_uploads: list[str] = field(default_factory=list)  # keys of uploads never completed nor aborted
 
     @property
     def unrecorded_mp4s(self) -> list[str]:
         return [i for i in self.mp4s if i not in self.ids]
+
+    @property
+    def unrecorded_objects(self) -> list[str]:
+        """MP4s in the bucket that no record of the store names (a stop between an upload and its record)."""
+        return [i for i in self.objects if i not in self.ids]
 
     @property
     def unrecorded_sidecars(self) -> list[str]:
@@ -80,6 +96,8 @@ class StoreReport:
         out = [self.problem] if self.problem else []
         if self.folder_problem:
             out.append(self.folder_problem)
+        if self.objects_problem:
+            out.append(self.objects_problem)
         if self.damaged:
             shown_rows = "; ".join(f"row {d.rowid} (id {d.job_id[:80]}): {d.why}" for d in self.damaged[:3])
             out.append(f"{len(self.damaged)} job record(s) cannot be read: {shown_rows}")
@@ -106,6 +124,16 @@ class StoreReport:
         out.append(f"MP4s: {len(self.mp4s)}; records beside them: {len(self.sidecars)}")
         out += [f"  MP4 without a record in the store: videos/{i}.mp4" for i in self.unrecorded_mp4s]
         out += [f"  record in videos/ the store lacks: videos/{i}{SIDECAR}" for i in self.unrecorded_sidecars]
+        if self.bucket is not None:
+            if self.objects_problem:
+                out.append(f"bucket: {self.objects_problem}")
+            else:
+                out.append(f"objects: {len(self.objects)} MP4(s) in {self.bucket}")
+            out += [f"  object without a record in the store: {self.bucket}{i}{MP4}" for i in self.unrecorded_objects]
+            out += [
+                f"  upload never completed (a server stopped mid-upload; a lifecycle rule aborts it): {k}"
+                for k in self.incomplete_uploads
+            ]
         out += [f"  completed record whose MP4 is missing: {i}" for i in self.missing_mp4s]
         out += [f"  ignored: {in_videos(name)} (its name is no job id: no job's record)" for name in self.ignored]
         refusals = self.refusals()
@@ -202,7 +230,35 @@ def _read_rows(db: sqlite3.Connection, report: StoreReport) -> list[VideoJob]:
     return jobs
 
 
-def inspect_store(output_dir: Path, rows: list[VideoJob] | None = None) -> StoreReport:
+def inspect_store(
+    output_dir: Path, rows: list[VideoJob] | None = None, outputs: S3Outputs | None = None
+) -> StoreReport:
+    """`inspect_file`'s report; with `outputs` (H3_OUTPUT_URL's bucket) the records' MP4s are looked for there, and
+    the bucket's own findings added (`objects_in`)."""
+    read: list[VideoJob] = rows if rows is not None else []
+    report = inspect_file(output_dir, read)
+    if outputs is not None:
+        objects_in(report, outputs, read)
+    return report
+
+
+def objects_in(report: StoreReport, outputs: S3Outputs, jobs: list[VideoJob]) -> None:
+    """The bucket's MP4s into `report`: which are there, which completed records lack theirs (instead of videos/'s
+    files), and the uploads never completed; `objects_problem` when it cannot be listed."""
+    report.bucket = f"s3://{outputs.bucket}/{outputs.prefix}"
+    try:
+        listing = outputs.listing()
+    except ObjectsUnavailable as err:
+        report.objects_problem = f"the bucket {outputs.where} cannot be listed ({err.reason})"
+        return
+    report.objects, report.incomplete_uploads = listing.ids, listing.incomplete
+    stored = set(listing.ids)
+    report.missing_mp4s = [
+        j.id for j in jobs if j.status == JobStatus.COMPLETED and j.file_name and j.file_name[: -len(MP4)] not in stored
+    ]
+
+
+def inspect_file(output_dir: Path, rows: list[VideoJob] | None = None) -> StoreReport:
     """Check the store in `output_dir` without changing it (read-only: a leftover WAL is read, not merged; SQLite may
     add the -wal and -shm files a WAL database keeps beside it).
 

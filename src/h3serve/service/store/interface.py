@@ -47,19 +47,23 @@ class JobRecords(Protocol):
     def close(self) -> None: ...
 
 
-def open_store(output_dir: Path, url: str | None, *, lock: FolderLock | None = None) -> JobRecords:
+def open_store(
+    output_dir: Path, url: str | None, *, lock: FolderLock | None = None, server_id: str | None = None
+) -> JobRecords:
     """The store H3_STORE names: SQLite in `output_dir` when `url` is None, else PostgreSQL (psycopg imported only
-    then). `lock`: the output folder's, held by the caller (see JobStore)."""
+    then), whose claims carry `server_id` (H3_SERVER_ID; None: a new name). `lock`: the output folder's, held by the
+    caller (see JobStore)."""
     if url is None:
         return JobStore(output_dir, lock=lock)
     from h3serve.service.store.postgres import PostgresJobStore
 
-    return PostgresJobStore(url, output_dir, lock=lock)
+    return PostgresJobStore(url, output_dir, lock=lock, server_id=server_id)
 
 
-def check_job_store(output_dir: Path, url: str | None) -> None:
+def check_job_store(output_dir: Path, url: str | None, server_id: str | None = None) -> None:
     """The start's check of the store H3_STORE names, before any weight loads (`check.check_store` for SQLite,
-    `postgres.check_postgres_store`); a ValueError naming the store and what is wrong."""
+    `postgres.check_postgres_store`, with the server's name where H3_SERVER_ID gives one); a ValueError naming the
+    store and what is wrong."""
     if url is None:
         check_store(output_dir)
         return
@@ -67,4 +71,4 @@ def check_job_store(output_dir: Path, url: str | None) -> None:
 
     if output_dir.is_dir():
         FolderLock(output_dir, START_CHECK).release()  # as check_store: free now; the server's store takes it
-    check_postgres_store(url, output_dir)
+    check_postgres_store(url, output_dir, server_id)

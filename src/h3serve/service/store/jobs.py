@@ -20,61 +20,35 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel
+from typing import Any
 
 from h3serve.config import FPS
 from h3serve.pipeline.request import RenderRequest
-from h3serve.service.schemas import JobError, JobStatus, VideoJob, adapter_uses
+from h3serve.service.schemas import JobStatus, VideoJob, adapter_uses
+from h3serve.service.store.base import ACTIVE, INTERRUPTED, DamagedRecord, RecordDamaged, RecordStore
 from h3serve.service.store.check import StoreUnavailable, refuse_damage
 from h3serve.service.store.lock import SERVER, FolderLock
 from h3serve.service.store.rows import (
     COLUMNS,
     CREATE,
-    CREATED_COLUMN,
     FIELDS,
     ID_COLUMN,
     INSERT,
     JOB_ID,
-    MP4,
-    NEWEST_FIRST,
-    OLDEST_FIRST,
     SELECT,
     STATUS_COLUMN,
     STORE_FILE,
     assignments,
     column_of,
-    decode_row,
     decode_text,
     definition,
     encode,
-    row_id,
 )
 from h3serve.service.store.sidecars import FINISHED, SIDECAR, write_sidecar
 
 log = logging.getLogger(__name__)
 
-ACTIVE = (JobStatus.QUEUED, JobStatus.IN_PROGRESS)
-INTERRUPTED = "the server stopped before this job finished (restart or crash); submit it again"
-
-
-class DamagedRecord(BaseModel):
-    """What the API shows for a row that does not decode: its id, status `damaged`, and why in `error` (code
-    `damaged_record`). Not a VideoJob: a client that reads the status sees at once that this is no job state."""
-
-    id: str
-    object: str = "video"
-    status: Literal["damaged"] = "damaged"
-    error: JobError
-
-
-class RecordDamaged(ValueError):
-    """`JobStore.get` of a job whose row does not decode: `record` says which and why."""
-
-    def __init__(self, record: DamagedRecord):
-        super().__init__(record.error.message)
-        self.record = record
+__all__ = ["ACTIVE", "INTERRUPTED", "DamagedRecord", "JobStore", "RecordDamaged", "job_record"]
 
 
 def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
@@ -99,7 +73,7 @@ def job_record(job_id: str, request: RenderRequest, model: str) -> VideoJob:
     )
 
 
-class JobStore:
+class JobStore(RecordStore):
     """The job records. Thread-safe: one connection behind a lock; every write is one transaction.
 
     The output folder's lock (`FolderLock`) is held from the open to `close`: a second server on the folder, or a
@@ -107,6 +81,10 @@ class JobStore:
     opening the store it built), used and left to the caller; without it the store takes its own.
     `check`: refuse a damaged store (StoreDamaged, as the start's check does) before anything is written to it.
     StoreUnavailable when another process holds SQLite's write lock on it."""
+
+    MARK = "?"
+    MEND = "h3serve store check, h3serve store rebuild"
+    SEE = "see h3serve store check"
 
     def __init__(self, output_dir: Path, *, check: bool = True, lock: FolderLock | None = None):
         output_dir.mkdir(parents=True, exist_ok=True)  # the lock file's folder
@@ -168,58 +146,13 @@ class JobStore:
                     self._db.execute("ROLLBACK")
                 raise
 
-    def _read(self, sql: str, params: tuple = ()) -> list[tuple]:
+    def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]:
         with self._lock:  # one statement: SQLite reads it from one snapshot
             return self._db.execute(sql, params).fetchall()
 
-    def _entry(self, row: tuple) -> VideoJob | DamagedRecord:
-        """A row (rowid first) as its record, or as a DamagedRecord, logged the first time it is met."""
-        rowid, values = row[0], row[1:]
-        try:
-            return decode_row(values)
-        except ValueError as err:
-            job_id = row_id(rowid, values[0])
-            with self._lock:
-                first = rowid not in self._logged
-                self._logged.add(rowid)
-            if first:
-                log.error(
-                    "job store %s: the record of job %s (row %d) cannot be read: %s; it is listed as damaged "
-                    "(h3serve store check, h3serve store rebuild)",
-                    self.output_dir / STORE_FILE,
-                    job_id,
-                    rowid,
-                    err,
-                )
-            message = f"the store's record of this job cannot be read ({err}); see h3serve store check"
-            return DamagedRecord(id=job_id, error=JobError(code="damaged_record", message=message))
-
-    def _recover(self) -> int:
-        """Jobs left active by a previous process become failed; half-written MP4s (and sidecars) are removed."""
-        assign, values = assignments(
-            {
-                "status": JobStatus.FAILED,
-                "error": JobError(code="interrupted", message=INTERRUPTED),
-                "completed_at": int(time.time()),
-            }
-        )
-        with self._transaction() as db:
-            n = db.execute(f"UPDATE jobs SET {assign} WHERE {STATUS_COLUMN} IN (?, ?)", (*values, *ACTIVE)).rowcount
-        for partial in self.videos.glob(".*.tmp"):
-            partial.unlink(missing_ok=True)
-        # An MP4 no completed record names is what a stop left between two steps: a job killed after its MP4 was
-        # renamed into place but before it was marked completed (failed above, its record names no file), or a DELETE
-        # stopped between its record and its file. Neither is served; each is removed, as the DELETE or the failure
-        # would have. A finished job's sidecar beside it means the store lost the record instead (`check_store`
-        # refuses that before this runs), so such an MP4 is never touched here.
-        completed_files = f"SELECT {column_of('file_name')} FROM jobs WHERE {STATUS_COLUMN}=?"
-        named = {row[0] for row in self._read(completed_files, (JobStatus.COMPLETED,))}
-        for mp4 in self.videos.glob("*.mp4"):
-            if mp4.name not in named and not mp4.with_suffix(SIDECAR).exists():
-                mp4.unlink(missing_ok=True)
-        if n:
-            log.warning("%d job(s) interrupted by the previous stop are marked failed", n)
-        return n
+    @property
+    def where(self) -> str:
+        return str(self.output_dir / STORE_FILE)
 
     def _write_missing_sidecars(self) -> None:
         """A sidecar for every finished job that has none: the jobs a previous stop failed (`_recover`), a sidecar
@@ -269,34 +202,6 @@ class JobStore:
             if finishing:
                 self._finish_sidecar(job_id)
 
-    def entry(self, job_id: str) -> VideoJob | DamagedRecord | None:
-        """One job's record, a DamagedRecord if its row does not decode, or None."""
-        rows = self._read(f"{SELECT} WHERE {ID_COLUMN}=?", (job_id,))
-        return self._entry(rows[0]) if rows else None
-
-    def get(self, job_id: str) -> VideoJob | None:
-        """One job's record, or None; RecordDamaged if its row does not decode."""
-        found = self.entry(job_id)
-        if isinstance(found, DamagedRecord):
-            raise RecordDamaged(found)
-        return found
-
-    def list(
-        self, limit: int, after: str | None = None, oldest_first: bool = False
-    ) -> tuple[list[VideoJob | DamagedRecord], bool]:
-        """Newest first (or oldest first); `after` is the id of the last job of the previous page. Returns (jobs,
-        has_more); a row that does not decode is a DamagedRecord in its place, the rest are served."""
-        order, beyond = (OLDEST_FIRST, ">") if oldest_first else (NEWEST_FIRST, "<")
-        if after is None:
-            rows = self._read(f"{SELECT} {order} LIMIT ?", (limit + 1,))
-        else:
-            rows = self._read(
-                f"{SELECT} WHERE ({CREATED_COLUMN}, rowid) {beyond} "
-                f"(SELECT {CREATED_COLUMN}, rowid FROM jobs WHERE {ID_COLUMN}=?) {order} LIMIT ?",
-                (after, limit + 1),
-            )
-        return [self._entry(r) for r in rows[:limit]], len(rows) > limit
-
     def delete(self, job_id: str) -> None:
         """Remove a record, its sidecar and its MP4 (the sidecar first: a stop halfway leaves a record without a
         sidecar, which the next start writes again, never a sidecar that would bring the deleted job back)."""
@@ -306,21 +211,4 @@ class JobStore:
                 (self.videos / f"{job_id}{SIDECAR}").unlink(missing_ok=True)
             with self._transaction() as db:
                 db.execute(f"DELETE FROM jobs WHERE {ID_COLUMN}=?", (job_id,))
-        file_name = rows[0][0] if rows else None
-        if file_name == f"{job_id}{MP4}":  # the job's own MP4 only, whatever its row says (`file_problem`)
-            (self.videos / file_name).unlink(missing_ok=True)
-        elif file_name:
-            log.warning("job %s: its record named a file that is not its MP4; the file was left alone", job_id)
-
-    def counts(self) -> dict[str, int]:
-        found = dict(self._read(f"SELECT {STATUS_COLUMN}, COUNT(*) FROM jobs GROUP BY {STATUS_COLUMN}"))
-        return {s.value: found.get(s.value, 0) for s in JobStatus}
-
-    def path(self, job: VideoJob) -> Path | None:
-        return self.videos / job.file_name if job.file_name else None
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-        if self._owns_folder_lock:
-            self._folder_lock.release()
+        self._remove_own_mp4(job_id, rows[0][0] if rows else None)

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h3serve.files import FileRefused
-from h3serve.service.schemas import VideoJob
+from h3serve.service.schemas import JobStatus, VideoJob
 from h3serve.service.store.check import DamagedRow, in_videos, inspect_store
 from h3serve.service.store.lock import REBUILD, FolderLock, os_reason
+from h3serve.service.store.objects import S3Outputs
 from h3serve.service.store.rows import CREATE, FIELDS, INSERT, MP4, STORE_FILE, encode
 from h3serve.service.store.sidecars import SIDECAR, read_sidecar
 
@@ -39,6 +40,9 @@ class Rebuilt:
     ignored: list[str]  # videos/*.json whose name is no job id: no job's record, left where they are
     unrecorded: Path | None  # where MP4s with no record at all (and the bad records) were moved
     not_moved: list[Skipped] = field(default_factory=list)  # files that could not be moved there
+    bucket: str | None = None  # H3_OUTPUT_URL's s3://BUCKET/PREFIX/, where the MP4s are (None: videos/)
+    missing_objects: list[str] = field(default_factory=list)  # completed jobs of the new store without their object
+    unrecorded_objects: list[str] = field(default_factory=list)  # objects no record names: left in the bucket
 
     def lines(self, store: Path) -> list[str]:
         out = [f"moved aside: {p}" for p in self.moved]
@@ -52,10 +56,17 @@ class Rebuilt:
         if self.unrecorded is not None:
             out.append(f"MP4s with no record anywhere, and records that were skipped, moved to {self.unrecorded}")
         out += [f"  not moved: {in_videos(s.name)}: {s.why}" for s in self.not_moved]
+        out += [
+            f"  completed record whose MP4 is missing from {self.bucket}: {i} (its download answers 410)"
+            for i in self.missing_objects
+        ]
+        out += [f"  object no record names, left in the bucket: {self.bucket}{i}{MP4}" for i in self.unrecorded_objects]
         return out
 
 
-def rebuild_store(output_dir: Path, now: float | None = None, *, lock: FolderLock | None = None) -> Rebuilt:
+def rebuild_store(
+    output_dir: Path, now: float | None = None, *, lock: FolderLock | None = None, outputs: S3Outputs | None = None
+) -> Rebuilt:
     """A new store from the folder: every job record in videos/ that passes `read_sidecar`'s checks, and every
     readable row of the old store that no record holds (a job that had not finished: the new store's first open marks
     it failed, interrupted). The old store's files are moved aside as `jobs.sqlite3.damaged-<UTC time>` (and its -wal,
@@ -68,12 +79,16 @@ def rebuild_store(output_dir: Path, now: float | None = None, *, lock: FolderLoc
     the temporary one). What can fail after (a file that cannot be moved) is listed, never raised halfway.
 
     Holds the folder's lock (FolderBusy while a server or another rebuild holds it; `lock`: the caller's, held
-    already). FileRefused, with nothing changed, when videos/ is there and no folder."""
+    already). FileRefused, with nothing changed, when videos/ is there and no folder.
+
+    With `outputs` (H3_OUTPUT_URL's bucket, where the MP4s are): the bucket is listed first (a ValueError, nothing
+    changed, when it cannot be), and the completed records whose object is missing and the objects no record names
+    are listed in the result; nothing in the bucket is moved or deleted."""
     with contextlib.nullcontext(lock) if lock is not None else FolderLock(output_dir, REBUILD):
-        return _rebuild(output_dir, now)
+        return _rebuild(output_dir, now, outputs)
 
 
-def _rebuild(output_dir: Path, now: float | None) -> Rebuilt:
+def _rebuild(output_dir: Path, now: float | None, outputs: S3Outputs | None = None) -> Rebuilt:
     videos = output_dir / "videos"
     if (videos.exists() or videos.is_symlink()) and not videos.is_dir():
         raise FileRefused(videos, "is not a folder: move it aside; the MP4s and their records belong in a folder there")
@@ -83,7 +98,9 @@ def _rebuild(output_dir: Path, now: float | None) -> Rebuilt:
         stamp = f"{stamp}-{uuid.uuid4().hex[:8]}"
     videos.mkdir(parents=True, exist_ok=True)
     rows: list[VideoJob] = []
-    report = inspect_store(output_dir, rows)
+    report = inspect_store(output_dir, rows, outputs)
+    if report.objects_problem:
+        raise ValueError(f"{report.objects_problem}: the rebuild lists the bucket first")
     records, bad = _read_sidecars(videos, report.sidecars)
     from_sidecars = len(records)
     from_rows = 0
@@ -102,7 +119,15 @@ def _rebuild(output_dir: Path, now: float | None) -> Rebuilt:
     stray = [f"{i}{MP4}" for i in report.mp4s if f"{i}{MP4}" not in named]
     stray += [s.name for s in bad]
     unrecorded, not_moved = _move_unrecorded(output_dir, stray, stamp) if stray else (None, [])
-    return Rebuilt(moved, from_sidecars, from_rows, lost, bad, report.ignored, unrecorded, not_moved)
+    rebuilt = Rebuilt(moved, from_sidecars, from_rows, lost, bad, report.ignored, unrecorded, not_moved)
+    if outputs is not None:
+        stored = set(report.objects)
+        rebuilt.bucket = report.bucket
+        rebuilt.missing_objects = sorted(
+            j.id for j in records.values() if j.status == JobStatus.COMPLETED and j.file_name and j.id not in stored
+        )
+        rebuilt.unrecorded_objects = [i for i in report.objects if i not in records]
+    return rebuilt
 
 
 def _read_sidecars(videos: Path, ids: list[str]) -> tuple[dict[str, VideoJob], list[Skipped]]:
