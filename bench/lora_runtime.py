@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument(
         "--max-active", type=int, default=2, help="adapters at once the buffers hold (the server's default: 2)"
     )
+    parser.add_argument("--quick", action="store_true", help="the engine's way and the second-GEMM way only, width one")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run of the plumbing (tiny DiT, eager BF16)")
@@ -174,7 +175,8 @@ def main() -> None:
     # FP8 on the fused rows (streamed blocks) or on the rows dequantized.
     fp8_bases = any(hasattr(m, "lora_down_q") for m in runtime.linears.values())
     ways = ("wide", "addmm, down fp8", "addmm, down dequantized") if fp8_bases else ("addmm",)
-    variants = [(way, "one") for way in ways] + ([(ways[0], "full")] if args.max_active > 1 else [])
+    ways = ways[:2] if args.quick else ways
+    variants = [(way, "one") for way in ways] + ([(ways[0], "full")] if args.max_active > 1 and not args.quick else [])
     variants.append(variants[0])
     applied = {target: m.width for target, m in runtime.linears.items()}
     rec.data["runtime_variants"] = {}
