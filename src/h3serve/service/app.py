@@ -14,11 +14,18 @@
                                       listed with status `damaged` (store.DamagedRecord), the rest are served
     GET    /v1/videos/{id}            one job record (with `live`: an unfinished job's stage and step)
     GET    /v1/videos/{id}/content    the job's MP4 (variant: video, the only one kept), from videos/ or the bucket
-                                      (H3_OUTPUT_URL); a Range header's byte range (206, 416); H3_S3_PRESIGN: a 307
+                                      (H3_OUTPUT_URL); a Range header's byte range (206, 416); H3_S3_PRESIGN: a 307;
+                                      a fleet without H3_OUTPUT_URL: 421 naming the server that holds it
+    GET    /v1/videos/{id}/events     the job's events (server-sent events), from any server of a fleet
+    GET    /v1/videos/{id}/preview    the job's latest preview PNG, from any server of a fleet
     DELETE /v1/videos/{id}            cancel a queued or running job (answers once it has stopped; 202 if it has not
                                       within CANCEL_WAIT_S); delete a finished one and its MP4
     GET    /, /web/{name}             the web page (page.py, docs/web.md; HEAD / too): static files, no key, not in
                                       the schema
+
+In a fleet (a PostgreSQL store, docs/fleet.md "One API across the fleet") every route answers for every job, whichever
+server holds it: a record shows its `server_id`, /health its `fleet_jobs`; while the database does not answer, the
+routes that need it answer 503 `store_unavailable` and /health is not ready, naming why.
 
 The app never touches kernels or tensors: it maps requests onto the engine's `RenderRequest` (schemas.py) and hands
 them to the scheduler (scheduler.py), which renders them one at a time; the records are in the store (store.py).
@@ -62,7 +69,7 @@ from h3serve.pipeline.engine import RenderEngine
 from h3serve.pipeline.request import RenderRequest
 from h3serve.service.bodies import BodyLimits, ClientGone, read_body
 from h3serve.service.errors import ApiError, bad_request, internal_error, named, shown
-from h3serve.service.events import MAX_STREAMS, Event, Streams
+from h3serve.service.events import MAX_STREAMS, TERMINAL, Event, Streams
 from h3serve.service.folders import service_folders
 from h3serve.service.metrics import Metrics
 from h3serve.service.page import INDEX, WebPage
@@ -93,6 +100,7 @@ from h3serve.service.store import (
     new_job_id,
     open_store,
 )
+from h3serve.service.store.claims import StoreUnreachable
 from h3serve.service.store.objects import Body, ObjectGone, ObjectsUnavailable, open_outputs
 from h3serve.settings import Settings
 
@@ -128,6 +136,12 @@ def create_app(
         store.close()  # (and the output folder's lock with it, unless the caller holds it)
         raise
     metrics.watch(scheduler, store)
+    if fleet is not None and not scheduler.outputs.remote:
+        log.warning(
+            "H3_STORE is PostgreSQL and H3_OUTPUT_URL is unset: each MP4 stays in the output folder of the server that "
+            "rendered it, and /content on another server of the fleet answers 421 naming that server; set "
+            "H3_OUTPUT_URL on every server for downloads through any of them (docs/fleet.md)"
+        )
     # The schema is served by a route of our own, behind the key; there is no /docs page (it would fetch its
     # scripts from the internet, and these servers are often offline).
     # No redirect to the path with(out) a trailing slash: a 307 with an empty body, which a POST's client rarely
@@ -146,11 +160,13 @@ def create_app(
     app.state.store, app.state.scheduler, app.state.metrics = store, scheduler, metrics
     app.state.streams = Streams(MAX_STREAMS)  # the open event streams, woken by the scheduler's publishes
     scheduler.events.on_publish = app.state.streams.poke
+    scheduler.events.on_gap = app.state.streams.poke_all
     app.state.decoder = ThreadPoolExecutor(DECODE_WORKERS, thread_name_prefix="h3-decode")
     app.state.page = page
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RecordDamaged, _damaged_record)
     app.add_exception_handler(ValueRefused, _value_refused)
+    app.add_exception_handler(StoreUnreachable, _store_unreachable)
     app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -219,6 +235,20 @@ async def _value_refused(request: Request, err: ValueRefused) -> JSONResponse:
     queued, naming the parameter."""
     message = f"{err.field}: the server's job store cannot hold this value ({err.why})"
     return await _api_error(request, bad_request(err.field, message))
+
+
+async def _store_unreachable(request: Request, err: StoreUnreachable) -> JSONResponse:
+    """The fleet's database does not answer (PostgreSQL restarted or out of reach): 503 with Retry-After, while the
+    server reconnects by itself; /health says not ready meanwhile. A request refused here changed nothing, except where
+    the connection went during its commit (`unknown`): then it may have been made, and the message says so."""
+    outcome = (
+        "whether this request was made is unknown (the connection went during its commit): look (GET /v1/videos) "
+        "before sending it again"
+        if err.unknown
+        else "nothing was changed; retry"
+    )
+    message = f"the server's job store does not answer ({err.reason}); {outcome}"
+    return await _api_error(request, ApiError(503, "store_unavailable", message, None, {"Retry-After": RETRY_AFTER_S}))
 
 
 async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -312,6 +342,7 @@ open_routes = APIRouter(dependencies=[Depends(strict_query)])
 @open_routes.head("/health", include_in_schema=False)
 def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) -> dict[str, Any]:
     warm = scheduler.warmup_result
+    scheduler.look_at_store()  # a fleet's database: answering now, or why not (in `problem`)
     standing = scheduler.standing()  # one look at the folders for ready, problem and unwritable_folders alike
     return {
         "status": "ok",
@@ -334,6 +365,9 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "queue_depth": scheduler.depth,
         # A fleet on one PostgreSQL store: this server's name (H3_SERVER_ID), its lease and heartbeat; null alone.
         "fleet": scheduler.fleet.describe() if scheduler.fleet is not None else None,
+        # ... and which server holds which job in progress ({job id: server id}, this server's included); null alone,
+        # or while the database does not answer (then `ready` is false and `problem` says why).
+        "fleet_jobs": fleet_jobs(scheduler),
         "num_gpus": engine.num_gpus,
         # Several hosts: each node, its ranks, whether it has joined (and why it was lost); null on one host.
         "nodes": engine.nodes,
@@ -346,6 +380,16 @@ def health(settings: SettingsDep, engine: EngineDep, scheduler: SchedulerDep) ->
         "unwritable_folders": standing.unwritable,
         "version": __version__,
     }
+
+
+def fleet_jobs(scheduler: Scheduler) -> dict[str, str] | None:
+    """{job id: the server that holds it} for the fleet's jobs in progress; None without a fleet or a database."""
+    if scheduler.fleet is None:
+        return None
+    try:
+        return scheduler.fleet.holders()
+    except StoreUnreachable:
+        return None
 
 
 # ---- the web page: no key (its files hold nothing private; what it does, it does through the routes below) --------
@@ -378,6 +422,7 @@ def openapi(request: Request, settings: SettingsDep) -> dict[str, Any]:
 @routes.get("/ready")
 @routes.head("/ready", include_in_schema=False)
 def ready(scheduler: SchedulerDep) -> JSONResponse:
+    scheduler.look_at_store()
     standing = scheduler.standing()  # one look at the folders for the status and the body alike
     body = {"ready": standing.ready, "readiness": scheduler.readiness.value,
             "problem": None if standing.ready else standing.problem}  # fmt: skip
@@ -527,7 +572,7 @@ async def create_job(
     _, render_request = await _parse(request, settings, engine, scheduler, metrics)
     record = job_record(new_job_id(), render_request, settings.model_id)
     await _submit(scheduler, metrics, Work(record.id, render_request, persist=True), record)
-    return shown_record(record, scheduler.live())
+    return shown_record(record, scheduler.live(), {} if scheduler.fleet is not None else None)
 
 
 @routes.get("/v1/videos")
@@ -545,8 +590,8 @@ def list_jobs(
     if after is not None and store.entry(after) is None:
         raise bad_request("after", f"after: no job {shown(after)}")
     jobs, more = store.list(limit, after, oldest_first=order == "asc")
-    live = scheduler.live()
-    data = [shown_record(j, live) for j in jobs]
+    live, holders = scheduler.live(), _holders(scheduler, [j.id for j in jobs])
+    data = [shown_record(j, live, holders) for j in jobs]
     first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
     return {"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": more}
 
@@ -563,7 +608,12 @@ def get_job(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> dict[str
     job = store.entry(video_id)  # a record that does not decode is shown as damaged, as in the list
     if job is None:
         raise ApiError(404, "not_found", f"no video job {shown(video_id)}", "video_id")
-    return shown_record(job, scheduler.live())
+    return shown_record(job, scheduler.live(), _holders(scheduler, [job.id]))
+
+
+def _holders(scheduler: Scheduler, job_ids: list[str]) -> dict[str, str] | None:
+    """In a fleet, the server that holds (or last held, and rendered) each job, for its record's `server_id`."""
+    return scheduler.fleet.holders(job_ids) if scheduler.fleet is not None else None
 
 
 @routes.get("/v1/videos/{video_id}/content")
@@ -594,6 +644,7 @@ def content(
     try:
         opened = outputs.open(name)
     except (ObjectGone, FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        _elsewhere(scheduler, video_id)
         _gone(store, video_id)
     except ObjectsUnavailable as err:
         raise _unavailable(video_id, "read", err) from None
@@ -620,6 +671,24 @@ def content(
         opened.close()
         raise
     return MP4Response(body, name, opened.size, opened.etag, span)
+
+
+def _elsewhere(scheduler: Scheduler, video_id: str) -> None:
+    """A fleet without shared storage (H3_OUTPUT_URL unset): a job another server rendered has its MP4 in that
+    server's folder. 421 Misdirected Request (RFC 9110: this server cannot answer for it), naming the server in the
+    message and in `X-H3-Server-Id`, rather than a 410 that says the MP4 is gone when it is not."""
+    fleet = scheduler.fleet
+    if fleet is None or scheduler.outputs.remote:
+        return
+    holder = fleet.holders([video_id]).get(video_id)
+    if holder is None or holder == fleet.server_id:
+        return
+    message = (
+        f"the MP4 of job {video_id} is in the output folder of server {holder!r}, which rendered it; this server "
+        f"({fleet.server_id}) keeps only its own MP4s, the fleet having no shared storage (H3_OUTPUT_URL unset). "
+        f"Download it from {holder!r}, or set H3_OUTPUT_URL on every server"
+    )
+    raise ApiError(421, "on_another_server", message, "video_id", {"X-H3-Server-Id": holder})
 
 
 def _gone(store: JobRecords, video_id: str) -> NoReturn:
@@ -725,7 +794,13 @@ async def events(request: Request, store: StoreDep, scheduler: SchedulerDep, vid
     failed or cancelled, each with its id; `Last-Event-ID` resumes after the event it names. A job whose events this
     server no longer holds (finished long ago, or before a restart) gets one event from its record: how it ended, or
     where it is. The stream ends after the end event; a client that goes away costs nothing. At most MAX_STREAMS are
-    open at once (429 past it); each waits for its job's next event, woken by the publish (`events.Streams`)."""
+    open at once (429 past it); each waits for its job's next event, woken by the publish (`events.Streams`).
+
+    In a fleet, a job another server holds (or held) is streamed from the events its holder stored, with the same ids
+    (`_stored_events`), woken by the fleet's notice; the stream switches to this server's own log when this server
+    claims the job, and back to the stored events if it loses the claim. It ends with the job's end as the holder's
+    does; a job that ended with no stored end (its holder killed between its record and its relay) gets one event
+    from its record, found at the next keep-alive."""
     job = _find(store, video_id)
     header = request.headers.get("last-event-id", "").strip()  # latin-1 as Starlette reads it: no byte is lost
     if header and not EVENT_ID.fullmatch(header):
@@ -748,15 +823,24 @@ async def events(request: Request, store: StoreDep, scheduler: SchedulerDep, vid
             {"Retry-After": RETRY_AFTER_S},
         )
 
+    fleet = scheduler.fleet
+
     async def stream():
         nonlocal last
-        if log is None:
+        if log is None and fleet is None:
             name = str(job.status) if job.status not in ACTIVE else "status"
             yield Event(last + 1, name, shown_record(job, scheduler.live())).wire
             return
+        look = True  # whether the stored events' reader also looks at the record (first, then at each keep-alive)
         while True:
             signal.clear()  # before the read: a publish after it sets the signal again, so none is missed
-            fresh, ended = log.since(last)
+            # In a fleet this server may claim the job, or lose it, meanwhile: its log is looked for each time.
+            here = scheduler.events.log(video_id) if fleet is not None else log
+            if here is not None:
+                fresh, ended = here.since(last)
+            else:
+                fresh, ended = await asyncio.to_thread(_stored_events, scheduler, store, video_id, last, look)
+            look = False
             if fresh:
                 yield "".join(event.wire for event in fresh)  # one write for what came since the last
                 last = fresh[-1].id
@@ -765,9 +849,40 @@ async def events(request: Request, store: StoreDep, scheduler: SchedulerDep, vid
             try:
                 await asyncio.wait_for(signal.wait(), KEEPALIVE_S)
             except TimeoutError:
+                look = True
                 yield ": keep-alive\n\n"
 
     return EventStream(stream(), streams, video_id)
+
+
+def _stored_events(
+    scheduler: Scheduler, store: JobRecords, video_id: str, last: int, look: bool
+) -> tuple[list[Event], bool]:
+    """A fleet job's stored events after `last` up to its end, and whether the stream ends. With nothing new and
+    `look`: the record too. A job deleted ends the stream; one ended with no stored end (its holder killed between its
+    record and its events, or a job never of the fleet's queue) gets one event from its record, as a job without a
+    log does. While the database does not answer: nothing yet (the stream waits, and reads again)."""
+    fleet = scheduler.fleet
+    try:
+        fresh = []
+        for stored in fleet.events_since(video_id, last):
+            fresh.append(Event(stored.id, stored.name, stored.data))
+            if stored.name in TERMINAL:
+                return fresh, True
+        if fresh or not look:
+            return fresh, False
+        job = store.entry(video_id)
+        if job is None:
+            return [], True  # deleted
+        if job.status in ACTIVE:
+            return [], False
+        if any(e.name in TERMINAL for e in fleet.events_since(video_id, 0)):
+            return [], True  # its end was before `last`: this client has it
+        name = str(job.status) if job.status != "damaged" else "status"
+        record = shown_record(job, {}, _holders(scheduler, [video_id]))
+        return [Event(last + 1, name, record)], True
+    except StoreUnreachable:
+        return [], False
 
 
 class EventStream(StreamingResponse):
@@ -803,6 +918,8 @@ def preview(store: StoreDep, scheduler: SchedulerDep, video_id: str, forward: in
     preview event's URL carries, so each event's URL is its own) is accepted and not checked: the latest one is sent."""
     job = _find(store, video_id)
     png = scheduler.events.preview(video_id)
+    if png is None and scheduler.fleet is not None:  # rendered by another server: as its holder relayed it
+        png = scheduler.fleet.preview(video_id)
     if png is None:
         asked = "asked for previews" if job.preview_every else "asked for none (preview_every)"
         raise ApiError(404, "no_preview", f"job {video_id} has no preview (yet): it {asked}", "video_id")
@@ -820,10 +937,11 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
     if job.status in ACTIVE:
         scheduler.cancel(video_id, "cancelled by DELETE /v1/videos/{id}", wait=CANCEL_WAIT_S)
         job = _find(store, video_id)
+        holders = _holders(scheduler, [video_id])
         if job.status in ACTIVE:
-            return JSONResponse(shown_record(job, scheduler.live()), status_code=202)
+            return JSONResponse(shown_record(job, scheduler.live(), holders), status_code=202)
         if job.status == JobStatus.CANCELLED:
-            return JSONResponse(shown_record(job, scheduler.live()))
+            return JSONResponse(shown_record(job, scheduler.live(), holders))
     if scheduler.outputs.remote:
         # The object first, then the record: a DELETE stopped between them (or refused by the bucket: a 503, nothing
         # deleted) can be sent again, where the record gone first would leave an object nothing names. The job's own
@@ -837,11 +955,17 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
 
 
-def shown_record(job: VideoJob | DamagedRecord, live: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def shown_record(
+    job: VideoJob | DamagedRecord, live: dict[str, dict[str, Any]], holders: dict[str, str] | None = None
+) -> dict[str, Any]:
     """A job record as the API shows it: the stored fields, and `live` (`Scheduler.live`: where an unfinished job is
     now, its stage and step; null once its record says it has finished, even while the scheduler still lets go of
-    it)."""
-    return {**job.model_dump(), "live": live.get(job.id) if job.status in ACTIVE else None}
+    it). In a fleet (`holders` given: `Fleet.holders`), `server_id`: the server that holds the job, or held it last
+    and rendered it (its MP4 is in that server's folder without H3_OUTPUT_URL); null while it waits in the queue."""
+    shown = {**job.model_dump(), "live": live.get(job.id) if job.status in ACTIVE else None}
+    if holders is not None:
+        shown["server_id"] = holders.get(job.id)
+    return shown
 
 
 def trained_sampler(preset) -> dict[str, Any] | None:

@@ -16,7 +16,18 @@ render's cost per event does not grow with the streams, and no stream polls. The
 once per WAKE_GAP_S, so however fast a render publishes, each stream writes at most that often, each event's text
 made once for all of them. A stream that never reads holds no queue
 of its own: it pulls from the job's bounded log when its socket takes more, so what it holds is the transport's
-buffer (uvicorn stops writing to a socket that is not read)."""
+buffer (uvicorn stops writing to a socket that is not read).
+
+In a fleet (a PostgreSQL store: docs/fleet.md, "One API across the fleet") a job's events are made by the server that
+holds it, and a client may stream them from any server. The holder's log is the one above; `Relay` copies each event of
+a claimed job, with the ids the log gave it, into the database (`job_events`, each job's latest preview PNG in
+`job_previews`) and a NOTIFY on commit names the job, so that the other servers wake the streams that watch it, which
+read the rows after their last id. Why rows and a short notice rather than the events in NOTIFY payloads: a payload
+holds at most 8000 bytes (a preview strip is megabytes), a notice sent while a server's listener reconnects is lost
+for it (the rows are not: it reads them again), and the same ids on every server let Last-Event-ID resume anywhere. The
+relay runs on a thread of its own, so the render never waits on the database: its backlog is bounded as a log is (the
+oldest progress events go first), and a database that does not answer delays the relayed events, never the render.
+A job claimed again by another server continues the same ids (`Events.adopt`: its log starts after the stored ones)."""
 
 from __future__ import annotations
 
@@ -24,6 +35,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -35,6 +47,7 @@ from typing import Any
 
 from h3serve.files import FileRefused, read_regular
 from h3serve.service.store import PLAIN_ID
+from h3serve.service.store.claims import Relayed, StoredEvent
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +77,21 @@ class Event:
 
 
 class JobEvents:
-    def __init__(self, limit: int = LIMIT):
+    def __init__(self, limit: int = LIMIT, history: tuple[StoredEvent, ...] = ()):
         self.limit = limit
         self._events: collections.deque[Event] = collections.deque()
         self._next = 1
         self._lock = threading.Lock()
         self.dropped = 0  # progress events dropped to stay within the limit
         self.ended = False
+        for event in history:  # a claimed job's events stored before (its `queued`, an earlier holder's)
+            self.publish(event.name, event.data, event.id)
 
-    def publish(self, name: str, data: dict[str, Any]) -> Event:
+    def publish(self, name: str, data: dict[str, Any], at: int | None = None) -> Event:
+        """Append an event (`at`: its id, a stored one's; else the next)."""
         with self._lock:
+            if at is not None:
+                self._next = max(self._next, at)
             event = Event(self._next, name, data)
             self._next += 1
             self._events.append(event)
@@ -109,6 +127,7 @@ class Events:
         self.keep = keep
         self.limit = limit
         self.on_publish: Callable[[str], None] | None = None
+        self.on_gap: Callable[[], None] | None = None  # `Streams.poke_all`
         self._logs: dict[str, JobEvents] = {}
         self._finished: collections.deque[str] = collections.deque()
         self._lock = threading.Lock()
@@ -117,7 +136,7 @@ class Events:
         with self._lock:
             return self._logs.get(job_id)
 
-    def publish(self, job_id: str, name: str, data: dict[str, Any]) -> None:
+    def publish(self, job_id: str, name: str, data: dict[str, Any]) -> Event:
         with self._lock:
             log = self._logs.get(job_id)
             if log is None:
@@ -126,9 +145,32 @@ class Events:
                 self._finished.append(job_id)
                 while len(self._finished) > self.keep:
                     self._logs.pop(self._finished.popleft(), None)
-        log.publish(name, data)
+        event = log.publish(name, data)
+        self.poke(job_id)
+        return event
+
+    def poke(self, job_id: str) -> None:
+        """Wake the streams of `job_id` (an event logged here, or stored by another server: `Scheduler._noticed`)."""
         if self.on_publish is not None:
             self.on_publish(job_id)
+
+    def poke_all(self) -> None:
+        """Wake every stream (the fleet's notices may have been missed while the listener reconnected)."""
+        if self.on_gap is not None:
+            self.on_gap()
+
+    def adopt(self, job_id: str, history: tuple[StoredEvent, ...]) -> None:
+        """A job this server has claimed: its log holds the events stored before (its `queued`, an earlier holder's)
+        and goes on after their ids, so that every server's streams see one sequence."""
+        with self._lock:
+            self._logs[job_id] = JobEvents(self.limit, history)
+
+    def moved(self, job_id: str) -> None:
+        """This server lost a job's claim to another server: its log goes, and its streams here read the events the
+        new holder stores (`app.events` looks for the log at each wake)."""
+        with self._lock:
+            self._logs.pop(job_id, None)
+        self.poke(job_id)
 
     def _preview_path(self, job_id: str) -> Path:
         # A job's id as the store holds it (store.PLAIN_ID: a plain name); refused here too, so no caller can name a
@@ -171,6 +213,77 @@ class Events:
             self._logs.pop(job_id, None)
         if PLAIN_ID.fullmatch(job_id):  # (a damaged row's id may be anything: it never had a preview)
             self._preview_path(job_id).unlink(missing_ok=True)
+
+
+class Relay:
+    """Events of claimed jobs on their way to the fleet's database (see the module docstring): `put` (any thread,
+    never waits) appends to a backlog that a thread of its own hands to `sink` in batches, in order. A batch the sink
+    refuses (the database does not answer) is tried again every `retry_s`, what came meanwhile behind it; beyond
+    `limit` waiting events the oldest progress events go first (the rest are kept: stages, previews, ends). `stop`
+    sends what is waiting, for at most its `timeout`."""
+
+    def __init__(self, sink: Callable[[list[Relayed]], None], limit: int = 4 * LIMIT, retry_s: float = 0.5):
+        self.sink, self.limit, self.retry_s = sink, limit, retry_s
+        self.dropped = 0  # progress events dropped to stay within the limit
+        self.sent = 0  # events handed to the sink
+        self._failing = False  # the sink refused the last batch (logged once, until one goes through)
+        self._backlog: collections.deque[Relayed] = collections.deque()
+        self._sending = 0  # the backlog's first events, in the sink's hands now: never dropped
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="h3serve-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, item: Relayed) -> None:
+        with self._cond:
+            self._backlog.append(item)
+            while len(self._backlog) > self.limit:
+                waiting = itertools.islice(self._backlog, self._sending, None)
+                victim = next((i for i in waiting if i.event.name == DROPPABLE), None)
+                if victim is None:
+                    break  # only events that must arrive: kept
+                self._backlog.remove(victim)
+                self.dropped += 1
+            self._cond.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._backlog and not self._stopping:
+                    self._cond.wait()
+                if not self._backlog:
+                    return
+                batch = list(self._backlog)
+                self._sending = len(batch)
+            try:
+                self.sink(batch)
+            except Exception as err:
+                if not self._failing:
+                    log.warning("events not relayed to the fleet yet (%s); retrying every %.1f s", err, self.retry_s)
+                    self._failing = True
+                with self._cond:
+                    self._sending = 0
+                    if self._stopping:
+                        return  # stopping: what the database does not take now is not waited for
+                    self._cond.wait(self.retry_s)
+                continue
+            if self._failing:
+                log.warning("events relayed to the fleet again")
+                self._failing = False
+            with self._cond:
+                for _ in batch:  # the batch is the backlog's front (`put` drops only behind it)
+                    self._backlog.popleft()
+                self._sending = 0
+                self.sent += len(batch)
 
 
 class Streams:
@@ -229,6 +342,14 @@ class Streams:
             return
         with contextlib.suppress(RuntimeError):  # the loop has closed (the server stopped): no stream left to wake
             loop.call_soon_threadsafe(self._wake, job_id)
+
+    def poke_all(self) -> None:
+        """Wake every watched job's streams (any thread)."""
+        loop = self._loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(lambda: [self._wake(job_id) for job_id in list(self._watches)])
 
     def _wake(self, job_id: str) -> None:
         self.wakes += 1

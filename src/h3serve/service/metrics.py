@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from h3serve.pipeline.engine import STAGES, RenderResult
+from h3serve.service.store.claims import StoreUnreachable
 
 RENDER_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 2400, 4800, 9600)
 # An adapter switch copies factors into the device buffers (and reads a file the host cache gave up): milliseconds to
@@ -52,19 +55,46 @@ class Metrics:
         )  # fmt: skip
         self.queue_depth = Gauge("h3serve_queue_depth", "Renders waiting for the GPU", registry=self.registry)
         self.ready = Gauge("h3serve_ready", "1 once the startup warmup has passed", registry=self.registry)
+        # A fleet (a PostgreSQL store): the jobs this server holds now, and the cancels of held jobs other servers'
+        # DELETEs asked for, by how they came (a notice at once, or a heartbeat that found one the notice missed).
+        self.jobs_held = Gauge("h3serve_jobs_held", "Fleet jobs this server holds now (rendering or encoding)",
+                               registry=self.registry)  # fmt: skip
+        self.fleet_cancels = Counter(
+            "h3serve_fleet_cancels", "Held jobs cancelled by another server's DELETE, by how the cancel came", ["via"],
+            registry=self.registry,
+        )  # fmt: skip
         self._job_counts = None
 
     def watch(self, scheduler, store) -> None:
         """Read the live values (queue depth, readiness, jobs by state) from the scheduler and store at scrape."""
         self.queue_depth.set_function(lambda: scheduler.depth)
         self.ready.set_function(lambda: 1.0 if scheduler.ready else 0.0)
+        self.jobs_held.set_function(lambda: len(scheduler.held()))
+        fleet = scheduler.fleet
 
         class Jobs:
+            """The store's counts at scrape; in a fleet, the jobs each server holds. Nothing of either while the
+            fleet's database does not answer (h3serve_ready says so): a scrape never fails for it."""
+
             def collect(self):
+                try:
+                    counts = store.counts()
+                    holders = fleet.holders() if fleet is not None else None
+                except StoreUnreachable:
+                    return
                 family = GaugeMetricFamily("h3serve_jobs", "Async jobs in the store, by state", labels=["state"])
-                for state, count in store.counts().items():
+                for state, count in counts.items():
                     family.add_metric([state], count)
                 yield family
+                if holders is not None:
+                    held = GaugeMetricFamily(
+                        "h3serve_fleet_jobs_held",
+                        "Fleet jobs in progress, by the server that holds them",
+                        labels=["server"],
+                    )
+                    for server, count in sorted(collections.Counter(holders.values()).items()):
+                        held.add_metric([server], count)
+                    yield held
 
         self.registry.register(Jobs())
 

@@ -16,7 +16,10 @@ store's queue instead, with its request; each server's worker claims the oldest 
 a heartbeat thread renews while the job renders and encodes. Every write of a claimed job's record is conditional on
 the claim (`_write_record`): a server whose lease ran out and whose job another server claimed again writes nothing
 more. A shutdown gives its claimed jobs back to the queue. Sync renders stay this server's, in its own line, placed
-among the fleet's jobs by the time they came.
+among the fleet's jobs by the time they came. The events of a claimed job go to the database too (`events.Relay`), for
+the other servers' streams; a listener thread takes the fleet's notices (`_noticed`: events stored elsewhere, a cancel
+for a job held here, a job deleted). While the database does not answer, the server is not ready (`store_problem`),
+a job's progress is not written and its end is retried until it is (`_write_held`).
 
 Sync and async renders share the queue and the worker, so one render uses the GPU at a time. A render's frames go to
 the encoder as each decode window's are final (`RenderContext.frames_to`): the job is handed off when its first
@@ -59,13 +62,13 @@ from h3serve.media.mp4 import FrameStream, encode_mp4, write_mp4
 from h3serve.pipeline.context import NodeLost, Progress, RenderCancelled, RenderContext
 from h3serve.pipeline.engine import STAGES, RenderEngine, RenderResult
 from h3serve.pipeline.request import RenderRequest
-from h3serve.service.events import PREVIEWS, Events
+from h3serve.service.events import PREVIEWS, Events, Relay
 from h3serve.service.folders import describe_folders, folder_problems
 from h3serve.service.jobs import Hand, JobState, check_transition, holds
 from h3serve.service.metrics import Metrics
 from h3serve.service.schemas import JobError, VideoJob, step_cache_mode
-from h3serve.service.store import Fleet, JobRecords, LeaseLost, QueueLimit
-from h3serve.service.store.claims import Claim
+from h3serve.service.store import PLAIN_ID, Fleet, JobRecords, LeaseLost, QueueLimit
+from h3serve.service.store.claims import Claim, Notice, NoticeKind, Relayed, StoredEvent, StoreUnreachable
 from h3serve.service.store.objects import LocalOutputs, OutputObjects, UploadFailed
 from h3serve.service.warmup import WarmupResult, run_warmup
 
@@ -76,6 +79,7 @@ log = logging.getLogger(__name__)
 ENCODE_BACKLOG = 1
 RECOVERY_POLL_S = 0.5  # how often a queued job looks whether the GPU workers are back
 CLAIM_POLL_S = 0.5  # how often an idle worker of a fleet looks for a job to claim (a job submitted here wakes it)
+STORE_RETRY_S = 0.5  # how often a job's last record write is tried again while the fleet's database does not answer
 
 
 def progress_percent(p: Progress, finished: set[str]) -> int:
@@ -237,6 +241,11 @@ class Scheduler:
         self._encoder = threading.Thread(target=self._encode_loop, name="h3serve-encoder", daemon=True)
         self._beating = threading.Event()  # set by `stop`: the heartbeat ends
         self._heart = threading.Thread(target=self._beat, name="h3serve-heartbeat", daemon=True)
+        # A fleet: the events of the jobs this server holds go to the database for every server's streams (`Relay`),
+        # and the fleet's notices (events stored, cancels, deletes: `_noticed`) come from a listener thread.
+        self.relay = Relay(fleet.publish) if fleet is not None else None
+        self._listening = threading.Event()  # set by `stop`: the listener ends
+        self._listener = threading.Thread(target=self._listen, name="h3serve-listen", daemon=True)
 
     # ---- control --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -244,6 +253,8 @@ class Scheduler:
         self._encoder.start()
         if self.fleet is not None:
             self._heart.start()
+            self.relay.start()
+            self._listener.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """End every job not finished (their records say the server stopped) and join the threads."""
@@ -264,6 +275,11 @@ class Scheduler:
         self._beating.set()  # after the jobs: a job still ending keeps its lease until its record is written
         if self._heart.is_alive():
             self._heart.join(max(0.0, deadline - time.monotonic()))
+        if self.relay is not None:  # the last events (the ends) go out before the store closes
+            self.relay.stop(max(0.0, deadline - time.monotonic()))
+        self._listening.set()
+        if self._listener.is_alive():
+            self._listener.join(max(0.0, deadline - time.monotonic()))
 
     @property
     def ready(self) -> bool:
@@ -275,8 +291,28 @@ class Scheduler:
         """Readiness, why the server cannot render now beyond the warmup (the engine's problem or an unwritable
         folder), and the unwritable folders, from one look at the folders."""
         unwritable = self.folder_problems()
-        problem = self.engine.problem or (describe_folders(unwritable) if unwritable else None)
+        problem = self.engine.problem or (describe_folders(unwritable) if unwritable else None) or self.store_problem
         return Standing(self.readiness is Readiness.READY and problem is None, problem, unwritable)
+
+    @property
+    def store_problem(self) -> str | None:
+        """Why the fleet's database does not answer now (this server then claims and accepts nothing); None while it
+        does, and without a fleet."""
+        why = self.fleet.problem if self.fleet is not None else None
+        return f"the job store does not answer ({why}); it is reconnected by itself" if why else None
+
+    def look_at_store(self) -> None:
+        """One round trip to a fleet's database (reconnecting if it was lost), so that `standing` says how it is now,
+        not at the last use (/health and /ready ask; a server busy rendering may not have used it for a while)."""
+        if self.fleet is not None:
+            with contextlib.suppress(StoreUnreachable):
+                self.fleet.probe()
+
+    def held(self) -> list[str]:
+        """The fleet's jobs this server holds now (rendering, waiting for the encoder, encoding)."""
+        with self._cond:
+            works = (self._rendering, self._encoding, *self._encodes)
+            return [w.id for w in works if w is not None and w.claim is not None and not w.state.ended]
 
     def folder_problems(self) -> dict[str, str]:
         """{folder name: why} for each folder the service cannot write now (a file is created and removed in each);
@@ -292,8 +328,12 @@ class Scheduler:
 
     @property
     def depth(self) -> int:
-        """Renders waiting for the GPU: here, and in a fleet the fleet's queued jobs too."""
-        queued = self.fleet.queued() if self.fleet is not None else 0
+        """Renders waiting for the GPU: here, and in a fleet the fleet's queued jobs too (while its database does not
+        answer, those here only)."""
+        queued = 0
+        if self.fleet is not None:
+            with contextlib.suppress(StoreUnreachable):
+                queued = self.fleet.queued()
         with self._cond:
             return len(self._queue) + queued
 
@@ -308,7 +348,10 @@ class Scheduler:
         units `done` of `total` (denoise steps, decode windows), or `encode` once rendered; `elapsed_s` since the
         worker took it."""
         now = time.monotonic()
-        fleet_queue = self.fleet.queue() if self.fleet is not None else []
+        fleet_queue = []
+        if self.fleet is not None:
+            with contextlib.suppress(StoreUnreachable):  # (while the database does not answer: this server's jobs)
+                fleet_queue = self.fleet.queue()
         with self._cond:
             busy = int(self._rendering is not None)  # the render on the GPU is ahead of every queued one
             out = {w.id: _live("queued", 0, 0, None, ahead) for ahead, w in enumerate(self._queue, start=busy)}
@@ -435,10 +478,14 @@ class Scheduler:
                 head = self._queue[0] if self._queue else None
             claim = None
             try:
+                if fleet.problem is not None:  # the database was lost: this look is the one that finds it back
+                    fleet.probe()
                 # A server that cannot render now (its warmup failed, a GPU worker or a folder lost) claims nothing:
                 # the fleet's other servers take the queue.
                 if self.standing().ready:
                     claim = fleet.claim(head.queued_at if head is not None else math.inf)
+            except StoreUnreachable as err:  # logged once by the store; `standing` says so meanwhile
+                log.debug("the fleet's queue could not be read (%s); looking again in %.1f s", err, CLAIM_POLL_S)
             except Exception:  # the store did not answer: this server renders what it has, and looks again
                 log.exception("the fleet's queue could not be read; looking again in %.1f s", CLAIM_POLL_S)
             with self._cond:
@@ -450,7 +497,7 @@ class Scheduler:
                     self._transition(work, JobState.QUEUED, Hand.CLIENT)
                     head = work
                 if head is None or head not in self._queue:  # (a sync render cancelled meanwhile)
-                    if not self._queue:
+                    if not self._queue and not self._stopping:
                         self._cond.wait(CLAIM_POLL_S)  # a submit here wakes it
                     continue
                 with self._guard(head, Hand.WORKER):
@@ -470,6 +517,10 @@ class Scheduler:
                         if w is not None and w.claim is not None and not w.state.ended}  # fmt: skip
             try:
                 renewal = fleet.renew([w.claim for w in held.values()])
+            except StoreUnreachable as err:  # the next beat tries again, before the lease runs out
+                log.warning("the fleet's leases could not be renewed (%s); trying again in %.1f s", err.reason,
+                            fleet.heartbeat_s)  # fmt: skip
+                continue
             except Exception:  # the store did not answer: the next beat tries again, before the lease runs out
                 log.exception("the fleet's leases could not be renewed; trying again in %.1f s", fleet.heartbeat_s)
                 continue
@@ -478,8 +529,41 @@ class Scheduler:
                 held[job_id].ctx.cancel("this server's claim on the job is gone (its lease ran out, or it was deleted)")
                 with self._cond:
                     self._cond.notify_all()  # a worker waiting to hand it off wakes
-            for job_id, reason in renewal.cancels.items():
-                self.cancel(job_id, reason or "cancelled", wait=0)
+            for job_id, reason in renewal.cancels.items():  # (a notice missed: the listener was reconnecting)
+                self._cancel_held(job_id, reason or "cancelled", "heartbeat")
+
+    def _cancel_held(self, job_id: str, reason: str, via: str) -> None:
+        """A cancel another server's DELETE asked for a job this server holds, come by a notice or a heartbeat
+        (`via`, counted once per job in h3serve_fleet_cancels)."""
+        with self._cond:
+            works = (self._rendering, self._encoding, *self._encodes)
+            work = next((w for w in works if w is not None and w.id == job_id and w.claim is not None), None)
+            if work is None or work.state.ended or work.ctx.cancelled:
+                return
+            self.metrics.fleet_cancels.labels(via).inc()
+        self.cancel(job_id, reason, wait=0)
+
+    def _listen(self) -> None:
+        """The fleet's notices until `stop` (`Fleet.listen`, on a connection of its own)."""
+        self.fleet.listen(self._noticed, self._listening)
+
+    def _noticed(self, notice: Notice) -> None:
+        """A fleet notice: wake the streams of a job whose events another server stored; stop a job this server holds
+        that another server's DELETE cancelled (at once, not at the next heartbeat); let go of a deleted job's MP4
+        and preview in this server's folder (H3_OUTPUT_URL unset: the MP4 of a job this server rendered is here)."""
+        if notice.kind is NoticeKind.EVENTS:
+            if self.events.log(notice.job_id) is None:  # (this server's own are woken as it logs them)
+                self.events.poke(notice.job_id)
+        elif notice.kind is NoticeKind.CANCEL:
+            if notice.server_id == self.fleet.server_id:
+                self._cancel_held(notice.job_id, notice.reason or "cancelled", "notify")
+        elif notice.kind is NoticeKind.DELETED:
+            if PLAIN_ID.fullmatch(notice.job_id):
+                self.events.forget(notice.job_id)
+                if not self.outputs.remote:  # (a bucket's object is the deleting server's to remove)
+                    self.outputs.delete(f"{notice.job_id}.mp4")
+        elif notice.kind is NoticeKind.RECONNECTED:  # notices may have been missed: every stream reads again
+            self.events.poke_all()
 
     def _render(self, work: Work) -> None:
         """Render one job. Its frames come back whole (it is handed to the encoder now) or stream to the encoder as
@@ -530,17 +614,23 @@ class Scheduler:
             data = {"url": f"/v1/videos/{work.id}/preview?forward={preview.forward}", "forward": preview.forward,
                     "forwards": preview.forwards, "width": preview.width, "height": preview.height,
                     "seconds": round(preview.seconds, 4)}  # fmt: skip
-            self._progressed(work, None, None, [("preview", data)])
+            self._progressed(work, None, None, [("preview", data)], png=preview.png)
 
         work.ctx.on_progress = on_progress
         if work.persist and work.request.preview_every:
             work.ctx.on_preview = on_preview
 
     def _progressed(
-        self, work: Work, progress: Progress | None, percent: int | None, events: list[tuple[str, dict[str, Any]]]
+        self,
+        work: Work,
+        progress: Progress | None,
+        percent: int | None,
+        events: list[tuple[str, dict[str, Any]]],
+        png: bytes | None = None,
     ) -> None:
         """A render's progress while its job has not ended (a render winding down after its job ended publishes
-        nothing more): `live`'s view, the record's percent (None: unchanged) and an async job's events."""
+        nothing more): `live`'s view, the record's percent (None: unchanged) and an async job's events (`png`: a
+        preview event's image, relayed with it in a fleet)."""
         with self._cond:
             if work.state.ended:
                 return
@@ -554,8 +644,18 @@ class Scheduler:
                 except LeaseLost:  # another server has the job now: this render stops (`_beat` says so too)
                     work.ctx.cancel("this server's lease on the job ran out and another server claimed it")
                     return
+                except StoreUnreachable:  # the record's percent waits for the next one; the render goes on
+                    pass
             for name, data in events:
-                self.events.publish(work.id, name, data)
+                self._publish(work, name, data, png if name == "preview" else None)
+
+    def _publish(self, work: Work, name: str, data: dict[str, Any], png: bytes | None = None) -> None:
+        """An async job's event, in its log here and, for a fleet's job, relayed to the database for every server's
+        streams (with a preview's PNG)."""
+        event = self.events.publish(work.id, name, data)
+        if work.claim is not None:
+            stored = StoredEvent(event.id, event.name, event.data)
+            self.relay.put(Relayed(work.id, work.claim.generation, stored, png))
 
     def _feed(self, work: Work, stream: FrameStream, frames: Any) -> None:
         """A run of a streaming render's frames, for the encoder; dropped once the job has ended (nobody reads them)."""
@@ -706,6 +806,8 @@ class Scheduler:
         self._move(work, to)
         if to is JobState.RENDERING:
             work.started = time.monotonic()
+        elif to is JobState.QUEUED and work.claim is not None:  # its `queued` was stored with it: its log goes on
+            self.events.adopt(work.id, work.claim.history)
         elif to is JobState.QUEUED and work.persist:
             ahead = len(self._queue) - 1 + int(self._rendering is not None)
             self.events.publish(work.id, "queued", {"ahead": ahead})
@@ -779,10 +881,10 @@ class Scheduler:
                 step_cache=step_cache_mode(result.step_cache, work.request.quality),
                 cached_steps=list(result.step_cache.cached) if result.step_cache is not None else [],
             )
-            self.events.publish(work.id, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
+            self._publish(work, "completed", {"status": "completed", "url": f"/v1/videos/{work.id}/content"})
         else:
             self._write_record(work, status=status, completed_at=now, error=error)
-            self.events.publish(work.id, str(status), {"status": str(status), "error": error.model_dump()})
+            self._publish(work, str(status), {"status": str(status), "error": error.model_dump()})
 
     def _write_record(self, work: Work, **changes: Any) -> None:
         """Write a job's record: a fleet's job only while this server holds its claim (`Fleet.write`: LeaseLost
@@ -793,15 +895,38 @@ class Scheduler:
             return
         ending = changes.get("status") in (JobState.COMPLETED.status, JobState.FAILED.status, JobState.CANCELLED.status)
         try:
-            self.fleet.write(work.claim, ending, **changes)
+            self._write_held(work, ending, changes)
         except LeaseLost:
             log.warning("job %s: not written (%s): another server claimed it again after this server's lease ran "
                         "out", work.id, ", ".join(changes))  # fmt: skip
+            self.events.moved(work.id)  # its streams here follow the new holder's events
             name = changes.get("file_name")
             # A shared bucket's key is the new holder's too (the same bytes): only this server's own file goes.
             if name and isinstance(self.outputs, LocalOutputs):
                 self._discard(name)
             raise
+
+    def _write_held(self, work: Work, ending: bool, changes: dict[str, Any]) -> None:
+        """`Fleet.write`; a job's last write (its end) is tried again while the database does not answer, until it is
+        made, refused (LeaseLost) or the server stops (the job then stays held: queued again at the next start, or
+        claimed by another server after its lease), so that a render finished during an outage is not lost. The wait
+        lets go of the scheduler's lock (the job has ended here already: nothing else moves it)."""
+        told = False
+        while True:
+            try:
+                self.fleet.write(work.claim, ending, **changes)
+                if told:
+                    log.warning("job %s: its end is written, the job store answering again", work.id)
+                return
+            except StoreUnreachable as err:
+                if not ending or self._stopping:  # (an end written twice is the same record: `unknown` too)
+                    raise
+                if not told:
+                    log.warning("job %s: its end cannot be written yet (%s); retrying every %.1f s", work.id,
+                                err.reason, STORE_RETRY_S)  # fmt: skip
+                    told = True
+                with self._cond:
+                    self._cond.wait(STORE_RETRY_S)
 
     def _release(self, work: Work, keep_result: bool = False) -> None:
         """An ended job lets go of its video: the rendered frames (with the result, unless `keep_result`: a sync

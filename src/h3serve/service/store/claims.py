@@ -3,6 +3,10 @@ needs of the server that renders it (`Needs`, stored on its claim row at submit)
 (`Capabilities`, compared with them in the claim's SQL), the request as stored so that any server can render it again
 (`encode_request`, `decode_request`), a claim held (`Claim`) and `Fleet`, the scheduler's view of it all.
 
+Across the fleet (item 4 of issue 58): the events of a held job that the holder relays (`Relayed`, `StoredEvent`), the
+notices servers send each other (`Notice`: events stored, a cancel for a job's holder, a job deleted) and
+`StoreUnreachable`, what any call raises while the database does not answer (the store reconnects by itself).
+
 The request is stored whole and already validated (the keyframes' and references' decoded pixels and samples, the
 sampler the admitting server filled in), so a claiming server renders the same request the submitting server admitted:
 same seed, same profile, the same bytes. Its codec is an `.npz` of plain arrays (no pickle: `allow_pickle=False`), the
@@ -11,11 +15,14 @@ scalar fields as one JSON entry.
 
 from __future__ import annotations
 
+import enum
 import io
 import json
 import math
 import socket
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +53,16 @@ class QueueLimit(Exception):
     def __init__(self, limit: int):
         super().__init__(f"the fleet's queue holds {limit} waiting jobs")
         self.limit = limit
+
+
+class StoreUnreachable(Exception):
+    """The fleet's database does not answer now (stopped, restarted, the network): nothing was written by the call
+    that raised it, unless `unknown` (the connection was lost while a commit was on its way: it may have been made).
+    `where`: the store as shown (no password); `reason`: the driver's words. The store reconnects at its next use."""
+
+    def __init__(self, where: str, reason: str, unknown: bool = False):
+        super().__init__(f"the job store {where} does not answer ({reason})")
+        self.where, self.reason, self.unknown = where, reason, unknown
 
 
 class LeaseLost(Exception):
@@ -206,13 +223,36 @@ def decode_request(blob: bytes) -> RenderRequest:
 
 # ---- a claim, and the fleet -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class StoredEvent:
+    """One event of a job as the fleet's database holds it (`postgres.PostgresJobStore.publish`): the id the
+    rendering server gave it, its name and its data."""
+
+    id: int
+    name: str
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """An event a holder relays to the fleet (`events.Relay`): the job and the claim's generation it was made under
+    (a holder that lost the claim relays nothing more), the event, and a preview event's PNG."""
+
+    job_id: str
+    generation: int
+    event: StoredEvent
+    png: bytes | None = None
+
+
+@dataclass(frozen=True)
 class Claim:
     """A job this server holds: its id, the claim's `generation` (raised by every claim, so a write checked against
-    it is refused once another server has claimed the job again), and the request to render."""
+    it is refused once another server has claimed the job again), the request to render, and the job's events stored
+    so far (`history`: its `queued`, and an earlier holder's), which its log here continues."""
 
     job_id: str
     generation: int
     request: RenderRequest
+    history: tuple[StoredEvent, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -228,6 +268,7 @@ class ClaimStore(Protocol):
     """What `Fleet` asks of the store (`postgres.PostgresJobStore`)."""
 
     server_id: str
+    problem: str | None
 
     def register(self, capabilities: Capabilities, lease_s: float) -> None: ...
 
@@ -237,7 +278,9 @@ class ClaimStore(Protocol):
 
     def queued_count(self) -> int: ...
 
-    def claim(self, capabilities: Capabilities, before: float, lease_s: float) -> tuple[str, int, bytes] | None: ...
+    def claim(
+        self, capabilities: Capabilities, before: float, lease_s: float
+    ) -> tuple[str, int, bytes, tuple[StoredEvent, ...]] | None: ...
 
     def renew(self, held: list[tuple[str, int]], lease_s: float) -> Renewal: ...
 
@@ -250,6 +293,18 @@ class ClaimStore(Protocol):
     def fail_unreadable(self, job_id: str, generation: int, changes: dict[str, Any]) -> None: ...
 
     def queue(self) -> list[tuple[str, int]]: ...
+
+    def publish(self, batch: list[Relayed]) -> None: ...
+
+    def events_since(self, job_id: str, last: int) -> list[StoredEvent]: ...
+
+    def preview(self, job_id: str) -> bytes | None: ...
+
+    def holders(self, job_ids: list[str] | None = None) -> dict[str, str]: ...
+
+    def probe(self) -> None: ...
+
+    def listen(self, on_notice: Callable[[Notice], None], stop: threading.Event) -> None: ...
 
 
 class Fleet:
@@ -286,9 +341,9 @@ class Fleet:
             found = self.store.claim(self.capabilities, before, self.lease_s)
             if found is None:
                 return None
-            job_id, generation, blob = found
+            job_id, generation, blob, history = found
             try:
-                return Claim(job_id, generation, decode_request(blob))
+                return Claim(job_id, generation, decode_request(blob), history)
             except ValueError as err:
                 error = JobError(code="unreadable_request", message=f"{err}; submit it again")
                 self.store.fail_unreadable(job_id, generation, {"status": JobStatus.FAILED, "error": error})
@@ -313,10 +368,61 @@ class Fleet:
         return self.store.release(claim.job_id, claim.generation)
 
     def cancel(self, job_id: str, changes: dict[str, Any], reason: str) -> str | None:
-        """A DELETE's cancel of a job this server does not hold: `cancelled` (it was queued: its record now says so),
-        `held` (another server renders it: asked to stop, at its next heartbeat), or None (not active)."""
+        """A DELETE's cancel of a job this server does not hold: `cancelled` (it was queued: its record now says so,
+        and its streams get the end), `held` (another server renders it: asked to stop by a notice at once, and at its
+        next heartbeat should the notice be missed), or None (not active)."""
         return self.store.cancel_queued(job_id, changes, reason)
+
+    def publish(self, batch: list[Relayed]) -> None:
+        """Store relayed events for every server's streams (`events.Relay` calls this on its own thread)."""
+        self.store.publish(batch)
+
+    def events_since(self, job_id: str, last: int) -> list[StoredEvent]:
+        """A job's stored events after the id `last`, in order."""
+        return self.store.events_since(job_id, last)
+
+    def preview(self, job_id: str) -> bytes | None:
+        """A job's latest preview as its holder relayed it; None when there is none."""
+        return self.store.preview(job_id)
+
+    def holders(self, job_ids: list[str] | None = None) -> dict[str, str]:
+        """{job id: the server that holds (or last held, and rendered) it}, for `job_ids`; None: the jobs held now."""
+        return self.store.holders(job_ids)
+
+    @property
+    def problem(self) -> str | None:
+        """Why the database does not answer now (the last call found it lost); None while it does."""
+        return self.store.problem
+
+    def probe(self) -> None:
+        """One round trip to the database (reconnecting if the connection was lost); StoreUnreachable if it fails."""
+        self.store.probe()
+
+    def listen(self, on_notice: Callable[[Notice], None], stop: threading.Event) -> None:
+        """Hand each fleet notice (an event stored, a cancel for this server, a job deleted) to `on_notice` until
+        `stop` is set; reconnects by itself when the database goes away."""
+        self.store.listen(on_notice, stop)
 
     def describe(self) -> dict[str, Any]:
         """What /health shows of this server in the fleet."""
         return {"server_id": self.server_id, "lease_s": self.lease_s, "heartbeat_s": self.heartbeat_s}
+
+
+class NoticeKind(enum.StrEnum):
+    """What a fleet notice (PostgreSQL NOTIFY, `postgres.CHANNELS`) says: a job's events were stored, a cancel for a
+    job a server holds, a job deleted."""
+
+    EVENTS = "events"
+    CANCEL = "cancel"
+    DELETED = "deleted"
+    RECONNECTED = "reconnected"  # (not sent: the listener's own, after a gap in which notices may have been missed)
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One notice between the fleet's servers: its kind, the job, and for a cancel its holder and reason."""
+
+    kind: NoticeKind
+    job_id: str = ""
+    server_id: str | None = None
+    reason: str | None = None

@@ -19,6 +19,13 @@ What differs from the SQLite store, and why:
 - No record files beside the MP4s (videos/<id>.json) and no `store check`/`store rebuild`: those exist to rebuild a
   lost or damaged SQLite file from the folder; a PostgreSQL database is restored from its own backups (pg_dump, WAL
   archiving). A damaged row is refused at start as in SQLite, named by its id and rowid, to be mended with psql.
+- One API across the fleet (docs/fleet.md): `job_events` holds each claimed job's events as its holder relays them
+  (`publish`, the holder's ids) and `job_previews` each job's latest preview; NOTIFY tells the other servers at commit
+  (`CHANNELS`: a job's events stored, a cancel for a job's holder, a job deleted), which each server hears on a
+  connection of its own (`listen`). A NOTIFY payload holds at most 8000 bytes, so it carries ids (a cancel's reason cut
+  to MAX_REASON), never the events or the PNG: a server that missed notices while reconnecting reads the rows again.
+- A lost connection (PostgreSQL restarted) is reopened at the next use (`_connected`, with the name lock taken
+  again); meanwhile calls raise `claims.StoreUnreachable` and `problem` says why (the API's 503, /health not ready).
 - PostgreSQL's text cannot hold the NUL character: a record holding one is refused (`rows.ValueRefused`, naming the
   field; the API answers 400 naming it as the parameter).
 - An output folder that holds a SQLite store (jobs.sqlite3) is refused: its jobs are not in PostgreSQL (no migration
@@ -27,10 +34,13 @@ What differs from the SQLite store, and why:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,7 +48,18 @@ from typing import Any
 from h3serve.service.schemas import JobStatus, VideoJob
 from h3serve.service.store.base import RecordStore, plain
 from h3serve.service.store.check import DamagedRow
-from h3serve.service.store.claims import Capabilities, Needs, QueueLimit, Renewal, new_server_id
+from h3serve.service.store.claims import (
+    Capabilities,
+    Needs,
+    Notice,
+    NoticeKind,
+    QueueLimit,
+    Relayed,
+    Renewal,
+    StoredEvent,
+    StoreUnreachable,
+    new_server_id,
+)
 from h3serve.service.store.lock import SERVER, FolderLock
 from h3serve.service.store.rows import (
     COLUMNS,
@@ -100,7 +121,42 @@ FLEET_TABLES = (
     "CREATE TABLE IF NOT EXISTS fleet_servers (server_id text PRIMARY KEY, build text NOT NULL, tasks text[] NOT NULL, "
     "adapters text[] NOT NULL, max_rows bigint NOT NULL, lease_s double precision NOT NULL, "
     "seen_at timestamptz NOT NULL)",
+    # Each job's events as its holder relayed them (`publish`), for every server's event stream; the ids are the
+    # holder's, so Last-Event-ID resumes on any server. And each job's latest preview (one row a job: a NOTIFY payload
+    # holds at most 8000 bytes, a preview strip up to megabytes).
+    f"CREATE TABLE IF NOT EXISTS job_events (job_id text NOT NULL REFERENCES jobs ({KEY}) ON DELETE CASCADE, "
+    "id bigint NOT NULL, name text NOT NULL, data text NOT NULL, PRIMARY KEY (job_id, id))",
+    f"CREATE TABLE IF NOT EXISTS job_previews (job_id text PRIMARY KEY REFERENCES jobs ({KEY}) ON DELETE CASCADE, "
+    "png bytea NOT NULL)",
 )
+# The fleet's notices (NOTIFY, sent as their transaction commits): a job's events were stored (payload: its id), a
+# cancel for the server that holds a job (JSON: job, server, reason), a job deleted (its id).
+EVENTS_CHANNEL, CANCEL_CHANNEL, DELETED_CHANNEL = "h3serve_events", "h3serve_cancel", "h3serve_deleted"
+CHANNELS = {EVENTS_CHANNEL: NoticeKind.EVENTS, CANCEL_CHANNEL: NoticeKind.CANCEL, DELETED_CHANNEL: NoticeKind.DELETED}
+NOTIFY = "SELECT pg_notify(%s, %s)"
+MAX_REASON = 500  # characters of a cancel's reason in its notice (a payload holds at most 8000 bytes)
+KEEP_PROGRESS = 256  # progress events kept per job in job_events (as `events.LIMIT` keeps in a server's log)
+HOLDS_SHARE = "SELECT 1 FROM job_claims WHERE job_id=%s AND server_id=%s AND generation=%s FOR SHARE"
+PUT_EVENT = "INSERT INTO job_events (job_id, id, name, data) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING"
+NEXT_EVENT = (
+    "INSERT INTO job_events (job_id, id, name, data) SELECT %s, coalesce(max(id), 0) + 1, %s, %s FROM job_events "
+    "WHERE job_id=%s"
+)
+PUT_PREVIEW = (
+    "INSERT INTO job_previews (job_id, png) VALUES (%s, %s) ON CONFLICT (job_id) DO UPDATE SET png=EXCLUDED.png"
+)
+PRUNE_PROGRESS = (
+    "DELETE FROM job_events WHERE job_id=%s AND name='progress' AND id <= (SELECT max(id) FROM job_events WHERE "
+    "job_id=%s AND name='progress') - %s"
+)
+EVENTS_SINCE = "SELECT id, name, data FROM job_events WHERE job_id=%s AND id > %s ORDER BY id LIMIT %s"
+HELD_NOW = (
+    f"SELECT c.job_id, c.server_id FROM job_claims c JOIN jobs j ON j.{ID_COLUMN} = c.job_id WHERE c.open "
+    f"AND c.server_id IS NOT NULL AND j.{STATUS_COLUMN}={_IN_PROGRESS} ORDER BY c.seq"
+)
+HELD_BY = "SELECT job_id, server_id FROM job_claims WHERE server_id IS NOT NULL AND job_id = ANY(%s)"
+RECONNECT_GAP_S = 1.0  # after a failed reconnect, calls fail at once for this long instead of each waiting on one
+LISTEN_WAKE_S = 1.0  # how often the listener looks whether it should stop (notices wake it at once)
 QUEUED_COUNT = f"SELECT count(*) FROM jobs WHERE {STATUS_COLUMN}={_QUEUED}"
 ENQUEUE = (
     "INSERT INTO job_claims (job_id, queued_at, request, build, task, adapters, rows, submitted_by) "
@@ -126,8 +182,8 @@ RENEW = (
 )
 HOLDS = "SELECT 1 FROM job_claims WHERE job_id=%s AND server_id=%s AND generation=%s FOR UPDATE"
 CLAIM_STATE = (
-    f"SELECT j.{STATUS_COLUMN} FROM job_claims c JOIN jobs j ON j.{ID_COLUMN} = c.job_id WHERE c.job_id=%s "
-    "FOR UPDATE OF c"
+    f"SELECT j.{STATUS_COLUMN}, c.server_id FROM job_claims c JOIN jobs j ON j.{ID_COLUMN} = c.job_id "
+    "WHERE c.job_id=%s FOR UPDATE OF c"
 )
 RELEASE_OWN = (
     f"UPDATE job_claims c SET server_id=NULL, lease_until=NULL FROM jobs j WHERE j.{ID_COLUMN} = c.job_id "
@@ -162,13 +218,13 @@ class PostgresStoreError(ValueError):
         super().__init__(f"{url}: {reason}")
 
 
-def connect(url: str):
+def connect(url: str, timeout: int = CONNECT_TIMEOUT_S):
     """A psycopg connection in autocommit mode (each write opens its transaction explicitly); PostgresStoreError in
     the driver's words, never the password, when it cannot be had."""
     import psycopg
 
     try:
-        return psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, application_name="h3serve")
+        return psycopg.connect(url, autocommit=True, connect_timeout=timeout, application_name="h3serve")
     except psycopg.Error as err:
         raise PostgresStoreError(shown_url(url), f"cannot connect ({_words(err, url)})") from None
 
@@ -316,6 +372,9 @@ class PostgresJobStore(RecordStore):
         self.videos.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._logged: set[int] = set()
+        self._dsn = url  # kept to reconnect (it may hold a password: never shown, never logged)
+        self.problem: str | None = None  # why the database does not answer now (`/health`); None while it does
+        self._retry_at = 0.0  # monotonic time before which a reconnect is not tried again
         self._db = connect(url)
         try:
             if not self._db.execute(TAKE_NAME, (LOCK_CLASS, self.server_id)).fetchone()[0]:
@@ -341,14 +400,110 @@ class PostgresJobStore(RecordStore):
                 raise PostgresStoreError(self.url, f"cannot be opened ({_words(err, url)})") from None
             raise
 
+    # ---- the connection, and its loss ---------------------------------------------------------------------------
+    # A lost connection (PostgreSQL restarted, the network cut) is reopened at the next use, with this server's name
+    # lock taken again; until it is, every call raises StoreUnreachable (the API's 503) and `problem` says why. A
+    # statement whose connection was found lost before it ran (the first use after a restart fails at BEGIN) is run
+    # again once on a new connection; one lost while it ran was rolled back by the server, and is not retried (its
+    # caller gets StoreUnreachable); one lost during its COMMIT may or may not have been made (`unknown`).
+    def _connected(self) -> Any:
+        """The open connection (under `_lock`), reopened if it was lost; StoreUnreachable when it cannot be."""
+        if not (self._db.closed or self._db.broken):
+            return self._db
+        now = time.monotonic()
+        if now < self._retry_at:
+            raise StoreUnreachable(self.url, self.problem or "reconnecting")
+        try:
+            db = connect(self._dsn)
+        except PostgresStoreError as err:
+            self._retry_at, self.problem = now + RECONNECT_GAP_S, err.reason
+            raise StoreUnreachable(self.url, err.reason) from None
+        try:
+            named = db.execute(TAKE_NAME, (LOCK_CLASS, self.server_id)).fetchone()[0]
+        except Exception as err:
+            db.close()
+            self._retry_at, self.problem = now + RECONNECT_GAP_S, _words(err, self._dsn)
+            raise StoreUnreachable(self.url, self.problem) from None
+        if not named:  # another process took this server's name while the connection was down
+            db.close()
+            self._retry_at = now + RECONNECT_GAP_S
+            self.problem = f"another running server holds this server's name {self.server_id!r} (H3_SERVER_ID)"
+            raise StoreUnreachable(self.url, self.problem)
+        self._db.close()
+        self._db = db
+        log.warning("job store %s: connected again (server %s)", self.url, self.server_id)
+        return db
+
+    def _lost(self, db: Any, err: BaseException) -> StoreUnreachable | None:
+        """StoreUnreachable if `err` came with the loss of the connection (then marked for reopening), else None."""
+        if not (db.closed or db.broken):
+            return None
+        self.problem = f"the connection was lost: {_words(err, self._dsn)}"
+        log.warning("job store %s: %s; reconnecting at its next use", self.url, self.problem)
+        return StoreUnreachable(self.url, self.problem)
+
+    @property
+    def reachable(self) -> bool:
+        return self.problem is None
+
     @contextmanager
     def _transaction(self) -> Iterator[Any]:
-        with self._lock, self._db.transaction():
-            yield self._db
+        import psycopg
+
+        with self._lock:
+            for attempt in (0, 1):
+                db = self._connected()
+                tx = db.transaction()
+                try:
+                    tx.__enter__()  # BEGIN: where a connection lost while idle is found out
+                except psycopg.OperationalError as err:
+                    lost = self._lost(db, err)
+                    if lost is None:
+                        raise
+                    if attempt:
+                        raise lost from None
+                    continue
+                break
+            try:
+                yield db
+            except BaseException as err:
+                with contextlib.suppress(psycopg.OperationalError):  # (the connection lost: nothing to roll back)
+                    tx.__exit__(type(err), err, err.__traceback__)  # ROLLBACK
+                lost = self._lost(db, err) if isinstance(err, psycopg.OperationalError) else None
+                if lost is not None:
+                    raise lost from None
+                raise
+            try:
+                tx.__exit__(None, None, None)  # COMMIT
+            except psycopg.OperationalError as err:
+                lost = self._lost(db, err)
+                if lost is None:
+                    raise
+                raise StoreUnreachable(self.url, lost.reason, unknown=True) from None
+            self.problem = None
 
     def _read(self, sql: str, params: tuple | list = ()) -> list[tuple]:
+        import psycopg
+
         with self._lock:
-            return self._db.execute(sql, params).fetchall()
+            for attempt in (0, 1):
+                db = self._connected()
+                try:
+                    rows = db.execute(sql, params).fetchall()
+                except psycopg.OperationalError as err:
+                    lost = self._lost(db, err)
+                    if lost is None:
+                        raise
+                    if attempt:
+                        raise lost from None
+                    continue  # a read is run again on a new connection: it changes nothing
+                self.problem = None
+                return rows
+        raise AssertionError("unreachable")
+
+    def probe(self) -> None:
+        """One round trip (reconnecting if need be): clears `problem`, or raises StoreUnreachable."""
+        self._read("SELECT 1")
 
     def _left_active(self) -> tuple[str, list[Any]]:
         """Only the active jobs that no server can render again: those without a claim row (a record written without
@@ -393,6 +548,8 @@ class PostgresJobStore(RecordStore):
             rows = db.execute(
                 f"DELETE FROM jobs WHERE {ID_COLUMN}=%s RETURNING {column_of('file_name')}", (job_id,)
             ).fetchall()
+            if rows:  # the server whose folder holds its MP4 and preview removes them (`Scheduler._noticed`)
+                db.execute(NOTIFY, (DELETED_CHANNEL, job_id))
         self._remove_own_mp4(job_id, rows[0][0] if rows else None)
 
     def close(self) -> None:
@@ -420,19 +577,24 @@ class PostgresJobStore(RecordStore):
         values = _values([pair for f in FIELDS for pair in encode(f, getattr(job, f))])
         with self._transaction() as db:
             db.execute("SELECT pg_advisory_xact_lock(%s, 1)", (LOCK_CLASS,))
-            if db.execute(QUEUED_COUNT).fetchone()[0] + waiting >= limit:
+            ahead = db.execute(QUEUED_COUNT).fetchone()[0]
+            if ahead + waiting >= limit:
                 raise QueueLimit(limit)
             db.execute(INSERT, values)
             db.execute(ENQUEUE, (job.id, queued_at, request, needs.build, needs.task, list(needs.adapters),
                                  needs.rows, self.server_id))  # fmt: skip
+            # Its first event, as one server's queue gives it; its holder's log continues from it (`Claim.history`).
+            db.execute(PUT_EVENT, (job.id, 1, "queued", json.dumps({"ahead": ahead})))
 
     def queued_count(self) -> int:
         return self._read(QUEUED_COUNT)[0][0]
 
-    def claim(self, capabilities: Capabilities, before: float, lease_s: float) -> tuple[str, int, bytes] | None:
+    def claim(
+        self, capabilities: Capabilities, before: float, lease_s: float
+    ) -> tuple[str, int, bytes, tuple[StoredEvent, ...]] | None:
         """Claim the oldest job this server can render (queued, or in progress with its lease run out) queued before
-        `before`: (id, generation, the stored request), or None. SKIP LOCKED: servers claiming at once each get
-        another job, none waits on another's claim."""
+        `before`: (id, generation, the stored request, its events stored so far), or None. SKIP LOCKED: servers
+        claiming at once each get another job, none waits on another's claim."""
         c = capabilities
         before = before if math.isfinite(before) else 1e300
         with self._transaction() as db:
@@ -443,7 +605,8 @@ class PostgresJobStore(RecordStore):
             generation, request = db.execute(TAKE, (self.server_id, lease_s, job_id)).fetchone()
             db.execute(f"UPDATE jobs SET {STATUS_COLUMN}=%s, progress=0 WHERE {ID_COLUMN}=%s",
                        (JobStatus.IN_PROGRESS.value, job_id))  # fmt: skip
-        return job_id, generation, bytes(request)
+            history = db.execute(EVENTS_SINCE, (job_id, 0, KEEP_PROGRESS * 4)).fetchall()
+        return job_id, generation, bytes(request), tuple(_stored(row) for row in history)
 
     def renew(self, held: list[tuple[str, int]], lease_s: float) -> Renewal:
         """One heartbeat: this server seen now, the leases of the claims it still holds renewed; the rest are lost.
@@ -458,10 +621,13 @@ class PostgresJobStore(RecordStore):
         lost = frozenset(job_id for job_id, _ in held if job_id not in kept)
         return Renewal(lost, {job_id: reason for job_id, reason in kept.items() if reason is not None})
 
-    def write_held(self, job_id: str, generation: int, ending: bool, **changes: Any) -> bool:
+    def write_held(
+        self, job_id: str, generation: int, ending: bool, event: tuple[str, dict] | None = None, **changes: Any
+    ) -> bool:
         """Write a held job's record, only while this server holds its claim of `generation` (the claim row locked
-        for the write, so no claim slips in between); `ending`: the job has finished and its lease is let go. False:
-        not held (claimed again, or deleted); nothing written."""
+        for the write, so no claim slips in between); `ending`: the job has finished and its lease is let go;
+        `event` (name, data): one for its streams, stored with it (a job that has no log on any server). False: not
+        held (claimed again, or deleted); nothing written."""
         assign, values = self._assign(changes)
         with self._transaction() as db:
             if db.execute(HOLDS, (job_id, self.server_id, generation)).fetchone() is None:
@@ -469,7 +635,15 @@ class PostgresJobStore(RecordStore):
             db.execute(f"UPDATE jobs SET {assign} WHERE {ID_COLUMN}=%s", (*values, job_id))
             if ending:
                 db.execute("UPDATE job_claims SET lease_until=NULL, open=false WHERE job_id=%s", (job_id,))
+            if event is not None:
+                self._put_next(db, job_id, *event)
         return True
+
+    @staticmethod
+    def _put_next(db: Any, job_id: str, name: str, data: dict[str, Any]) -> None:
+        """One event after the job's last stored one, and the notice that wakes its streams (at commit)."""
+        db.execute(NEXT_EVENT, (job_id, name, json.dumps(data, separators=(",", ":")), job_id))
+        db.execute(NOTIFY, (EVENTS_CHANNEL, job_id))
 
     def release(self, job_id: str, generation: int) -> bool:
         """Give a held job back to the queue: queued, no holder; False when it was not held."""
@@ -493,19 +667,134 @@ class PostgresJobStore(RecordStore):
             if row[0] == JobStatus.QUEUED.value:
                 db.execute(f"UPDATE jobs SET {assign} WHERE {ID_COLUMN}=%s", (*values, job_id))
                 db.execute("UPDATE job_claims SET open=false WHERE job_id=%s", (job_id,))
+                self._put_next(db, job_id, *_ending_event(changes))
                 return "cancelled"
             db.execute("UPDATE job_claims SET cancel_reason=%s WHERE job_id=%s", (reason, job_id))
+            # The holder is told now (`listen`), not at its next heartbeat (which still reads the reason, should the
+            # notice be missed: the holder's listener reconnecting).
+            notice = {"job": job_id, "server": row[1], "reason": (reason or "cancelled")[:MAX_REASON]}
+            db.execute(NOTIFY, (CANCEL_CHANNEL, json.dumps(notice)))
             return "held"
 
     def fail_unreadable(self, job_id: str, generation: int, changes: dict[str, Any]) -> None:
         """A claimed job whose stored request does not decode: failed (its holder's write), never claimed again."""
-        if not self.write_held(job_id, generation, True, **changes):
+        if not self.write_held(job_id, generation, True, event=_ending_event(changes), **changes):
             return
         log.error("job %s: its stored request cannot be read; failed (%s)", job_id, changes["error"].message)
 
     def queue(self) -> list[tuple[str, int]]:
         """The fleet's queued jobs in claim order, each with how many live servers can render it."""
         return [(job_id, takers) for job_id, takers in self._read(QUEUE)]
+
+    # ---- one API across the fleet: events, previews, holders, notices ------------------------------------------
+    def publish(self, batch: list[Relayed]) -> None:
+        """Store events a holder relays (`events.Relay`), in one transaction, each job's only while this server holds
+        its claim of that generation (the claim row shared-locked, so a DELETE waits for the commit), with its latest
+        preview, and one notice per job (at commit) for the servers whose streams watch it. A job's progress events
+        beyond the latest KEEP_PROGRESS go, as a server's own log drops them."""
+        jobs: dict[tuple[str, int], list[Relayed]] = {}
+        for item in batch:
+            jobs.setdefault((item.job_id, item.generation), []).append(item)
+        with self._transaction() as db:
+            for (job_id, generation), items in jobs.items():
+                if db.execute(HOLDS_SHARE, (job_id, self.server_id, generation)).fetchone() is None:
+                    continue  # claimed again, given back or deleted: this server relays nothing more of it
+                rows = [(job_id, i.event.id, i.event.name, json.dumps(i.event.data, separators=(",", ":")))
+                        for i in items]  # fmt: skip
+                with db.cursor() as cursor:
+                    cursor.executemany(PUT_EVENT, rows)
+                png = next((i.png for i in reversed(items) if i.png is not None), None)
+                if png is not None:
+                    db.execute(PUT_PREVIEW, (job_id, png))
+                if any(i.event.name == "progress" for i in items):
+                    db.execute(PRUNE_PROGRESS, (job_id, job_id, KEEP_PROGRESS))
+                db.execute(NOTIFY, (EVENTS_CHANNEL, job_id))
+
+    def events_since(self, job_id: str, last: int) -> list[StoredEvent]:
+        return [_stored(row) for row in self._read(EVENTS_SINCE, (job_id, last, KEEP_PROGRESS * 4))]
+
+    def preview(self, job_id: str) -> bytes | None:
+        rows = self._read("SELECT png FROM job_previews WHERE job_id=%s", (job_id,))
+        return bytes(rows[0][0]) if rows else None
+
+    def holders(self, job_ids: list[str] | None = None) -> dict[str, str]:
+        """{job id: server}: for `job_ids`, the server that holds or last held each (and rendered it, once ended);
+        for None, the jobs held now (in progress)."""
+        if job_ids is None:
+            return dict(self._read(HELD_NOW))
+        return dict(self._read(HELD_BY, (list(job_ids),))) if job_ids else {}
+
+    def listen(self, on_notice: Callable[[Notice], None], stop: threading.Event) -> None:
+        """The fleet's notices, on a connection of their own (LISTEN), each handed to `on_notice` as it comes, until
+        `stop` is set. A lost connection is opened again (every RECONNECT_GAP_S while the database is down); after
+        such a gap a RECONNECTED notice says that notices may have been missed, so that its receiver looks again."""
+        import psycopg
+
+        db, was_lost = None, False
+        while not stop.is_set():
+            if db is None:
+                try:
+                    db = connect(self._dsn)
+                    for channel in CHANNELS:
+                        db.execute(f"LISTEN {channel}")
+                except (PostgresStoreError, psycopg.Error) as err:
+                    if db is not None:
+                        db.close()
+                        db = None
+                    if not was_lost:
+                        why = err.reason if isinstance(err, PostgresStoreError) else _words(err, self._dsn)
+                        log.warning("job store %s: the fleet's notices cannot be listened to (%s); retrying",
+                                    self.url, why)  # fmt: skip
+                    was_lost = True
+                    stop.wait(RECONNECT_GAP_S)
+                    continue
+                if was_lost:
+                    log.warning("job store %s: listening to the fleet's notices again", self.url)
+                    _hand(on_notice, Notice(NoticeKind.RECONNECTED))
+                was_lost = False
+            try:
+                for n in db.notifies(timeout=LISTEN_WAKE_S):
+                    notice = _notice(n.channel, n.payload)
+                    if notice is not None:
+                        _hand(on_notice, notice)
+            except psycopg.Error as err:
+                log.warning("job store %s: the fleet's notices' connection was lost (%s)", self.url,
+                            _words(err, self._dsn))  # fmt: skip
+                db.close()
+                db, was_lost = None, True
+        if db is not None:
+            db.close()
+
+
+def _stored(row: tuple) -> StoredEvent:
+    return StoredEvent(int(row[0]), row[1], json.loads(row[2]))
+
+
+def _ending_event(changes: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The end event of a job ended in the store (cancelled while queued, failed unread), as a holder's would be."""
+    status = str(changes["status"])
+    return status, {"status": status, "error": changes["error"].model_dump()}
+
+
+def _notice(channel: str, payload: str) -> Notice | None:
+    """A NOTIFY as the notice it is; None for one that is not (logged)."""
+    kind = CHANNELS.get(channel)
+    if kind is NoticeKind.CANCEL:
+        try:
+            body = json.loads(payload)
+            return Notice(kind, str(body["job"]), body.get("server"), body.get("reason"))
+        except (ValueError, KeyError, TypeError):
+            log.warning("a cancel notice that is not one was ignored: %r", payload[:200])
+            return None
+    return Notice(kind, payload) if kind is not None else None
+
+
+def _hand(on_notice: Callable[[Notice], None], notice: Notice) -> None:
+    """A notice to its receiver; the receiver's error is logged, and the listener goes on."""
+    try:
+        on_notice(notice)
+    except Exception:
+        log.exception("a fleet notice (%s, job %s) could not be handled", notice.kind, notice.job_id)
 
 
 def _is_driver_error(err: BaseException) -> bool:
