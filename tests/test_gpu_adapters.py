@@ -75,12 +75,22 @@ def test_adapters_at_run_time_are_plain_without_one_and_near_merged_with_one(dec
     assert np.array_equal(again.frames, got.frames)
 
 
-def test_streamed_blocks_with_adapters_render_as_resident_ones(declaration):
-    profile = Profile.for_device("cuda", execution="eager")
+@pytest.mark.parametrize("linear", ["BF16", "CUTLASS"])
+def test_streamed_blocks_with_adapters_render_as_resident_ones(declaration, linear):
+    """BF16: streamed blocks carry the same delta as resident ones, bit for bit. CUTLASS: resident blocks take the
+    delta into the base's own FP8 GEMM (the wide way), streamed ones beside it (an FP8 down projection, an addmm):
+    without an adapter bit for bit, with one close (far closer than the adapter's own effect)."""
+    profile = Profile.for_device("cuda", execution="eager", linear=linear)
     resident = Engine.load(None, profile, library=declaration.open(TINY_DIT, pin=True))
     placement = Placement(dit_streamed=(0, 1), dit_blocks=2, slots=1)
     streamed = Engine.load(None, profile, placement=placement, library=declaration.open(TINY_DIT, pin=True))
+    plain = resident.render(resident.validate(fields()))
     for chosen in ([("a", 1.0), ("b", 0.5)], []):
         want = resident.render(resident.validate(fields(chosen)))
         got = streamed.render(streamed.validate(fields(chosen)))
-        assert np.array_equal(got.frames, want.frames) and np.array_equal(got.audio, want.audio), chosen
+        if linear == "BF16" or not chosen:
+            assert np.array_equal(got.frames, want.frames) and np.array_equal(got.audio, want.audio), chosen
+            continue
+        diff = np.abs(got.frames.astype(int) - want.frames.astype(int)).mean()
+        moved = np.abs(plain.frames.astype(int) - want.frames.astype(int)).mean()
+        assert diff < moved / 4, (diff, moved)

@@ -23,6 +23,7 @@ Full-rank deltas are refused when the adapters are declared (`AdapterLibrary`): 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,12 +38,16 @@ from h3serve.checkpoint.adapters.library import AdapterLibrary, Catalog, buffer_
 from h3serve.checkpoint.adapters.read import is_block_adaln
 from h3serve.model.dit import is_fp32_name
 
+log = logging.getLogger(__name__)
+
 # A wrapper's buffers: resident on the compute device, never streamed.
 BUFFERS = ("lora_down", "lora_up", "lora_down_q", "lora_down_scale", "wide", "wide_scale")
 # The wide GEMM's rank columns hold h_mj / (s_m c_j), c_j = HEADROOM * |down_j| (smaller only where the up factor's
 # column would leave FP8's range): typical values in the units to tens, far from 448 and from FP8's subnormals. A
 # row whose values would pass 448 anyway is scaled down whole (`LoraLinear.matmul_rows`): nothing saturates.
 HEADROOM = 8.0
+# Below this room (c_j / (HEADROOM |down_j|)), rows' h values near 4 standard deviations pass 448: `activate` warns.
+ROOM_WARNING = 1 / 8
 
 
 class LoraLinear(nn.Module):
@@ -103,27 +108,32 @@ class LoraLinear(nn.Module):
             self.wide[:, self.in_features :].zero_()
 
     @torch.no_grad()
-    def put(self, cols: slice, rows: slice, down: torch.Tensor, up: torch.Tensor) -> None:
+    def put(self, cols: slice, rows: slice, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         """One adapter's delta at rank columns `cols`, output rows `rows`: `down` (rank, in), `up` (rows, rank) in
-        float32, already scaled (alpha / rank times the request's scale)."""
+        float32, already scaled (alpha / rank times the request's scale). Returns the wide way's room for it (a
+        0-d tensor, None elsewhere): 1 where every c_j is HEADROOM |down_j|, less where the up factor's range made it
+        smaller (`RuntimeAdapters.activate` reports it)."""
         if "lora_down" in self._buffers:
             self.lora_down[cols].copy_(down)
             self.lora_up[rows, cols].copy_(up)
         if "lora_down_q" not in self._buffers:
-            return
+            return None
         q, a = quantize_weight(down)  # per rank row: (rank, in) e4m3, (1, rank)
         self.lora_down_q[cols].copy_(q)
         if "lora_down_scale" in self._buffers:
             self.lora_down_scale[:, cols].copy_(a)
-        if self.use_wide:
-            up = up.float()
-            t = self.base.scale[0, rows].float()[:, None]  # the base's column scales of these output rows
-            # c_j: HEADROOM |down_j|, or less where up_nj c_j / t_n would pass 448 (then h's rows scale down instead)
-            fits = (FP8_MAX * t / up.abs().clamp(min=1e-30)).amin(dim=0)
-            c = torch.minimum(down.float().norm(dim=1) * HEADROOM, fits).clamp(min=1e-30)
-            self.wide_scale[:, cols].copy_(a / c)
-            folded = (up * c / t).clamp(-FP8_MAX, FP8_MAX)  # within range by c's choice; the clamp: rounding
-            self.wide[rows, self.in_features + cols.start : self.in_features + cols.stop].copy_(folded.to(FP8))
+        if not self.use_wide:
+            return None
+        up = up.float()
+        t = self.base.scale[0, rows].float()[:, None]  # the base's column scales of these output rows
+        # c_j: HEADROOM |down_j|, or less where up_nj c_j / t_n would pass 448 (then h's rows scale down instead)
+        fits = (FP8_MAX * t / up.abs().clamp(min=1e-30)).amin(dim=0)
+        full = down.float().norm(dim=1).clamp(min=1e-30) * HEADROOM
+        c = torch.minimum(full, fits).clamp(min=1e-30)
+        self.wide_scale[:, cols].copy_(a / c)
+        folded = (up * c / t).clamp(-FP8_MAX, FP8_MAX)  # within range by c's choice; the clamp: rounding
+        self.wide[rows, self.in_features + cols.start : self.in_features + cols.stop].copy_(folded.to(FP8))
+        return (c / full).amin()
 
     def set_applied(self, count: int) -> None:
         """`count` adapters applied from the next forward on (0: none): the width they need."""
@@ -178,6 +188,9 @@ class Activation:
     seconds: float
     read_seconds: float
     switched: bool  # False: the same set as before, nothing copied
+    # The wide GEMM's room (`LoraLinear.put`): 1, or less where an up factor is large beside its base's weights; below
+    # ROOM_WARNING typical rows' h passes FP8's range and those rows are scaled down whole (more error than merged).
+    room: float = 1.0
 
 
 class RuntimeAdapters:
@@ -238,6 +251,7 @@ class RuntimeAdapters:
         for linear in self.linears.values():
             linear.clear()
         filled: dict[str, int] = {}
+        rooms: list[torch.Tensor] = []
         for name, scale in chosen:
             adapter, seconds = self.library.get(name)
             read += seconds
@@ -248,14 +262,24 @@ class RuntimeAdapters:
                 down = d.down.to(self.device, non_blocking=True)
                 # Out of place: on a CPU `.to` returns the library's own tensor.
                 up = d.up.to(self.device, non_blocking=True).to(torch.float32) * (d.scale * scale)
-                linear.put(cols, slice(d.row, d.row + up.shape[0]), down, up)
+                room = linear.put(cols, slice(d.row, d.row + up.shape[0]), down, up)
+                if room is not None:
+                    rooms.append(room)
                 filled[d.target] = first + d.rank
         for linear in self.linears.values():
             linear.set_applied(len(chosen))
+        room = float(torch.stack(rooms).amin()) if rooms else 1.0  # one sync, which the switch needs anyway
         if self.linears and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.chosen = chosen
-        return Activation(chosen, time.perf_counter() - start, read, True)
+        if room < ROOM_WARNING:
+            log.warning(
+                "adapters %s: an up factor is large beside its base's FP8 weights (room %.3f of the wide GEMM's, "
+                "below %.3f): rows whose low-rank projection passes FP8's range are scaled down whole, at more error "
+                "than the adapter merged; merge it (H3_LORA) where that matters",
+                ", ".join(n for n, _ in chosen), room, ROOM_WARNING,
+            )  # fmt: skip
+        return Activation(chosen, time.perf_counter() - start, read, True, room)
 
     @property
     def buffer_bytes(self) -> int:
