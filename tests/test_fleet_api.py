@@ -13,12 +13,7 @@ carried it (H3_HEARTBEAT_S 1800), and by the count of cancels that came by notic
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -30,9 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
+from fleet_fixtures import Restartable, restartable_postgres
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
-from pg_fixtures import _bin, _free_port, _unavailable, fresh_database
+from pg_fixtures import fresh_database
 from s3_fixtures import aws_env, s3_server_fixture  # noqa: F401 (the session's `s3_server`)
 from service_fixtures import live_server, settings, until, wait_status
 
@@ -244,56 +240,10 @@ def test_with_shared_storage_any_server_serves_the_mp4(pg_server, s3_server, tmp
 
 
 # ---- a PostgreSQL restarted under running servers ---------------------------------------------------------------
-@dataclass
-class Restartable:
-    """A PostgreSQL server of this module's own, stopped and started again on the same port by the tests."""
-
-    pgbin: Path
-    home: Path
-    port: int
-    as_postgres: list[str]
-
-    @property
-    def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def run(self, tool: str, *args: Any) -> None:
-        command = [*self.as_postgres, str(self.pgbin / tool), *map(str, args)]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-
-    def start(self) -> None:
-        options = (f"-p {self.port} -k {self.home} -c listen_addresses=127.0.0.1 -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off")  # fmt: skip
-        self.run("pg_ctl", "-D", self.home / "data", "-l", self.home / "log", "-w", "-o", options, "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        """As an operator's restart stops it (fast: every session is ended)."""
-        self.run("pg_ctl", "-D", self.home / "data", "-m", mode, "-w", "stop")
-
-
 @pytest.fixture(scope="module")
 def restartable() -> Iterator[Restartable]:
-    if os.environ.get("H3_TEST_DATABASE_URL"):
-        pytest.skip("a PostgreSQL server of H3_TEST_DATABASE_URL is not this test's to restart")
-    pgbin = _bin()
-    if pgbin is None:
-        _unavailable("PostgreSQL's initdb is not installed: apt-get install -y postgresql")
-    as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    root = Path(tempfile.mkdtemp(prefix="h3test-pgr-"))  # (not tmp_path: the server runs as `postgres`)
-    root.chmod(0o755)
-    home = root / "pg"
-    home.mkdir()
-    if as_postgres:
-        shutil.chown(home, "postgres", "postgres")
-    server = Restartable(pgbin, home, _free_port(), as_postgres)
-    server.run("initdb", "-D", home / "data", "-U", "postgres", "-A", "trust", "--no-sync")
-    server.start()
-    try:
+    with restartable_postgres() as server:
         yield server
-    finally:
-        with contextlib.suppress(subprocess.CalledProcessError):  # (already stopped by a test that failed)
-            server.stop("immediate")
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_restarted_database_is_reconnected_and_nothing_accepted_is_lost(restartable, tmp_path, engines):

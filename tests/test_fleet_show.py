@@ -14,30 +14,23 @@ bounds only end a test that would otherwise hang."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
 
+from fleet_fixtures import Serve, claims, server_env
 from pg_fixtures import fresh_database
 from s3_fixtures import S3Server, s3_server_fixture  # noqa: F401 (the session's `s3_server`)
-from service_fixtures import FormClient, free_port, until
+from service_fixtures import until
 
 JOBS = int(os.environ.get("H3TEST_FLEET_JOBS", "60"))
 NAMES = ("a", "b", "c")
 LEASE_S, HEARTBEAT_S = 2, 0.5  # short leases: a dead server's job moves on within seconds
 PREFIX = "show"
-START_BOUND_S = 180.0  # a `serve` imports torch and builds the tiny model: seconds, more on a busy 2-core machine
 # Six distinct requests (prompt, size, length, seed), each submitted JOBS / 6 times: every copy of one request, on
 # whichever server renders it, is the same bytes.
 REQUESTS = [
@@ -55,70 +48,6 @@ REQUESTS = [
 # A render of a few seconds on a CPU (199 forwards), long enough to be killed in the middle of.
 LONG = {"prompt": "a long kettle", "num_inference_steps": "200", "width": "256", "height": "256", "seed": "11",
         "extra_params": '{"duration": 2.3}'}  # fmt: skip
-
-
-@dataclass
-class Serve:
-    """One `h3serve serve` process on a free loopback port, its log in a file."""
-
-    name: str
-    out: Path
-    env: dict[str, str]
-    port: int = 0
-    process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log(self) -> Path:
-        return self.out.parent / f"{self.name}.log"
-
-    def start(self) -> None:
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "h3serve.cli", "serve", "--output-dir", str(self.out),
-               "--api-port", str(self.port)]  # fmt: skip
-        with self.log.open("ab") as sink:
-            self.process = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=sink)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_BOUND_S
-        while True:
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                if httpx.get(f"{self.url}/health", timeout=5).json()["ready"]:
-                    return
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise AssertionError(f"server {self.name} did not become ready: {self.tail()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no last write; its leases simply stop being renewed."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)  # as a container stop: the jobs it holds go back to the queue
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def client(self) -> httpx.Client:
-        return FormClient(base_url=self.url, timeout=60)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else "(no log)"
-
-    def completed_renders(self) -> int:
-        """The renders this server completed, from its /metrics (async jobs only here: no sync render is sent)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        found = re.search(r'^h3serve_renders_total\{outcome="completed"\} (\S+)$', text, re.MULTILINE)
-        return int(float(found.group(1))) if found else 0
 
 
 @dataclass
@@ -142,22 +71,6 @@ class Fleet:
     def others(self, name: str | None) -> list[Serve]:
         """The running servers other than `name`."""
         return [s for n, s in self.servers.items() if n != name and s.process.poll() is None]
-
-
-def claims(url: str) -> dict[str, tuple[str | None, int]]:
-    """{job id: (holder, generation)} from the claim rows, as a person with psql sees them: the holder of a finished
-    job is the server that rendered it."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as db:
-        return {row[0]: (row[1], row[2]) for row in db.execute("SELECT job_id, server_id, generation FROM job_claims")}
-
-
-def server_env(s3: S3Server, **settings: str) -> dict[str, str]:
-    """The process environment of a server: this one's without H3_* and AWS_* variables, then the S3 server's
-    credentials and `settings`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("H3_", "AWS_"))}
-    return {**env, **s3.env(), "H3_STARTUP_WARMUP": "false", **settings}
 
 
 @pytest.fixture(scope="module")

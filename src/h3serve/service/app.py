@@ -941,6 +941,8 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
         if job.status in ACTIVE:
             return JSONResponse(shown_record(job, scheduler.live(), holders), status_code=202)
         if job.status == JobStatus.CANCELLED:
+            if scheduler.outputs.remote:
+                _drop_object(scheduler, job.id)
             return JSONResponse(shown_record(job, scheduler.live(), holders))
     if scheduler.outputs.remote:
         # The object first, then the record: a DELETE stopped between them (or refused by the bucket: a 503, nothing
@@ -953,6 +955,18 @@ def delete(store: StoreDep, scheduler: SchedulerDep, video_id: str) -> Response:
     store.delete(video_id)
     scheduler.events.forget(video_id)
     return JSONResponse({"id": video_id, "object": "video.deleted", "deleted": True})
+
+
+def _drop_object(scheduler: Scheduler, job_id: str) -> None:
+    """A cancelled fleet job's object, if any: one that a holder killed after its upload completed and before its
+    record was written left under the job's key (the job was then queued again, and cancelled before another server
+    completed it), which no completed record would ever name. A bucket that does not answer now is logged; the record
+    stays `cancelled`, and its DELETE (which removes the job's key whatever its record says) can be sent again."""
+    try:
+        scheduler.outputs.delete(f"{job_id}.mp4")
+    except ObjectsUnavailable as err:
+        log.warning("job %s: cancelled; its key in the output bucket could not be checked for an MP4 a killed holder "
+                    "left (%s): DELETE it again to remove it", job_id, err.reason)  # fmt: skip
 
 
 def shown_record(
