@@ -1,7 +1,8 @@
 """Helpers for the fleet's tests with real processes (tests/test_fleet_show.py, tests/test_fleet_soak.py) and a
 PostgreSQL a test may stop (tests/test_fleet_api.py, tests/test_fleet_soak.py): `Serve`, one `h3serve serve` process
-on a free loopback port; `server_env`, its environment; `claims`, the claim rows as psql shows them; `Restartable`, a
-PostgreSQL server of a module's own (never the session's shared one), stopped and started again on its port."""
+on a free loopback port; `server_env`, its environment; `claims`, the claim rows as psql shows them; `Gated`, a real
+engine whose renders wait at a gate (tests/test_fleet_claims.py too); `Restartable`, a PostgreSQL server of a module's
+own (never the session's shared one), stopped and started again on its port."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +106,36 @@ def claims(url: str) -> dict[str, tuple[str | None, int]]:
 
     with psycopg.connect(url, autocommit=True) as db:
         return {row[0]: (row[1], row[2]) for row in db.execute("SELECT job_id, server_id, generation FROM job_claims")}
+
+
+class Gated:
+    """A real engine behind a gate: `render` waits until the gate opens (its server holds the job it claimed
+    meanwhile) or its render is cancelled, then renders (a cancelled one stops at its first check). `opened`: the
+    gate at the start; `close` makes the next render wait. Everything else is the engine's own."""
+
+    def __init__(self, engine: Any, opened: bool = False):
+        self._engine = engine
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        if opened:
+            self.gate.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        self.gate.clear()
+        self.entered.clear()
+
+    def open(self) -> None:
+        self.gate.set()
+
+    def render(self, request, ctx):
+        self.entered.set()
+        deadline = time.monotonic() + 120  # a bound on the test, not on the code: the test never opened the gate
+        while not self.gate.wait(0.02) and not ctx.cancelled:
+            assert time.monotonic() < deadline, "the test never opened the gate"
+        return self._engine.render(request, ctx)
 
 
 def server_env(s3: S3Server, **settings: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fleet_fixtures import Restartable, restartable_postgres
+from fleet_fixtures import Gated, Restartable, restartable_postgres
 from h3serve.accel.profile import Profile
 from h3serve.pipeline.engine import Engine
 from pg_fixtures import fresh_database
@@ -35,34 +35,6 @@ from service_fixtures import live_server, settings, until, wait_status
 # No heartbeat within a test's time: what a cancel or a lost claim does here, a notice did.
 FAR = {"lease_s": 3600, "heartbeat_s": 1800}
 JOB = {"prompt": "a kettle on a stove", "num_inference_steps": "6", "width": "224", "height": "128", "seed": "3"}
-
-
-class Gated:
-    """A real engine behind a gate: `render` waits until the gate opens (its server holds the job meanwhile) or its
-    render is cancelled, then renders. Open by default; `close` makes the next render wait."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def close(self) -> None:
-        self.gate.clear()
-        self.entered.clear()
-
-    def open(self) -> None:
-        self.gate.set()
-
-    def render(self, request, ctx):
-        self.entered.set()
-        deadline = time.monotonic() + 120
-        while not self.gate.wait(0.02) and not ctx.cancelled:
-            assert time.monotonic() < deadline, "the test never opened the gate"
-        return self._engine.render(request, ctx)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +59,7 @@ class Fleet:
 
 @contextmanager
 def two_servers(url: str, root: Path, engines: list[Engine], **values: Any) -> Iterator[Fleet]:
-    gated = Gated(engines[0])
+    gated = Gated(engines[0], opened=True)
     with ExitStack() as stack:
         sa = settings(root / "a", startup_warmup=False, store=url, server_id="a", preview_min_every=1, **values)
         sb = settings(root / "b", startup_warmup=False, store=url, server_id="b", served_model_name="other-model",

@@ -10,9 +10,6 @@ the next job is known; waits poll what they wait for (`until`)."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fleet_fixtures import Gated, Serve, claims
 from h3serve.accel.profile import Profile
 from h3serve.media.encoding import Encoding
 from h3serve.pipeline.engine import Engine
@@ -34,7 +32,7 @@ from h3serve.service.store import Fleet, LeaseLost, job_record, new_job_id
 from h3serve.service.store.claims import Capabilities, Claim, decode_request, encode_request
 from h3serve.service.store.postgres import PostgresJobStore
 from h3serve.settings import SettingsError, load_settings
-from service_fixtures import FormClient, free_port, live_server, png_bytes, settings, until, wait_status
+from service_fixtures import live_server, png_bytes, settings, until, wait_status
 
 LEASE = {"lease_s": 2, "heartbeat_s": 0.5}  # short leases: a dead server's job moves on within seconds
 JOB = {"prompt": "a kettle on a stove", "num_inference_steps": "2", "width": "224", "height": "128"}
@@ -43,39 +41,10 @@ LONG = {"prompt": "a long kettle", "num_inference_steps": "200", "width": "256",
         "extra_params": '{"duration": 2.3}'}  # fmt: skip
 
 
-class Gated:
-    """A real engine behind a gate: `render` waits until the gate opens (so the server's worker is held busy on the
-    job it claimed) or its render is cancelled, then renders (a cancelled one stops at its first check). Everything
-    else is the engine's own."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-        self.gate = threading.Event()
-        self.entered = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def render(self, request, ctx):
-        self.entered.set()
-        deadline = time.monotonic() + 120
-        while not self.gate.wait(0.02) and not ctx.cancelled:
-            assert time.monotonic() < deadline, "the test never opened the gate"
-        return self._engine.render(request, ctx)
-
-
 @pytest.fixture(scope="module")
 def engines() -> list[Engine]:
     """Three tiny engines, one per server (two servers never share one engine's caches); the same weights."""
     return [Engine.load(None, Profile()) for _ in range(3)]
-
-
-def claims(url: str) -> dict[str, tuple[str | None, int]]:
-    """{job id: (holder, generation)} from the claim rows, as a person with psql sees them."""
-    import psycopg
-
-    with psycopg.connect(url, autocommit=True) as db:
-        return {row[0]: (row[1], row[2]) for row in db.execute("SELECT job_id, server_id, generation FROM job_claims")}
 
 
 def expire(url: str, job_id: str) -> None:
@@ -138,40 +107,23 @@ def test_a_job_submitted_to_one_server_is_claimed_by_whichever_is_free_and_rende
         assert c.get(f"/v1/videos/{jobs[0]}").json()["status"] == "completed"  # every server reads every record
 
 
-def _serve(out: Path, port: int, url: str, log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("H3_")}
-    env.update(H3_STORE=url, H3_SERVER_ID="victim", H3_LEASE_S="2", H3_HEARTBEAT_S="0.5", H3_STARTUP_WARMUP="false")
-    cmd = [sys.executable, "-m", "h3serve.cli", "serve", "--output-dir", str(out), "--api-port", str(port)]
-    with log.open("ab") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sink)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["ready"]:
-                return proc
-        except (httpx.HTTPError, ValueError):
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"the server did not become ready: {log.read_text()[-3000:]}")
-        time.sleep(0.1)
-
-
 def test_a_killed_servers_job_is_claimed_again_after_its_lease_and_its_mp4_is_the_single_server_render(
     pg_url, tmp_path, engines
 ):
-    port = free_port()
-    victim = _serve(tmp_path / "victim", port, pg_url, tmp_path / "victim.log")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("H3_")}
+    env.update(H3_STORE=pg_url, H3_SERVER_ID="victim", H3_LEASE_S="2", H3_HEARTBEAT_S="0.5", H3_STARTUP_WARMUP="false")
+    victim = Serve("victim", tmp_path / "victim", env)
+    victim.start()
     try:
-        with FormClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as c:
+        victim.wait_ready()
+        with victim.client() as c:
             job = c.post("/v1/videos", data=LONG).json()["id"]
             until(lambda: c.get(f"/v1/videos/{job}").json()["progress"] > 0, "the victim rendering the job")
         assert claims(pg_url)[job] == ("victim", 1)
-        victim.send_signal(signal.SIGKILL)  # mid-render: no shutdown, no last write, its lease simply stops
-        victim.wait(30)
+        victim.kill()  # mid-render: no shutdown, no last write, its lease simply stops
     finally:
-        if victim.poll() is None:
-            victim.kill()
+        if victim.running:
+            victim.process.kill()
     s = settings(tmp_path / "heir", startup_warmup=False, store=pg_url, server_id="heir", **LEASE)
     with live_server(s, engines[0]) as heir, heir.client() as c:
         assert c.get(f"/v1/videos/{job}").json()["status"] == "in_progress"  # the dead holder's, until its lease ends

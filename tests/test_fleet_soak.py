@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from fleet_fixtures import Restartable, Serve, claims, restartable_postgres, server_env
+from fleet_fixtures import Gated, Restartable, Serve, claims, restartable_postgres, server_env
 from pg_fixtures import fresh_database
 from s3_fixtures import S3Server, aws_env, s3_server_at, s3_server_fixture  # noqa: F401 (the session's `s3_server`)
 from service_fixtures import FormClient, free_port, live_server, settings, tiny_engine, until
@@ -647,20 +647,6 @@ def test_the_s3_server_down_fails_the_rendering_jobs_serves_nothing_half_written
         f"\nthe bucket stopped under {len(jobs)} jobs: {len(failed)} failed upload_failed, the rest completed; "
         f"{len(again)} jobs after its return completed"
     )
-
-
-class Gated:
-    """A real engine whose renders wait until `gate` is set (its server holds the job meanwhile)."""
-
-    def __init__(self, engine):
-        self._engine, self.gate = engine, threading.Event()
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def render(self, request, ctx):
-        until(lambda: self.gate.is_set() or ctx.cancelled, "the test opening the gate", bound=120)
-        return self._engine.render(request, ctx)
 
 
 def test_a_job_cancelled_after_a_killed_holders_upload_keeps_no_object(pg_url, s3_server, tmp_path):
