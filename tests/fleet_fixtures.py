@@ -108,6 +108,28 @@ def claims(url: str) -> dict[str, tuple[str | None, int]]:
         return {row[0]: (row[1], row[2]) for row in db.execute("SELECT job_id, server_id, generation FROM job_claims")}
 
 
+@contextlib.contextmanager
+def serve_fleet(
+    names: tuple[str, ...], root: Path, s3: S3Server, url: str, bucket: str, prefix: str, **settings: str
+) -> Iterator[tuple[dict[str, Serve], Serve]]:
+    """The fleet's servers (`names`: each its H3_SERVER_ID) on the database at `url` and the bucket's `prefix`, with
+    `settings` (H3_* variables) besides, and one stand-alone server on SQLite (the single-server reference): all
+    started together, then each waited for, and stopped at the end (whichever process each runs then)."""
+    shared = {"H3_STORE": url, "H3_OUTPUT_URL": f"s3://{bucket}/{prefix}", "H3_S3_ENDPOINT": s3.endpoint, **settings}
+    servers = {n: Serve(n, root / n, server_env(s3, H3_SERVER_ID=n, **shared)) for n in names}
+    single = Serve("single", root / "single", server_env(s3))
+    everyone = [*servers.values(), single]
+    try:
+        for s in everyone:
+            s.start()
+        for s in everyone:
+            s.wait_ready()
+        yield servers, single
+    finally:
+        for s in everyone:
+            s.stop()
+
+
 class Gated:
     """A real engine behind a gate: `render` waits until the gate opens (its server holds the job it claimed
     meanwhile) or its render is cancelled, then renders (a cancelled one stops at its first check). `opened`: the

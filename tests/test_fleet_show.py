@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from fleet_fixtures import Serve, claims, server_env
+from fleet_fixtures import Serve, claims, serve_fleet
 from pg_fixtures import fresh_database
 from s3_fixtures import S3Server, s3_server_fixture  # noqa: F401 (the session's `s3_server`)
 from service_fixtures import until
@@ -78,21 +78,10 @@ def fleet(pg_server, s3_server, tmp_path_factory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fleet")
     bucket = s3_server.bucket()
     with fresh_database(pg_server) as url:
-        shared = {"H3_STORE": url, "H3_LEASE_S": str(LEASE_S), "H3_HEARTBEAT_S": str(HEARTBEAT_S),
-                  "H3_OUTPUT_URL": f"s3://{bucket}/{PREFIX}", "H3_S3_ENDPOINT": s3_server.endpoint,
-                  "H3_MAX_QUEUE": str(max(8, JOBS + 4))}  # fmt: skip
-        servers = {n: Serve(n, root / n, server_env(s3_server, H3_SERVER_ID=n, **shared)) for n in NAMES}
-        single = Serve("single", root / "single", server_env(s3_server))
-        everyone = [*servers.values(), single]
-        try:
-            for s in everyone:  # all four start together, then each is waited for
-                s.start()
-            for s in everyone:
-                s.wait_ready()
+        queue = str(max(8, JOBS + 4))
+        settings = {"H3_LEASE_S": str(LEASE_S), "H3_HEARTBEAT_S": str(HEARTBEAT_S), "H3_MAX_QUEUE": queue}
+        with serve_fleet(NAMES, root, s3_server, url, bucket, PREFIX, **settings) as (servers, single):
             yield Fleet(url, s3_server, bucket, servers, single, {})
-        finally:
-            for s in everyone:
-                s.stop()
 
 
 def test_jobs_submitted_round_robin_each_fetched_through_another_server_are_the_single_server_renders(fleet):
